@@ -1,0 +1,5 @@
+"""``python -m modelpar`` is the same as the ``modelpar`` command."""
+
+from modelpar.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""The ``modelpar`` command: one subcommand per module in ``modelpar.commands``.
+
+Each command module defines ``register(subparsers)``, which adds its parser and sets
+``func`` to a callable taking the parsed arguments and returning an exit code. Command modules
+import heavy libraries (torch, matplotlib) inside ``func`` only, so ``modelpar simulate`` and
+``modelpar plan`` start without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand name -> module that registers it.
+COMMANDS: dict[str, str] = {
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelpar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in COMMANDS.values():
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as err:  # bad input: one line, exit code 2, no traceback
+        print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""A pipeline schedule as data: the stage -> device map and one ordered action list per device.
+
+Generators produce it, the simulator times it, the runtime executes it and the renderers draw
+it. Communication is not written into it: it follows from dependencies that cross devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from modelpar._validate import check_int
+from modelpar.schedules.action import Action, Kind
+
+
+def contiguous_map(num_devices: int) -> tuple[int, ...]:
+    """Stage s on device s: one stage per device."""
+    return tuple(range(check_int("num_devices", num_devices, minimum=1)))
+
+
+def loop_map(num_devices: int, chunks: int) -> tuple[int, ...]:
+    """Megatron's interleaved ("loop") placement: device d holds stages d, d + K, d + 2K, ..."""
+    k = check_int("num_devices", num_devices, minimum=1)
+    v = check_int("chunks", chunks, minimum=1)
+    return tuple(s % k for s in range(k * v))
+
+
+def v_map(num_devices: int) -> tuple[int, ...]:
+    """The "V" placement of zero-bubble V schedules: device d holds stages d and 2K - 1 - d."""
+    k = check_int("num_devices", num_devices, minimum=1)
+    return tuple(range(k)) + tuple(reversed(range(k)))
+
+
+@dataclass(frozen=True, eq=True)
+class Schedule:
+    """Ordered actions per device, with virtual stage ``s`` living on ``stage_to_device[s]``."""
+
+    stage_to_device: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_to_device", tuple(self.stage_to_device))
+        object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
+        if not self.actions:
+            raise ValueError("a schedule needs at least one device, got 0 action lists")
+        for s, d in enumerate(self.stage_to_device):
+            if not 0 <= d < len(self.actions):
+                raise ValueError(
+                    f"stage {s} is mapped to device {d}, but devices are 0..{len(self.actions) - 1}"
+                )
+
+    # --- shape -----------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of virtual stages (K · v with interleaving)."""
+        return len(self.stage_to_device)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per device (v): 1 unless interleaved."""
+        return max(1, self.num_stages // self.num_devices)
+
+    @cached_property
+    def num_microbatches(self) -> int:
+        return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
+
+    @cached_property
+    def split_backward(self) -> bool:
+        """True when the backward is split into I (input gradient) and W (weight gradient)."""
+        return any(a.kind in (Kind.I, Kind.W) for acts in self.actions for a in acts)
+
+    def device_of(self, stage: int) -> int:
+        return self.stage_to_device[stage]
+
+    def stages_on(self, device: int) -> list[int]:
+        """The virtual stages device ``device`` holds, in model order."""
+        return [s for s, d in enumerate(self.stage_to_device) if d == device]
+
+    # --- dependencies ------------------------------------------------------------------------
+    def dependencies(self, action: Action) -> list[Action]:
+        """Actions that must finish before ``action`` can start (same device or across)."""
+        s, m, last = action.stage, action.microbatch, self.num_stages - 1
+        if action.kind is Kind.F:
+            return [Action(s - 1, Kind.F, m)] if s > 0 else []
+        if action.kind is Kind.W:
+            return [Action(s, Kind.I, m)]
+        grad_kind = Kind.I if self.split_backward else Kind.B
+        deps = [Action(s, Kind.F, m)]
+        if s < last:
+            deps.append(Action(s + 1, grad_kind, m))
+        return deps
+
+    def is_transfer(self, producer: Action, consumer: Action) -> bool:
+        """True when ``consumer`` depends on ``producer`` across devices (a send/recv)."""
+        return self.device_of(producer.stage) != self.device_of(consumer.stage)
+
+    # --- text form ---------------------------------------------------------------------------
+    def to_text(self) -> str:
+        """One line per device, actions separated by spaces: ``0F0 0F1 0B0 ...``."""
+        return "\n".join(" ".join(str(a) for a in acts) for acts in self.actions)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    @classmethod
+    def from_text(cls, text: str, name: str = "") -> Schedule:
+        """Parse the text form; each stage's device is the line its actions appear on.
+
+        Blank lines and ``#`` comments are skipped; a line may start with ``device N:``.
+        """
+        lines: list[list[Action]] = []
+        for raw in text.splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if ":" in line:
+                line = line.split(":", 1)[1]
+            lines.append([Action.parse(tok) for tok in line.replace(",", " ").split()])
+        return cls.from_actions(lines, name=name)
+
+    @classmethod
+    def from_actions(cls, per_device: Sequence[Iterable[Action]], name: str = "") -> Schedule:
+        """Build a schedule from action lists, inferring the stage -> device map from them."""
+        per_device = [list(acts) for acts in per_device]
+        owner: dict[int, int] = {}
+        for d, acts in enumerate(per_device):
+            for a in acts:
+                if owner.setdefault(a.stage, d) != d:
+                    raise ValueError(
+                        f"stage {a.stage} appears on device {owner[a.stage]} and device {d} "
+                        f"(action {a}); a stage lives on exactly one device"
+                    )
+        num_stages = 1 + max(owner, default=-1)
+        missing = [s for s in range(num_stages) if s not in owner]
+        if missing:
+            raise ValueError(f"stages {missing} have no actions; stages must be 0..{num_stages - 1}")
+        return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_device)), name)
+
+    def validate(self) -> Schedule:
+        """Check completeness, per-device order and freedom from deadlock; return self."""
+        from modelpar.schedules.validate import validate_schedule
+
+        validate_schedule(self)
+        return self
