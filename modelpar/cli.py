@@ -14,6 +14,7 @@ import sys
 
 # Subcommand name -> module that registers it.
 COMMANDS: dict[str, str] = {
+    "bench": "modelpar.commands.bench",
 }
 
 

@@ -1,0 +1,1 @@
+"""Pipeline execution with torch: the threaded ``Pipe`` (one process) and the multi-process runtime."""
