@@ -1,0 +1,23 @@
+"""Process start-up (local processes or torchrun) and the (pp, dp, tp) process grid."""
+
+from modelpar.distributed.launch import (
+    LocalCluster,
+    RankError,
+    free_port,
+    init_from_env,
+    is_torchrun,
+    launch,
+)
+from modelpar.distributed.mesh import ParallelDims, coordinates, rank_groups
+
+__all__ = [
+    "LocalCluster",
+    "ParallelDims",
+    "RankError",
+    "coordinates",
+    "free_port",
+    "init_from_env",
+    "is_torchrun",
+    "launch",
+    "rank_groups",
+]

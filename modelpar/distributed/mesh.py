@@ -1,0 +1,81 @@
+"""Process groups for 3D parallelism: one grid of ranks, (pp, dp, tp), tensor-parallel innermost.
+
+Rank layout (picotron / Megatron): ``rank = (pp_index * dp + dp_index) * tp + tp_index``, i.e.
+``torch.arange(world).view(pp, dp, tp)``. Tensor-parallel groups are runs of ``tp`` consecutive
+ranks, so with ``tp`` ≤ GPUs per node they stay inside one machine (NVLink); pipeline stages are
+the slowest-varying index and cross machines (point-to-point, little traffic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from modelpar._validate import check_int
+
+__all__ = ["ParallelDims", "rank_groups", "coordinates"]
+
+DIM_NAMES = ("pp", "dp", "tp")
+
+
+def coordinates(rank: int, pp: int, dp: int, tp: int) -> dict[str, int]:
+    """The (pp, dp, tp) indices of ``rank`` in the grid: the inverse of the layout above."""
+    return {"pp": rank // (dp * tp), "dp": rank // tp % dp, "tp": rank % tp}
+
+
+def rank_groups(pp: int = 1, dp: int = 1, tp: int = 1) -> dict[str, list[list[int]]]:
+    """All rank groups along each dimension of the (pp, dp, tp) grid.
+
+    A group along dimension X holds the ranks whose other two indices are equal. Example
+    pp = dp = tp = 2: tp groups [[0,1],[2,3],[4,5],[6,7]], dp [[0,2],[1,3],[4,6],[5,7]],
+    pp [[0,4],[1,5],[2,6],[3,7]].
+    """
+    sizes = {"pp": check_int("pp", pp, minimum=1), "dp": check_int("dp", dp, minimum=1),
+             "tp": check_int("tp", tp, minimum=1)}
+    world = pp * dp * tp
+    groups: dict[str, list[list[int]]] = {}
+    for dim in DIM_NAMES:
+        by_rest: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(world):
+            c = coordinates(rank, pp, dp, tp)
+            key = tuple(c[d] for d in DIM_NAMES if d != dim)
+            by_rest.setdefault(key, []).append(rank)
+        groups[dim] = sorted(by_rest.values())
+    assert all(len(g) == sizes[d] for d, gs in groups.items() for g in gs)
+    return groups
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated (pp, dp, tp) sizes; ``build_mesh`` turns them into a torch DeviceMesh."""
+
+    pp: int = 1  # pipeline-parallel stages
+    dp: int = 1  # data-parallel replicas
+    tp: int = 1  # tensor-parallel shards
+
+    def __post_init__(self) -> None:
+        for name in DIM_NAMES:
+            check_int(name, getattr(self, name), minimum=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ValueError unless t·p·d equals the number of processes."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"tp * pp * dp = {self.tp} * {self.pp} * {self.dp} = {self.world_size} must equal "
+                f"the number of processes (world size {world_size})"
+            )
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        return coordinates(rank, self.pp, self.dp, self.tp)
+
+    def build_mesh(self, device_type: str = "cpu") -> Any:
+        """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.check_world(dist.get_world_size())
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES)

@@ -1,0 +1,102 @@
+"""The process helper and the (pp, dp, tp) grid, on real gloo processes."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modelpar.distributed import LocalCluster, ParallelDims, RankError, coordinates, launch, rank_groups
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(4, timeout=30) as c:
+        yield c
+
+
+def _rank_and_sum():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on(rank):
+    if dist.get_rank() == rank:
+        raise KeyError(f"boom on {rank}")
+    dist.barrier()  # the others wait in a collective the failed rank never joins
+    return "unreachable"
+
+
+def _die_on(rank):
+    if dist.get_rank() == rank:
+        os._exit(7)
+    time.sleep(60)
+
+
+def _hang_on(rank):
+    if dist.get_rank() == rank:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+def _mesh_groups(pp, dp, tp):
+    mesh = ParallelDims(pp=pp, dp=dp, tp=tp).build_mesh("cpu")
+    return {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in ("pp", "dp", "tp")}
+
+
+def test_results_in_rank_order_and_collectives_work(cluster):
+    assert cluster.run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
+
+
+def test_child_exception_reraised_with_rank_and_type(cluster):
+    with pytest.raises(KeyError, match=r"\[rank 2\] .*boom on 2") as info:
+        cluster.run(_fail_on, 2)
+    assert info.value.rank == 2
+    assert "_fail_on" in str(info.value.__cause__)  # the child's traceback is chained
+    assert cluster.run(_rank_and_sum)[3] == (3, 10.0)  # restarted for the next run
+
+
+def test_dead_rank_ends_the_group(cluster):
+    with pytest.raises(RankError, match=r"rank 1 died \(exit code 7\)"):
+        cluster.run(_die_on, 1)
+
+
+def test_hung_rank_ends_the_group_within_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within timeout=3 s"):
+        launch(_hang_on, 2, 0, timeout=3)
+    assert time.monotonic() - start < 20
+
+
+def test_device_mesh_matches_the_pure_function(cluster):
+    groups = rank_groups(pp=2, dp=1, tp=2)
+    for rank, got in enumerate(cluster.run(_mesh_groups, 2, 1, 2)):
+        for dim in ("pp", "dp", "tp"):
+            assert got[dim] in groups[dim] and rank in got[dim]
+
+
+def test_rank_groups_hand_checked():
+    g = rank_groups(pp=2, dp=2, tp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert coordinates(5, 2, 2, 2) == {"pp": 1, "dp": 0, "tp": 1}
+
+
+@pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (3, 1, 2), (2, 4, 1), (4, 3, 2)])
+def test_rank_groups_partition_the_world(pp, dp, tp):
+    world = pp * dp * tp
+    for dim, size in (("pp", pp), ("dp", dp), ("tp", tp)):
+        groups = rank_groups(pp=pp, dp=dp, tp=tp)[dim]
+        assert sorted(r for g in groups for r in g) == list(range(world))
+        assert all(len(g) == size for g in groups)
+    assert [coordinates(r, pp, dp, tp)["tp"] for r in range(tp)] == list(range(tp))
+
+
+def test_bad_dims_name_the_argument():
+    with pytest.raises(ValueError, match="tp must be >= 1, got 0"):
+        ParallelDims(tp=0)
+    with pytest.raises(ValueError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 must equal .*world size 3"):
+        ParallelDims(pp=2, tp=2).check_world(3)
