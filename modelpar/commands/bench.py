@@ -7,6 +7,7 @@ import importlib
 
 # Bench name -> module defining ``register(subparsers)`` like a top-level command.
 BENCHES: dict[str, str] = {
+    "microbatch": "modelpar.commands.bench_microbatch",
 }
 
 

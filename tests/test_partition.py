@@ -1,0 +1,106 @@
+"""Partitioning an nn.Sequential into balanced stages: exact min-max cuts, by size and by time."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from modelpar.pipeline import balance_by_cost, balance_by_size, balance_by_time, layer_times, split_sequential
+
+
+def stage_costs(costs, balance):
+    edges = list(itertools.accumulate([0, *balance]))
+    return [sum(costs[a:b]) for a, b in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize(
+    ("costs", "k", "expected"),
+    [
+        ([1, 1, 1, 1], 2, [2, 2]),
+        ([4, 1, 1, 1, 1], 2, [1, 4]),
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, [5, 2, 2]),  # stage costs 15, 13, 17: the only cut with max 17
+        ([5, 0, 5, 0, 5, 0, 5, 0], 2, [4, 4]),  # ReLUs weigh nothing: ties keep layer counts even
+        ([3, 1, 2], 3, [1, 1, 1]),
+        ([7], 1, [1]),
+    ],
+)
+def test_hand_checked_cuts(costs, k, expected):
+    assert balance_by_cost(costs, k) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(1, 8))
+def test_cut_is_optimal_against_brute_force(costs, k):
+    k = min(k, len(costs))
+    balance = balance_by_cost(costs, k)
+    assert len(balance) == k and sum(balance) == len(costs) and min(balance) >= 1
+    best = min(max(stage_costs(costs, [b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))]))
+               for cuts in itertools.combinations(range(1, len(costs)), k - 1))
+    assert max(stage_costs(costs, balance)) == best
+
+
+def test_balance_by_size_counts_parameters():
+    seq = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 100), nn.ReLU())
+    assert balance_by_size(seq, 2) == [4, 2]  # 110 + 110 params | 1100 params
+    assert balance_by_size(seq, 6) == [1] * 6
+
+
+class Sleep(nn.Module):
+    """A layer whose forward takes at least ``seconds``: its measured cost is known from below."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x * 1.0
+
+
+def test_balance_by_time_isolates_the_slow_layer():
+    seq = nn.Sequential(Sleep(0.01), Sleep(0.01), Sleep(0.04))
+    sample = torch.randn(2, 3)
+    times = layer_times(seq, sample, repeats=2)
+    assert len(times) == 3 and times[2] >= 0.04 and min(times) >= 0.01
+    assert balance_by_time(seq, sample, 2, repeats=2) == [2, 1]
+
+
+def test_layer_times_runs_backward_and_leaves_no_gradients():
+    seq = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    times = layer_times(seq, torch.randn(5, 3), repeats=1)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert all(p.grad is None for p in seq.parameters())
+
+
+def test_split_sequential_keeps_the_layers_and_their_order():
+    layers = [nn.Linear(2, 2) for _ in range(5)]
+    stages = split_sequential(nn.Sequential(*layers), [2, 1, 2])
+    assert [list(s) for s in stages] == [layers[:2], layers[2:3], layers[3:]]
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(stages[2](stages[1](stages[0](x))), nn.Sequential(*layers)(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: balance_by_cost([1, 2, 3], 4), r"partitions \(4\) must be <= the number of layers \(3\)"),
+        (lambda: balance_by_cost([1, 2], 0), "partitions must be >= 1, got 0"),
+        (lambda: balance_by_cost([], 1), "costs must hold at least one layer"),
+        (lambda: balance_by_cost([1, -2], 1), "costs must be >= 0"),
+        (lambda: balance_by_cost([1, float("nan")], 1), "costs must be >= 0"),
+        (lambda: balance_by_size(nn.Sequential(nn.ReLU()), 2), r"partitions \(2\) must be <= the number of layers \(1\)"),
+        (lambda: balance_by_size(nn.Linear(2, 2), 1), "module must be an nn.Sequential, got Linear"),
+        (lambda: split_sequential(nn.Sequential(nn.ReLU()), [0, 1]), r"balance\[0\] must be >= 1, got 0"),
+        (lambda: split_sequential(nn.Sequential(nn.ReLU()), []), "balance must be a non-empty list"),
+        (lambda: layer_times(nn.Sequential(nn.ReLU()), [1.0]), "sample must be a tensor, got list"),
+    ],
+)
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
