@@ -14,6 +14,7 @@ from modelpar.schedules.generators import (
     zb_h1,
 )
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
+from modelpar.schedules.table import schedule_table
 from modelpar.schedules.validate import validate_schedule
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "loop_map",
     "naive",
     "one_f_one_b",
+    "schedule_table",
     "single_device",
     "v_map",
     "validate_schedule",

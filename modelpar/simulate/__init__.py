@@ -1,0 +1,26 @@
+"""The schedule simulator (pure Python, no torch): costs -> timeline -> metrics and drawings."""
+
+from modelpar.simulate.closed_form import (
+    gpipe_bubble,
+    interleaved_bubble_ratio,
+    min_microbatches_for_bubble,
+    one_f_one_b_bubble_time,
+    pipeline_speedup,
+    zb_h1_bubble_time,
+)
+from modelpar.simulate.costs import Costs
+from modelpar.simulate.simulator import simulate
+from modelpar.simulate.timeline import Event, Timeline
+
+__all__ = [
+    "Costs",
+    "Event",
+    "Timeline",
+    "gpipe_bubble",
+    "interleaved_bubble_ratio",
+    "min_microbatches_for_bubble",
+    "one_f_one_b_bubble_time",
+    "pipeline_speedup",
+    "simulate",
+    "zb_h1_bubble_time",
+]

@@ -1,0 +1,98 @@
+"""Text tables of simulated schedules: a metrics table and the bubble-vs-M sweep of §2.3, §4.1–4.2."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from modelpar.schedules.generators import get_schedule
+from modelpar.simulate.costs import Costs
+from modelpar.simulate.simulator import simulate
+from modelpar.simulate.timeline import Timeline
+
+__all__ = ["headline", "label", "metrics_table", "sweep", "sweep_table"]
+
+
+def label(name: str, chunks: int = 1) -> str:
+    """``interleaved (v=2)`` for interleaved schedules, the plain name otherwise."""
+    return f"{name} (v={chunks})" if name == "interleaved" else name
+
+
+def headline(timeline: Timeline) -> str:
+    """One line above a chart: name, K, M, step time, bubble, peak held microbatches."""
+    peaks = ", ".join(f"{p:g}" for p in timeline.peak_activations)
+    v = f", v = {timeline.chunks}" if timeline.chunks > 1 else ""
+    return (
+        f"{timeline.name or 'schedule'} (K = {timeline.num_devices}, "
+        f"M = {timeline.num_microbatches}{v}): step {timeline.step_time:g} units, bubble "
+        f"{timeline.bubble:.1%}, peak held microbatches per device [{peaks}]"
+    )
+
+
+def metrics_table(timelines: Sequence[Timeline]) -> str:
+    """One row per timeline: step time, bubble, peak held activations, transfers, speed-up."""
+    header = ("schedule", "K", "M", "v", "step", "bubble", "peak held per device", "transfers", "speed-up")
+    rows = [header]
+    for t in timelines:
+        rows.append((
+            label(t.name or "schedule", t.chunks),
+            str(t.num_devices),
+            str(t.num_microbatches),
+            str(t.chunks),
+            f"{t.step_time:.4g}",
+            f"{t.bubble:.1%}",
+            "[" + ", ".join(f"{p:g}" for p in t.peak_activations) + "]",
+            str(t.transfers),
+            f"{t.speedup:.2f}x",
+        ))
+    return _format(rows)
+
+
+def _specs(schedules: Sequence[str | tuple[str, int]], chunks: int) -> list[tuple[str, int]]:
+    """Names to (name, v): a bare "interleaved" gets ``chunks``, the others v = 1."""
+    return [
+        s if isinstance(s, tuple) else (s, chunks if s == "interleaved" else 1) for s in schedules
+    ]
+
+
+def sweep(
+    schedules: Sequence[str | tuple[str, int]],
+    stages: int,
+    microbatches: Sequence[int],
+    costs: Costs,
+    chunks: int = 2,
+) -> dict[tuple[str, int, int], float | None]:
+    """Bubble (idle / total) at each (name, v, M); None where M is not a multiple of K (interleaved)."""
+    out: dict[tuple[str, int, int], float | None] = {}
+    for name, v in _specs(schedules, chunks):
+        for m in microbatches:
+            if name == "interleaved" and v > 1 and m % stages:
+                out[name, v, m] = None
+            else:
+                out[name, v, m] = simulate(get_schedule(name, stages, m, v), costs).bubble
+    return out
+
+
+def sweep_table(
+    schedules: Sequence[str | tuple[str, int]],
+    stages: int,
+    microbatches: Sequence[int],
+    costs: Sequence[Costs] = (Costs(),),
+    chunks: int = 2,
+) -> str:
+    """Bubble vs M, one block per cost setting (e.g. without / with transfer), one column per schedule."""
+    specs = _specs(schedules, chunks)
+    blocks = [f"Bubble (idle / total) vs microbatches M, K = {stages}"]
+    for c in costs:
+        res = sweep(specs, stages, microbatches, c)
+        rows = [("M",) + tuple(label(n, v) for n, v in specs)]
+        for m in microbatches:
+            cells = ["-" if res[n, v, m] is None else f"{res[n, v, m]:.1%}" for n, v in specs]
+            rows.append((str(m), *cells))
+        blocks.append(f"transfer {c.transfer:g} (units of one stage's forward):\n" + _format(rows))
+    return "\n".join(blocks)
+
+
+def _format(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,21 @@
+"""Time a schedule: every device runs its list in order, each action as soon as its inputs arrive."""
+
+from __future__ import annotations
+
+from modelpar.schedules.execute import execute
+from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.costs import Costs
+from modelpar.simulate.timeline import Timeline
+
+__all__ = ["simulate"]
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Return the timeline of ``schedule`` under ``costs`` (default: F = 1, B = 2, no transfer).
+
+    Validates as it goes (the same linear pass): an incomplete, misordered or deadlocking
+    schedule raises ValueError naming the first offending action. Linear in the number of actions.
+    """
+    costs = costs or Costs()
+    starts, ends = execute(schedule, costs.durations(schedule), costs.transfer_in(schedule))
+    return Timeline.from_columns(schedule, starts, ends)

@@ -1,0 +1,184 @@
+"""A timeline: (device, action, start, end) events, simulated or measured, and its metrics.
+
+Metrics (all derived, nothing stored twice):
+- step time: from the first start to the last end;
+- bubble: idle / total, overall (sum over devices) and per device;
+- peak held activations per device, in microbatch × whole-stage units (an interleaved chunk is
+  1/v of a stage): a microbatch is held from its F until its B (or, split, its I) — the
+  zero-bubble paper's in-flight count; ``peak_until_w`` also keeps it until W;
+- transfers: cross-device dependencies (one activation forward, one gradient back per boundary);
+- speed-up: the same work done back to back on one device, divided by the step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import cached_property
+from typing import NamedTuple
+
+from modelpar._validate import check_int
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["Event", "Timeline"]
+
+
+class Event(NamedTuple):
+    """Device ``device`` ran ``action`` from ``start`` to ``end``."""
+
+    device: int
+    action: Action
+    start: float
+    end: float
+
+
+class Timeline:
+    """Events per device plus metrics; build it from simulated or measured events.
+
+    Times are shifted so that the earliest start is 0 (measured clocks start anywhere).
+    """
+
+    def __init__(self, events: Iterable[Event | tuple], num_devices: int, schedule: Schedule | None = None):
+        d_count = check_int("num_devices", num_devices, minimum=1)
+        rows: list[list[Event]] = [[] for _ in range(d_count)]
+        for raw in events:
+            e = Event(*raw)
+            if not 0 <= e.device < d_count:
+                raise ValueError(f"event device must be in 0..{d_count - 1}, got {e.device} ({e.action})")
+            if not e.end >= e.start:
+                raise ValueError(f"event end must be >= start, got {e.action} from {e.start} to {e.end}")
+            rows[e.device].append(e)
+        rows = [sorted(r, key=lambda e: (e.start, e.end)) for r in rows]
+        t0 = min((r[0].start for r in rows if r), default=0.0)
+        self._init(
+            [[e.action for e in r] for r in rows],
+            [[e.start - t0 for e in r] for r in rows],
+            [[e.end - t0 for e in r] for r in rows],
+            schedule,
+        )
+
+    def _init(self, actions, starts, ends, schedule) -> None:
+        self.actions: list[list[Action]] = [list(a) for a in actions]
+        self.starts: list[list[float]] = starts
+        self.ends: list[list[float]] = ends
+        self.schedule = schedule
+
+    @classmethod
+    def from_columns(
+        cls, schedule: Schedule, starts: list[list[float]], ends: list[list[float]]
+    ) -> Timeline:
+        """Fast path for the simulator: times aligned with ``schedule.actions``, already from 0."""
+        self = cls.__new__(cls)
+        self._init(schedule.actions, starts, ends, schedule)
+        return self
+
+    # --- shape ---------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return len(self.actions)
+
+    @property
+    def name(self) -> str:
+        return self.schedule.name if self.schedule is not None else ""
+
+    @cached_property
+    def stage_to_device(self) -> tuple[int, ...]:
+        if self.schedule is not None:
+            return self.schedule.stage_to_device
+        owner = {a.stage: d for d, acts in enumerate(self.actions) for a in acts}
+        return tuple(owner.get(s, 0) for s in range(1 + max(owner, default=-1)))
+
+    @property
+    def chunks(self) -> int:
+        """v: virtual stages per device (1 unless interleaved)."""
+        return max(1, len(self.stage_to_device) // self.num_devices)
+
+    @cached_property
+    def num_microbatches(self) -> int:
+        return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
+
+    @property
+    def events(self) -> list[Event]:
+        """All events, device by device, in start order."""
+        return [
+            Event(d, a, s, e)
+            for d in range(self.num_devices)
+            for a, s, e in zip(self.actions[d], self.starts[d], self.ends[d])
+        ]
+
+    # --- metrics -------------------------------------------------------------------------------
+    @cached_property
+    def step_time(self) -> float:
+        return max((max(e) for e in self.ends if e), default=0.0)
+
+    @cached_property
+    def busy(self) -> list[float]:
+        """Time each device spends computing."""
+        return [sum(e) - sum(s) for s, e in zip(self.starts, self.ends)]
+
+    @property
+    def idle(self) -> list[float]:
+        """Bubble time of each device: step time minus busy time."""
+        return [self.step_time - b for b in self.busy]
+
+    @property
+    def bubble_per_device(self) -> list[float]:
+        """Idle / total for each device."""
+        t = self.step_time
+        return [1 - b / t if t else 0.0 for b in self.busy]
+
+    @property
+    def bubble(self) -> float:
+        """Idle / total over all devices: 1 - sum(busy) / (devices × step time)."""
+        t = self.step_time
+        return 1 - sum(self.busy) / (t * self.num_devices) if t else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Throughput relative to one device doing all the same work back to back."""
+        return sum(self.busy) / self.step_time if self.step_time else 0.0
+
+    @cached_property
+    def peak_activations(self) -> list[float]:
+        """Per device: the most microbatch × whole-stage activations held (F until B or I)."""
+        return self._peaks(release=(Kind.B, Kind.I))
+
+    @cached_property
+    def peak_until_w(self) -> list[float]:
+        """As ``peak_activations`` but a split backward frees the activations only after W."""
+        return self._peaks(release=(Kind.B, Kind.W))
+
+    def _peaks(self, release: tuple[Kind, Kind]) -> list[float]:
+        w = 1 / self.chunks
+        f, r0, r1 = Kind.F, *release
+        peaks = []
+        for acts in self.actions:
+            held = peak = 0
+            for a in acts:
+                k = a.kind
+                if k is f:
+                    held += 1
+                    if held > peak:
+                        peak = held
+                elif k is r0 or k is r1:
+                    held -= 1
+            peaks.append(peak * w)
+        return peaks
+
+    @cached_property
+    def transfers(self) -> int:
+        """Cross-device dependencies: per crossing boundary, M activations forward, M gradients back."""
+        dev = self.stage_to_device
+        crossings = sum(dev[s] != dev[s - 1] for s in range(1, len(dev)))
+        return 2 * self.num_microbatches * crossings
+
+    def metrics(self) -> dict[str, object]:
+        """The metrics as plain numbers (what ``modelpar simulate --json`` prints)."""
+        return {
+            "step_time": self.step_time,
+            "bubble": self.bubble,
+            "bubble_per_device": self.bubble_per_device,
+            "peak_activations": self.peak_activations,
+            "transfers": self.transfers,
+            "speedup": self.speedup,
+        }
