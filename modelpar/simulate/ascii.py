@@ -35,14 +35,12 @@ def ascii_chart(timeline: Timeline, unit: float | None = None, label: str = "Dev
     digits = len(str(max(timeline.num_microbatches - 1, 0)))
     width = 1 + digits
     n_cells = round(timeline.step_time / u)
-    chunk_of = _chunk_index(timeline)
     name_w = len(str(timeline.num_devices - 1))
     lines = []
     for d in range(timeline.num_devices):
         cells = [IDLE * width] * n_cells
         for a, s, e in zip(timeline.actions[d], timeline.starts[d], timeline.ends[d]):
-            letter = a.kind.value if chunk_of[a.stage] % 2 == 0 else a.kind.value.lower()
-            token = f"{letter}{a.microbatch:0{digits}d}"
+            token = timeline.token(a, digits)
             c0, c1 = round(s / u), round(e / u)
             for c in range(c0, max(c1, c0 + (e > s))):
                 if c < n_cells:
@@ -50,12 +48,3 @@ def ascii_chart(timeline: Timeline, unit: float | None = None, label: str = "Dev
         lines.append(f"{label} {d:<{name_w}} |{''.join(cells)}|")
     return "\n".join(lines)
 
-
-def _chunk_index(timeline: Timeline) -> dict[int, int]:
-    """Stage -> which of its device's chunks it is (0 for the first, 1 for the second, ...)."""
-    seen: dict[int, int] = {}
-    index: dict[int, int] = {}
-    for s, d in enumerate(timeline.stage_to_device):
-        index[s] = seen.get(d, 0)
-        seen[d] = index[s] + 1
-    return index

@@ -94,6 +94,21 @@ class Timeline:
         return max(1, len(self.stage_to_device) // self.num_devices)
 
     @cached_property
+    def chunk_of(self) -> list[int]:
+        """Stage -> which of its device's chunks it is (0 for the device's first stage, 1, ...)."""
+        seen: dict[int, int] = {}
+        out = []
+        for d in self.stage_to_device:
+            out.append(seen.get(d, 0))
+            seen[d] = out[-1] + 1
+        return out
+
+    def token(self, action: Action, digits: int = 1) -> str:
+        """Short label as drawn: ``F3``; lower case (``f3``) for a device's odd-numbered chunks."""
+        letter = action.kind.value if self.chunk_of[action.stage] % 2 == 0 else action.kind.value.lower()
+        return f"{letter}{action.microbatch:0{digits}d}"
+
+    @cached_property
     def num_microbatches(self) -> int:
         return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
 

@@ -1,0 +1,174 @@
+"""``modelpar simulate``: draw and compare pipeline schedules (pure Python: never imports torch).
+
+No arguments: GPipe vs 1F1B vs interleaved (v = 2) vs ZB-H1 for K = 4, M = 8, charts and a
+metrics table. ``--from FILE`` times a hand-written schedule; ``--sweep`` prints the bubble vs
+M tables of §2.3 and §4.1–4.2 without and with transfer cost; ``--json`` is for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from modelpar._validate import check_int, check_number
+
+DEFAULT_COMPARE = ("gpipe", "1f1b", "interleaved", "zb-h1")
+MAX_CHART_CELLS = 160  # wider charts are skipped in the terminal (use --png/--svg)
+MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes and gigabytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from modelpar.schedules.generators import SCHEDULES
+
+    p = subparsers.add_parser(
+        "simulate", help="simulate, draw and compare pipeline schedules",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--schedule", action="append", metavar="NAME",
+                   help=f"one of {{{', '.join(SCHEDULES)}}}; repeat to compare (default: "
+                        f"{', '.join(DEFAULT_COMPARE)})")
+    p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
+    p.add_argument("--microbatches", default="8", metavar="M", help="microbatches per step (default 8)")
+    p.add_argument("--chunks", default="2", metavar="V", help="chunks per device, interleaved only (default 2)")
+    p.add_argument("--transfer", default="0", metavar="T",
+                   help="time of one cross-device transfer, in forward units (default 0)")
+    p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
+    p.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device")
+    p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
+                   help="print the bubble vs M table, without and with transfer cost")
+    p.add_argument("--table", action="store_true", help="also print the step x device table")
+    p.add_argument("--unit", metavar="U", help="time per chart cell (default: the coarsest exact one)")
+    p.add_argument("--png", metavar="FILE", help="save the timelines as PNG")
+    p.add_argument("--svg", metavar="FILE", help="save the timelines as SVG")
+    p.add_argument("--trace", metavar="FILE", help="save a Chrome trace (Perfetto) JSON")
+    p.add_argument("--json", action="store_true", help="print metrics as JSON instead of charts")
+    p.set_defaults(func=run)
+
+
+def _int(name: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    return check_int(name, value, minimum=minimum)
+
+
+def _float(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    return check_number(name, value)
+
+
+def run(args: argparse.Namespace) -> int:
+    from modelpar.schedules.generators import SCHEDULES, get_schedule
+    from modelpar.schedules.schedule import Schedule
+    from modelpar.simulate import Costs, simulate
+
+    k = _int("--stages", args.stages, 1)
+    m = _int("--microbatches", args.microbatches, 1)
+    v = _int("--chunks", args.chunks, 1)
+    costs = Costs(transfer=_float("--transfer", args.transfer),
+                  backward_ratio=_float("--backward-ratio", args.backward_ratio))
+    if k * m * v > MAX_ACTIONS:
+        raise ValueError(
+            f"--stages x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
+        )
+    names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
+    for name in names:
+        if name not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}}, got {name!r}")
+    if args.sweep is not None:
+        return _sweep(args, names or list(DEFAULT_COMPARE), k, v, costs)
+
+    schedules = []
+    if args.from_file:
+        path = Path(args.from_file)
+        if not path.is_file():
+            raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
+        schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
+    for name in names:
+        if name == "interleaved" and m % k:
+            raise ValueError(
+                f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
+            )
+        schedules.append(get_schedule(name, k, m, v if name == "interleaved" else 1))
+    timelines = [simulate(s, costs) for s in schedules]
+    if args.json:
+        print(json.dumps([_record(t, costs) for t in timelines], indent=1))
+    else:
+        _print(args, timelines)
+    _save(args, timelines)
+    return 0
+
+
+def _record(tl, costs) -> dict:
+    return {
+        "schedule": tl.name, "stages": tl.num_devices, "microbatches": tl.num_microbatches,
+        "chunks": tl.chunks, "transfer": costs.transfer, "backward_ratio": costs.backward_ratio,
+        **tl.metrics(),
+    }
+
+
+def _print(args, timelines) -> None:
+    from modelpar.schedules.table import schedule_table
+    from modelpar.simulate.ascii import ascii_chart, auto_unit
+    from modelpar.simulate.report import headline, metrics_table
+
+    for tl in timelines:
+        print(headline(tl))
+        unit = _float("--unit", args.unit) if args.unit else auto_unit(tl)
+        if unit <= 0:
+            raise ValueError(f"--unit must be > 0, got {args.unit}")
+        cells = tl.step_time / unit
+        if cells <= MAX_CHART_CELLS:
+            print(ascii_chart(tl, unit))
+        else:
+            print(f"(chart omitted: {cells:.0f} cells wide; use --png/--svg, or a larger --unit)")
+        if args.table:
+            print(schedule_table(tl.schedule))
+        print()
+    print(metrics_table(timelines))
+    print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "
+          "time unit = one microbatch's forward through one whole stage")
+
+
+def _save(args, timelines) -> None:
+    if args.png or args.svg:
+        from modelpar.simulate.plot import plot_timelines
+
+        for path in filter(None, (args.png, args.svg)):
+            plot_timelines(timelines, path)
+            if not args.json:
+                print(f"wrote {path}")
+    if args.trace:
+        from modelpar.simulate.trace import write_trace
+
+        write_trace(timelines, args.trace)
+        if not args.json:
+            print(f"wrote {args.trace}")
+
+
+def _sweep(args, names, k, v, costs) -> int:
+    from modelpar.simulate import Costs
+    from modelpar.simulate.report import sweep, sweep_table
+
+    ms = [_int("--sweep", x.strip(), 1) for x in args.sweep.split(",") if x.strip()]
+    if not ms:
+        raise ValueError(f"--sweep must be a comma-separated list of M values, got {args.sweep!r}")
+    transfer = costs.transfer or 0.2
+    settings = [Costs(transfer=0.0, backward_ratio=costs.backward_ratio),
+                Costs(transfer=transfer, backward_ratio=costs.backward_ratio)]
+    if args.json:
+        rows = []
+        for c in settings:
+            for (name, chunks, m), bubble in sweep(names, k, ms, c, chunks=v).items():
+                rows.append({"schedule": name, "stages": k, "microbatches": m, "chunks": chunks,
+                             "transfer": c.transfer, "bubble": bubble})
+        print(json.dumps(rows, indent=1))
+    else:
+        print(sweep_table(names, k, ms, costs=settings, chunks=v))
+    return 0

@@ -1,0 +1,91 @@
+"""PNG/SVG timelines via matplotlib: one panel per timeline, one row per device.
+
+Colour = microbatch; F solid, B hatched ``//``, I hatched ``\\\\``, W hatched ``xx`` and paler;
+the grey band behind each row is the step, so what shows through is the bubble. Labels in lower
+case are a device's second chunk (interleaved). Panels share one time axis; each title carries
+the metrics. matplotlib is imported here only, never by the simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from modelpar.schedules.action import Kind
+from modelpar.simulate.report import label
+from modelpar.simulate.timeline import Timeline
+
+__all__ = ["plot_timelines"]
+
+_HATCH = {Kind.F: "", Kind.B: "//", Kind.I: "\\\\", Kind.W: "xx"}
+_ALPHA = {Kind.F: 1.0, Kind.B: 0.85, Kind.I: 0.85, Kind.W: 0.55}
+_MAX_LABELS = 600  # write "F3" inside bars only when there are few enough to read
+
+
+def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str = "") -> Path:
+    """Draw ``timelines`` one above the other and save to ``path`` (.png or .svg); return the path."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"plot path must end in .png or .svg, got {str(path)!r}")
+    if not timelines:
+        raise ValueError("timelines must not be empty")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = sum(t.num_devices for t in timelines)
+    width = max(8.0, min(18.0, 0.28 * max(t.step_time for t in timelines) + 3))
+    fig, axes = plt.subplots(
+        len(timelines), 1, figsize=(width, 1.1 + 0.42 * rows + 0.75 * len(timelines)), squeeze=False,
+        gridspec_kw={"height_ratios": [t.num_devices for t in timelines]},
+    )
+    cmap = plt.get_cmap("tab10")
+    span = max(t.step_time for t in timelines) or 1.0  # one time axis for all, to compare lengths
+    for ax, tl in zip(axes[:, 0], timelines):
+        _draw(ax, tl, cmap, span)
+    axes[-1, 0].set_xlabel("time (units of one microbatch's forward through one stage)")
+    kinds = [k for k in Kind if any(a.kind is k for t in timelines for acts in t.actions for a in acts)]
+    handles = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_kind_name(k)) for k in kinds]
+    handles.append(Patch(facecolor="#e6e6e6", edgecolor="none", label="idle (bubble)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _draw(ax, tl: Timeline, cmap, span: float) -> None:
+    n = tl.num_devices
+    few = sum(len(a) for a in tl.actions) <= _MAX_LABELS
+    for d in range(n):
+        y = n - 1 - d  # device 0 on top, as in the ASCII chart
+        ax.broken_barh([(0, tl.step_time)], (y - 0.4, 0.8), facecolors="#e6e6e6")
+        for a, s, e in zip(tl.actions[d], tl.starts[d], tl.ends[d]):
+            ax.broken_barh(
+                [(s, e - s)], (y - 0.4, 0.8), facecolors=cmap(a.microbatch % 10),
+                edgecolors="black", linewidth=0.4, hatch=_HATCH[a.kind], alpha=_ALPHA[a.kind],
+            )
+            if few and e - s >= 0.45:
+                ax.text((s + e) / 2, y, tl.token(a), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(n), [f"Device {d}" for d in reversed(range(n))])
+    ax.set_xlim(0, span)
+    ax.set_ylim(-0.6, n - 0.4)
+    peaks = ", ".join(f"{p:g}" for p in tl.peak_activations)
+    ax.set_title(
+        f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.step_time:.4g}, "
+        f"bubble {tl.bubble:.1%}, peak held [{peaks}], {tl.transfers} transfers",
+        fontsize=10, loc="left",
+    )
+
+
+def _kind_name(kind: Kind) -> str:
+    return {
+        Kind.F: "F forward",
+        Kind.B: "B backward",
+        Kind.I: "I input-grad backward",
+        Kind.W: "W weight-grad backward",
+    }[kind]
