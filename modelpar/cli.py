@@ -15,6 +15,7 @@ import sys
 # Subcommand name -> module that registers it.
 COMMANDS: dict[str, str] = {
     "bench": "modelpar.commands.bench",
+    "simulate": "modelpar.commands.simulate",
 }
 
 
