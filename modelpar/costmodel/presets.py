@@ -1,0 +1,77 @@
+"""Named models and GPU nodes, with where their numbers come from.
+
+Models: GPT-3 175B (Brown et al. 2020, as Megatron trains it: V padded to 51200), the 1T model of
+Megatron SC'21 Table 1 (the reference's §6.2), BLOOM-176B, OPT-175B and Llama-3 8B/70B/405B
+(their model cards). Nodes: DGX-style 8-GPU boxes, per-GPU NVLink bandwidth in one direction and
+one 200 Gb/s (A100) or 400 Gb/s (H100/H200) InfiniBand NIC per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
+
+__all__ = ["GPUS", "MODELS", "NodePreset", "gpu_preset", "make_cluster", "model_preset"]
+
+_LLAMA = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False)
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt3-175b": ModelSpec(96, 12288, 96, 2048, 51200, name="gpt3-175b"),
+    "megatron-1t": ModelSpec(128, 25600, 160, 2048, 51200, name="megatron-1t"),
+    "bloom-176b": ModelSpec(70, 14336, 112, 2048, 250880, learned_positions=False, name="bloom-176b"),
+    "opt-175b": ModelSpec(96, 12288, 96, 2048, 50272, name="opt-175b"),
+    "llama3-8b": ModelSpec(32, 4096, 32, 8192, 128256, ffn=14336, name="llama3-8b", **_LLAMA),
+    "llama3-70b": ModelSpec(80, 8192, 64, 8192, 128256, ffn=28672, name="llama3-70b", **_LLAMA),
+    "llama3-405b": ModelSpec(126, 16384, 128, 8192, 128256, ffn=53248, name="llama3-405b", **_LLAMA),
+}
+
+
+@dataclass(frozen=True)
+class NodePreset:
+    """A GPU and the node it usually comes in."""
+
+    gpu: GPUSpec
+    gpus_per_node: int
+    intra_node_gbps: float  # NVLink, GB/s per GPU per direction
+    inter_node_gbps: float  # InfiniBand, GB/s per GPU
+
+
+GPUS: dict[str, NodePreset] = {
+    # A100 SXM: 312 TFLOP/s BF16 dense, 2.0 TB/s HBM2e, NVLink3 600 GB/s bidirectional, HDR 200 Gb/s.
+    "a100-80gb": NodePreset(GPUSpec("a100-80gb", 312.0, 80.0, 2.039, 0.82), 8, 300.0, 25.0),
+    "a100-40gb": NodePreset(GPUSpec("a100-40gb", 312.0, 40.0, 1.555, 0.82), 8, 300.0, 25.0),
+    # H100 SXM: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional, NDR 400 Gb/s.
+    "h100-sxm": NodePreset(GPUSpec("h100-sxm", 989.0, 80.0, 3.35, 0.72), 8, 450.0, 50.0),
+    # H200: the H100 die with 141 GB of HBM3e at 4.8 TB/s.
+    "h200": NodePreset(GPUSpec("h200", 989.0, 141.0, 4.8, 0.72), 8, 450.0, 50.0),
+}
+
+
+def _lookup(kind: str, table: dict, name: str):
+    key = name.strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown {kind} preset {name!r}; known: {', '.join(table)}")
+    return table[key]
+
+
+def model_preset(name: str) -> ModelSpec:
+    """The model called ``name`` (case-insensitive); ValueError lists the known ones."""
+    return _lookup("model", MODELS, name)
+
+
+def gpu_preset(name: str) -> NodePreset:
+    """The GPU node called ``name``; ValueError lists the known ones."""
+    return _lookup("gpu", GPUS, name)
+
+
+def make_cluster(gpu: str | NodePreset, gpus: int, **overrides: float) -> ClusterSpec:
+    """A cluster of ``gpus`` GPUs in preset nodes; ``overrides`` replace gpus_per_node or the bandwidths."""
+    node = gpu_preset(gpu) if isinstance(gpu, str) else gpu
+    fields = dict(
+        gpus_per_node=node.gpus_per_node,
+        intra_node_gbps=node.intra_node_gbps,
+        inter_node_gbps=node.inter_node_gbps,
+    )
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterSpec(node.gpu, gpus, **fields)

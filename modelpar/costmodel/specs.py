@@ -1,0 +1,162 @@
+"""Validated specs for the cost model: the model, the GPU, the cluster and one parallel configuration.
+
+Every number is a named field with its unit; bad values raise ``ValueError`` naming the field
+(``modelpar._validate``). The parameter count and per-token FLOPs generalise Megatron's GPT
+formulas (SC'21 appendix) to a given FFN width, grouped-query attention and gated (SwiGLU) MLPs;
+for a GPT (ffn = 4h, no GQA) they reduce to them exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modelpar._validate import check_choice, check_divisible, check_int, check_number
+
+__all__ = ["ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RECOMPUTE"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer."""
+
+    layers: int  # number of transformer layers, L
+    hidden: int  # model width, h
+    heads: int  # attention heads, a
+    seq: int  # sequence length in tokens, s
+    vocab: int  # vocabulary size, V (Megatron pads it to a multiple of 128·t)
+    ffn: int = 0  # MLP width; 0 means 4h
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means = heads
+    gated_mlp: bool = False  # SwiGLU: three h×ffn matrices instead of two
+    tied_embeddings: bool = True  # output layer shares the input embedding
+    learned_positions: bool = True  # s×h position embedding (GPT); False for RoPE / ALiBi
+    bias: bool = True  # biases and LayerNorm β (GPT); False for Llama-style RMSNorm, no biases
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("ffn", self.ffn, minimum=0)
+        check_int("kv_heads", self.kv_heads, minimum=0)
+        check_divisible("hidden", self.hidden, "heads", self.heads)
+        if self.kv_heads:
+            check_divisible("heads", self.heads, "kv_heads", self.kv_heads)
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def kv_fraction(self) -> float:
+        """kv_heads / heads: 1 for multi-head attention, 1/8 for Llama-3's grouped-query attention."""
+        return (self.kv_heads or self.heads) / self.heads
+
+    @property
+    def layer_matmul_params(self) -> float:
+        """Weights of one layer's matrices: Q and O are h×h, K and V h×(r·h), the MLP 2 or 3 of h×ffn."""
+        h, f = self.hidden, self.ffn_size
+        return (2 + 2 * self.kv_fraction) * h * h + (3 if self.gated_mlp else 2) * h * f
+
+    @property
+    def layer_params(self) -> float:
+        """One layer: matrices plus biases and norms (13h for a GPT, SC'21 eq. 2; 2h for RMSNorm only)."""
+        h = self.hidden
+        small = (7 + 2 * self.kv_fraction) * h + self.ffn_size if self.bias else 2 * h
+        return self.layer_matmul_params + small
+
+    @property
+    def embedding_params(self) -> float:
+        """Input embedding, output layer when untied and learned positions (the final norm, 2h, is left out as in SC'21 eq. 2)."""
+        h = self.hidden
+        emb = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return emb + (self.seq * h if self.learned_positions else 0)
+
+    @property
+    def params(self) -> float:
+        """Total parameter count P (GPT: 12·L·h²·(1 + 13/(12h) + (V + s)/(12·L·h)), SC'21 eq. 2)."""
+        return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def layer_flops_per_token(self) -> float:
+        """Forward FLOPs of one layer per token: 2 per weight plus 4·s·h for QKᵀ and attention·V (no causal halving, as Megatron counts)."""
+        return 2 * self.layer_matmul_params + 4 * self.seq * self.hidden
+
+    @property
+    def logits_flops_per_token(self) -> float:
+        """Forward FLOPs of the output layer per token, 2·h·V."""
+        return 2 * self.hidden * self.vocab
+
+    def model_flops(self, tokens: float) -> float:
+        """Model FLOPs (forward + backward = 3 × forward, no recomputation) for ``tokens`` tokens: the MFU numerator."""
+        return 3 * tokens * (self.layers * self.layer_flops_per_token + self.logits_flops_per_token)
+
+    @property
+    def act_sharded_coeff(self) -> float:
+        """Korthikanti (2022) §4.1: bytes/(s·b·h) of a layer's activations that tensor parallelism splits (24 for a GPT).
+
+        Q 2, K and V 2r each, attention output 2 (sum 8 for a GPT) plus the MLP: 2·ffn/h for the activation
+        input, 2·ffn/h for the second matrix's input, and 2·ffn/h more for the gate of a SwiGLU (16 for a GPT).
+        """
+        return 4 + 4 * self.kv_fraction + (6 if self.gated_mlp else 4) * self.ffn_size / self.hidden
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: dense 16-bit peak, memory, memory bandwidth and the best matmul efficiency it reaches."""
+
+    name: str
+    peak_tflops: float  # dense BF16/FP16 tensor-core peak, TFLOP/s
+    memory_gb: float  # HBM capacity, GB (1e9 bytes)
+    hbm_tb_s: float = 2.0  # HBM bandwidth, TB/s: times the element-wise (non-matmul) work
+    matmul_efficiency: float = 0.8  # fraction of peak a large, well-shaped GEMM reaches (the curve's ceiling)
+
+    def __post_init__(self) -> None:
+        check_number("peak_tflops", self.peak_tflops, strict=True)
+        check_number("memory_gb", self.memory_gb, strict=True)
+        check_number("hbm_tb_s", self.hbm_tb_s, strict=True)
+        if not 0 < check_number("matmul_efficiency", self.matmul_efficiency, strict=True) <= 1:
+            raise ValueError(f"matmul_efficiency must be in (0, 1], got {self.matmul_efficiency}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``gpus`` identical GPUs in nodes of ``gpus_per_node``; bandwidths are GB/s per GPU, one direction (§1.3)."""
+
+    gpu: GPUSpec
+    gpus: int
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 300.0  # NVLink/NVSwitch, GB/s per GPU
+    inter_node_gbps: float = 25.0  # InfiniBand, GB/s per GPU (one NIC per GPU)
+
+    def __post_init__(self) -> None:
+        check_int("gpus", self.gpus, minimum=1)
+        check_int("gpus_per_node", self.gpus_per_node, minimum=1)
+        check_number("intra_node_gbps", self.intra_node_gbps, strict=True)
+        check_number("inter_node_gbps", self.inter_node_gbps, strict=True)
+
+    def link_gbps(self, span: int) -> float:
+        """Bandwidth of a collective over ``span`` consecutive ranks: NVLink inside a node, else the inter-node link."""
+        return self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """One 3D layout (Megatron notation): t-way tensor, p-way pipeline with v chunks per device, d-way data."""
+
+    t: int
+    p: int
+    d: int
+    micro_batch: int = 1  # sequences per microbatch, b
+    v: int = 1  # model chunks per device (interleaved 1F1B); 1 = plain 1F1B
+    recompute: str = "full"  # activation recomputation: none, selective (Korthikanti) or full
+    sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence (needs t > 1)
+
+    def __post_init__(self) -> None:
+        for name in ("t", "p", "d", "micro_batch", "v"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_choice("recompute", self.recompute, RECOMPUTE)
+
+    @property
+    def gpus(self) -> int:
+        return self.t * self.p * self.d
