@@ -1,0 +1,137 @@
+"""Generators, the text form and validation errors (no timing here: see test_simulator.py)."""
+
+import pytest
+
+from modelpar.schedules import (
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    get_schedule,
+    gpipe,
+    interleaved_1f1b,
+    naive,
+    one_f_one_b,
+    schedule_table,
+    validate_schedule,
+    zb_h1,
+)
+
+
+def line(schedule, device):
+    return " ".join(map(str, schedule.actions[device]))
+
+
+def test_gpipe_order_is_all_forwards_then_backwards_last_first():
+    assert line(gpipe(4, 3), 2) == "2F0 2F1 2F2 2B2 2B1 2B0"
+
+
+def test_1f1b_order_matches_reference_chart_device_0():
+    # §4.1: F0F1F2F3 ... B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
+    assert line(one_f_one_b(4, 8), 0) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7"
+    assert line(one_f_one_b(4, 8), 3) == " ".join(f"3F{j} 3B{j}" for j in range(8))
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_is_still_valid():
+    s = one_f_one_b(5, 2)
+    validate_schedule(s)
+    assert line(s, 0) == "0F0 0F1 0B0 0B1"  # warm-up capped at M
+
+
+def test_naive_is_one_microbatch_at_a_time():
+    assert naive(3).actions == ((Action(0, Kind.F, 0), Action(0, Kind.B, 0)),
+                                (Action(1, Kind.F, 0), Action(1, Kind.B, 0)),
+                                (Action(2, Kind.F, 0), Action(2, Kind.B, 0)))
+    assert line(naive(2, 2), 1) == "1F0 1B0 1F1 1B1"
+
+
+def test_interleaved_loop_map_and_megatron_warmup():
+    s = interleaved_1f1b(4, 8, 2)
+    assert s.stage_to_device == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert s.stages_on(1) == [1, 5]
+    assert s.chunks == 2
+    # device 0: 2(K - 1) + (v - 1)K = 10 warm-up chunk-forwards, groups of K per chunk
+    assert line(s, 0).split()[:12] == "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0".split()
+    assert interleaved_1f1b(4, 8, 1).actions == one_f_one_b(4, 8).actions
+
+
+def test_zb_h1_splits_backward_and_defers_w_by_device_index():
+    s = zb_h1(4, 6)
+    assert s.split_backward
+    assert line(s, 0) == "0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0I3 0W3 0I4 0W4 0I5 0W5"
+    assert line(s, 3) == "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_get_schedule_names(name):
+    s = get_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+    assert s.name == name
+    assert s.num_devices == 4 and s.num_microbatches == 8
+    validate_schedule(s)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: get_schedule("pipedream", 4, 8), r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
+        (lambda: get_schedule("gpipe", 0, 8), r"num_stages must be >= 1, got 0"),
+        (lambda: get_schedule("1f1b", 4, -2), r"num_microbatches must be >= 1, got -2"),
+        (lambda: get_schedule("gpipe", 2.5, 8), r"num_stages must be an integer, got 2.5"),
+        (lambda: get_schedule("interleaved", 4, 6, 2), r"num_microbatches \(6\) must be divisible by num_stages \(4\)"),
+        (lambda: get_schedule("interleaved", 4, 8, 0), r"chunks must be >= 1, got 0"),
+        (lambda: get_schedule("gpipe", 4, 8, 2), r"chunks must be 1 for schedule 'gpipe'.*got 2"),
+        (lambda: zb_h1(4, 0), r"num_microbatches must be >= 1, got 0"),
+    ],
+)
+def test_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_text_form_round_trip_and_device_prefix():
+    s = one_f_one_b(3, 4)
+    assert Schedule.from_text(s.to_text()).actions == s.actions
+    parsed = Schedule.from_text("# comment\ndevice 0: 0F0 0B0\n\ndevice 1: 1F0, 1B0  # tail\n")
+    assert parsed.stage_to_device == (0, 1)
+    assert str(parsed) == "0F0 0B0\n1F0 1B0"
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("0F0 0B0\n1B0 1F0", r"device 1 runs 1B0 \(position 0\) before its dependency 1F0 \(position 1\)"),
+        ("0F0 0F1 0B0 0B1\n1F0 1B0", r"action 1F1 is missing \(device 1\)"),
+        ("0F0 0F0 0B0\n1F0 1B0", r"action 0F0 appears twice \(device 0 position 0, device 0 position 1\)"),
+        ("0F0 0I0 0W0\n1F0 1B0", r"action 1B0 \(device 1, position 1\) is a full backward B, but the schedule splits"),
+        ("0F0 0I0\n1F0 1I0 1W0", r"action 0W0 is missing"),
+        (
+            "0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1",
+            r"deadlock: device 0 waits at 0B0 \(position 1\) for 1B0 on device 1; device 1 waits at 1F1 "
+            r"\(position 0\) for 0F1 on device 0",
+        ),
+        ("0F0 0B0\n0F1", r"stage 0 appears on device 0 and device 1"),
+        ("0F0 0X0", r"action must look like <stage><F\|B\|I\|W><microbatch>"),
+        ("", r"at least one device"),
+    ],
+)
+def test_validation_names_the_first_offending_action(text, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule.from_text(text, name="hand").validate()
+
+
+def test_action_on_the_wrong_device():
+    s = Schedule((1, 0), [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]])
+    with pytest.raises(ValueError, match=r"action 0F0 is in device 0's list \(position 0\), but stage 0 lives on device 1"):
+        s.validate()
+
+
+def test_schedule_table_places_actions_at_their_first_possible_step():
+    assert schedule_table(one_f_one_b(2, 2)).splitlines() == [
+        "Step  Device 0  Device 1",
+        "   0  0F0",
+        "   1  0F1       1F0",
+        "   2            1B0",
+        "   3  0B0       1F1",
+        "   4            1B1",
+        "   5  0B1",
+    ]
