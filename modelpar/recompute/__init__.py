@@ -1,0 +1,39 @@
+"""Activation recomputation (reference §4.3, Chen et al. 2016): store-all, recompute-all, every-k (√n).
+
+``Recompute(layers, recompute=None | k | "sqrt" | "full" | "recompute-all")`` runs a chain of
+layers keeping fewer activations and re-running them in backward, with gradients bitwise equal to
+plain autograd. ``ActivationMeter`` measures what autograd holds. ``modelpar.recompute.plan`` has
+the closed forms (chain cost, GPipe's memory model) and imports no torch; so that the pure-Python
+parts can use it, this package imports its torch modules lazily, on first use of a name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from modelpar.recompute.plan import ChainCost, RecomputePlan, Strategy, best_k, chain_cost, gpipe_activation_memory, plan_recompute
+
+if TYPE_CHECKING:
+    from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats
+    from modelpar.recompute.measure import ChainReport, GPipeReport, ScaledTanh, measure_chain, measure_gpipe, scaled_tanh_stages
+    from modelpar.recompute.meter import ActivationMeter, HeldActivations
+    from modelpar.recompute.module import Recompute, recompute_sequential, recompute_stage
+
+_TORCH_NAMES = {
+    "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats"],
+    "measure": ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages"],
+    "meter": ["ActivationMeter", "HeldActivations"],
+    "module": ["Recompute", "recompute_sequential", "recompute_stage"],
+}
+_HOME = {name: module for module, names in _TORCH_NAMES.items() for name in names}
+
+__all__ = sorted(["ChainCost", "RecomputePlan", "Strategy", "best_k", "chain_cost", "gpipe_activation_memory",
+                  "plan_recompute", *_HOME])
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch half of the package when one of its names is first used."""
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

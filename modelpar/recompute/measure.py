@@ -1,0 +1,118 @@
+"""Measure a strategy: activations held at peak, layer forwards re-run, and the gradients.
+
+``measure_chain`` runs one forward + backward of a ``Recompute`` chain under an
+``ActivationMeter``. ``measure_gpipe`` runs a small GPipe in one process (all M forwards, then
+all M backwards, every stage's graph cut at its input as between devices) with one meter per
+stage, to check GPipe's memory model (reference §4.3) on real tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from modelpar._validate import check_divisible, check_int
+from modelpar.recompute.functions import chain_parameters
+from modelpar.recompute.meter import ActivationMeter, HeldActivations
+from modelpar.recompute.module import Recompute
+from modelpar.recompute.plan import Strategy
+
+__all__ = ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages"]
+
+
+class ScaledTanh(nn.Module):
+    """``w ⊙ tanh(x)``: a layer with parameters that saves exactly one activation (tanh's output)."""
+
+    def __init__(self, width: int, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(width, dtype=dtype).uniform_(0.5, 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(x)
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """One strategy on one chain: measured held activations, layer forwards, re-runs."""
+
+    label: str
+    held: int  # activations saved for backward at the peak (distinct storages)
+    held_bytes: int
+    forwards: int  # layer forwards in the forward pass
+    extra_forwards: int  # layer forwards re-run during backward
+
+
+def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.Sequential, x: torch.Tensor,
+                  recompute: Strategy, loss: Callable[[torch.Tensor], torch.Tensor] = torch.sum) -> tuple[ChainReport, list[torch.Tensor | None]]:
+    """Forward + backward of ``Recompute(layers, recompute)`` on ``x``; the gradients of ``loss``.
+
+    Gradients are returned for ``x`` (when it needs grad) then every parameter needing grad, in
+    order; ``.grad`` fields are left untouched.
+    """
+    chain = Recompute(layers, recompute)
+    inputs = ([x] if x.requires_grad else []) + chain_parameters(list(chain._chain))
+    meter = ActivationMeter()
+    with meter:
+        out = loss(chain(x))
+        grads = list(torch.autograd.grad(out, inputs, allow_unused=True)) if inputs else []
+    report = ChainReport(chain.plan.label, meter.peak_count, meter.peak_bytes, chain.stats.forwards, chain.stats.recomputed)
+    return report, grads
+
+
+def scaled_tanh_stages(layers: int, stages: int, width: int, recompute: Strategy, seed: int = 0) -> list[Recompute]:
+    """``stages`` stages of ``layers / stages`` ScaledTanh layers each, the same for any ``recompute``."""
+    check_divisible("layers", check_int("layers", layers, 1), "stages", check_int("stages", stages, 1))
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    chains = [[ScaledTanh(width) for _ in range(layers // stages)] for _ in range(stages)]
+    torch.random.set_rng_state(generator_state)
+    return [Recompute(chain, recompute) for chain in chains]
+
+
+@dataclass(frozen=True)
+class GPipeReport:
+    """Per-stage peak held activations of one GPipe step, and the parameter gradients."""
+
+    peaks: list[HeldActivations]
+    grads: list[torch.Tensor]
+
+    def sample_layers(self, width: int, itemsize: int = 8) -> list[float]:
+        """Each stage's peak in samples × layers: bytes / (width × itemsize)."""
+        return [peak.bytes / (width * itemsize) for peak in self.peaks]
+
+
+def measure_gpipe(stages: Sequence[nn.Module], batch: torch.Tensor, microbatches: int) -> GPipeReport:
+    """One GPipe step in one process: every micro-batch forward through every stage, then back.
+
+    A stage's input is the previous stage's output detached (what a device receives), so each
+    stage owns its graph and its meter sees only its own activations, re-runs included. The loss
+    is the sum of the last stage's outputs; the first stage's input needs no grad.
+    """
+    microbatches = check_int("microbatches", microbatches, minimum=1)
+    check_divisible("batch rows", batch.shape[0], "microbatches", microbatches)
+    meters = [ActivationMeter() for _ in stages]
+    inputs: list[list[torch.Tensor]] = []
+    outputs: list[list[torch.Tensor]] = []
+    for chunk in batch.chunk(microbatches):  # GPipe: all forwards first (§4.1: M in flight)
+        h, ins, outs = chunk.clone(), [], []  # its own storage, as if loaded per micro-batch
+        for j, (stage, meter) in enumerate(zip(stages, meters)):
+            h = h if j == 0 else h.detach().requires_grad_()
+            with meter:
+                out = stage(h)
+            ins.append(h)
+            outs.append(out)
+            h = out
+        inputs.append(ins)
+        outputs.append(outs)
+    for ins, outs in zip(inputs, outputs):  # then all backwards, last stage first
+        grad = torch.ones_like(outs[-1])
+        for j in reversed(range(len(stages))):
+            with meters[j]:
+                outs[j].backward(grad)
+            grad = ins[j].grad
+    params = [p for stage in stages for p in stage.parameters()]
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    return GPipeReport([meter.peak for meter in meters], grads)
