@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"one of {{{', '.join(SCHEDULES)}}}; repeat to compare (default: "
                         f"{', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
-    p.add_argument("--microbatches", default="8", metavar="M", help="microbatches per step (default 8)")
+    p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V", help="chunks per device, interleaved only (default 2)")
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.simulate import Costs, simulate
 
     k = _int("--stages", args.stages, 1)
-    m = _int("--microbatches", args.microbatches, 1)
+    m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)
     costs = Costs(transfer=_float("--transfer", args.transfer),
                   backward_ratio=_float("--backward-ratio", args.backward_ratio))
@@ -91,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
         schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
     for name in names:
+        m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
             raise ValueError(
                 f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, k, m, v if name == "interleaved" else 1))
+        schedules.append(get_schedule(name, k, m_here, v if name == "interleaved" else 1))
     timelines = [simulate(s, costs) for s in schedules]
     if args.json:
         print(json.dumps([_record(t, costs) for t in timelines], indent=1))

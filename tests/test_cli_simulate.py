@@ -1,0 +1,109 @@
+"""``modelpar simulate``: default comparison, options, JSON, sweep, bad input, and no torch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from modelpar.cli import main
+
+
+def run(capsys, *argv):
+    code = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_no_arguments_compares_four_schedules(capsys):
+    code, out, _ = run(capsys)
+    assert code == 0
+    for name in ("gpipe (K = 4, M = 8): step 33 units, bubble 27.3%",
+                 "1f1b (K = 4, M = 8): step 33 units, bubble 27.3%, peak held microbatches per device [4, 3, 2, 1]",
+                 "interleaved (K = 4, M = 8, v = 2): step 28.5 units",
+                 "zb-h1 (K = 4, M = 8): step 27 units, bubble 11.1%"):
+        assert name in out
+    assert "Device 0 |F0F1F2F3············B0B0F4B1B1" in out
+    assert out.count("Device 3 |") == 4
+
+
+def test_json_keys_and_values(capsys):
+    code, out, _ = run(capsys, "--json", "--schedule", "gpipe", "--schedule", "interleaved")
+    rows = json.loads(out)
+    assert code == 0 and [r["schedule"] for r in rows] == ["gpipe", "interleaved"]
+    for key in ("schedule", "stages", "microbatches", "chunks", "step_time", "bubble", "peak_activations", "transfers"):
+        assert key in rows[0]
+    assert rows[0]["step_time"] == 33 and rows[0]["peak_activations"] == [8, 8, 8, 8] and rows[0]["transfers"] == 48
+    assert rows[1]["chunks"] == 2 and rows[1]["peak_activations"][0] == 5.5
+
+
+def test_transfer_and_backward_ratio(capsys):
+    _, out, _ = run(capsys, "--json", "--schedule", "1f1b", "--microbatches", "32", "--transfer", "0.2")
+    assert round(json.loads(out)[0]["bubble"], 3) == 0.168
+    _, out, _ = run(capsys, "--json", "--schedule", "gpipe", "--backward-ratio", "1")
+    assert json.loads(out)[0]["step_time"] == 22  # (M + K - 1)(1 + 1)
+
+
+def test_from_file_table_and_outputs(capsys, tmp_path):
+    path = tmp_path / "mine.txt"
+    path.write_text("# hand-written 1F1B\ndevice 0: 0F0 0F1 0B0 0B1\ndevice 1: 1F0 1B0 1F1 1B1\n")
+    png, svg, trace = tmp_path / "t.png", tmp_path / "t.svg", tmp_path / "t.json"
+    code, out, _ = run(capsys, "--from", str(path), "--table", "--png", str(png), "--svg", str(svg), "--trace", str(trace))
+    assert code == 0
+    assert "mine (K = 2, M = 2): step 9 units, bubble 33.3%" in out
+    assert "   3  0B0       1F1" in out  # the step x device table
+    assert png.read_bytes()[:4] == b"\x89PNG" and svg.read_text().startswith("<?xml")
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_sweep_prints_both_tables(capsys):
+    code, out, _ = run(capsys, "--sweep", "8,32", "--schedule", "gpipe", "--schedule", "1f1b")
+    assert code == 0
+    assert "transfer 0 (" in out and "transfer 0.2 (" in out
+    assert out.splitlines()[-1].split() == ["32", "9.6%", "16.8%"]
+    code, out, _ = run(capsys, "--sweep", "4,6", "--json", "--schedule", "interleaved")
+    rows = json.loads(out)
+    assert [r["bubble"] is None for r in rows] == [False, True, False, True]  # M = 6 is not a multiple of K
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schedule", "foo"], "--schedule must be one of {naive, gpipe, 1f1b, interleaved, zb-h1}, got 'foo'"),
+        (["--stages", "0"], "--stages must be >= 1, got 0"),
+        (["--microbatches", "2.5"], "--microbatches must be an integer, got '2.5'"),
+        (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be a multiple of --stages (4)"),
+        (["--chunks", "0"], "--chunks must be >= 1, got 0"),
+        (["--transfer", "-1"], "--transfer must be >= 0.0, got -1.0"),
+        (["--from", "/no/such/file"], "--from must be a readable file, got '/no/such/file'"),
+        (["--stages", "100000", "--microbatches", "100000"], "must be <= 10,000,000"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_deadlocking_file_is_reported(capsys, tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1\n")
+    code, _, err = run(capsys, "--from", str(path))
+    assert code == 2 and "deadlock: device 0 waits at 0B0" in err
+
+
+def test_simulate_never_imports_torch():
+    code = (
+        "import sys; from modelpar.cli import main; "
+        "rc = main(['simulate', '--json']); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["schedule"] == "gpipe"
+
+
+def test_python_dash_m_entry_point():
+    done = subprocess.run([sys.executable, "-m", "modelpar", "simulate", "--schedule", "naive", "--stages", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Device 1 |··F0B0B0····|" in done.stdout

@@ -1,0 +1,90 @@
+"""Renderers: the reference's ASCII charts verbatim, PNG/SVG files, Chrome trace JSON."""
+
+import json
+
+import pytest
+
+from modelpar.schedules import gpipe, interleaved_1f1b, naive, one_f_one_b, zb_h1
+from modelpar.simulate import Costs, Timeline, simulate
+from modelpar.simulate.ascii import ascii_chart, auto_unit
+from modelpar.simulate.plot import plot_timelines
+from modelpar.simulate.trace import chrome_trace, write_trace
+
+# §1.2, §2.3 and §4.1, with 设备 -> Device
+NAIVE = """\
+Device 0 |F0F0····································B0B0B0B0|
+Device 1 |····F0F0························B0B0B0B0········|
+Device 2 |········F0F0············B0B0B0B0················|
+Device 3 |············F0F0B0B0B0B0························|"""
+GPIPE = """\
+Device 0 |F0F1F2F3F4F5F6F7··················B7B7B6B6B5B5B4B4B3B3B2B2B1B1B0B0|
+Device 1 |··F0F1F2F3F4F5F6F7············B7B7B6B6B5B5B4B4B3B3B2B2B1B1B0B0····|
+Device 2 |····F0F1F2F3F4F5F6F7······B7B7B6B6B5B5B4B4B3B3B2B2B1B1B0B0········|
+Device 3 |······F0F1F2F3F4F5F6F7B7B7B6B6B5B5B4B4B3B3B2B2B1B1B0B0············|"""
+ONE_F_ONE_B = """\
+Device 0 |F0F1F2F3············B0B0F4B1B1F5B2B2F6B3B3F7B4B4··B5B5··B6B6··B7B7|
+Device 1 |··F0F1F2········B0B0F3B1B1F4B2B2F5B3B3F6B4B4F7B5B5··B6B6··B7B7····|
+Device 2 |····F0F1····B0B0F2B1B1F3B2B2F4B3B3F5B4B4F6B5B5F7B6B6··B7B7········|
+Device 3 |······F0B0B0F1B1B1F2B2B2F3B3B3F4B4B4F5B5B5F6B6B6F7B7B7············|"""
+
+
+def test_ascii_charts_are_the_reference_charts():
+    assert ascii_chart(simulate(naive(4)), unit=0.5) == NAIVE
+    assert ascii_chart(simulate(gpipe(4, 8))) == GPIPE
+    assert ascii_chart(simulate(one_f_one_b(4, 8))) == ONE_F_ONE_B
+
+
+def test_ascii_chart_split_backward_chunks_and_wide_microbatch_numbers():
+    assert ascii_chart(simulate(zb_h1(2, 2))).splitlines() == [
+        "Device 0 |F0F1··I0W0I1W1|",
+        "Device 1 |··F0I0F1I1W0W1|",
+    ]
+    inter = ascii_chart(simulate(interleaved_1f1b(2, 2, 2)))  # half-unit cells, chunk 1 lower case
+    assert inter.splitlines()[0].startswith("Device 0 |F0F1f0f1")
+    assert "F10" in ascii_chart(simulate(gpipe(2, 11))).splitlines()[0]
+    assert ascii_chart(simulate(gpipe(1, 11))).startswith("Device 0 |F00F01")
+
+
+def test_auto_unit_and_bad_unit():
+    assert auto_unit(simulate(gpipe(4, 8))) == 1.0
+    assert auto_unit(simulate(gpipe(2, 2), Costs(transfer=0.5))) == 0.5
+    assert auto_unit(simulate(interleaved_1f1b(4, 8, 4))) == 0.25
+    with pytest.raises(ValueError, match="unit must be > 0, got 0"):
+        ascii_chart(simulate(gpipe(2, 2)), unit=0)
+
+
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".svg", b"<?xml")])
+def test_plot_writes_a_real_image(tmp_path, suffix, magic):
+    path = plot_timelines([simulate(gpipe(4, 8)), simulate(zb_h1(4, 8))], tmp_path / f"t{suffix}", "K = 4")
+    data = path.read_bytes()
+    assert data.startswith(magic) and len(data) > 10_000
+    if suffix == ".svg":
+        text = data.decode()
+        assert "bubble 27.3%" in text and "Device 3" in text  # title with metrics, row labels
+
+
+def test_plot_rejects_other_formats(tmp_path):
+    with pytest.raises(ValueError, match=r"plot path must end in .png or .svg, got '.*t.pdf'"):
+        plot_timelines([simulate(gpipe(2, 2))], tmp_path / "t.pdf")
+
+
+def test_chrome_trace_structure(tmp_path):
+    tl = simulate(gpipe(2, 2), Costs(transfer=0.5))
+    trace = json.loads(write_trace([tl], tmp_path / "t.json").read_text())
+    events = trace["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert len(complete) == 8
+    f1 = next(e for e in complete if e["tid"] == 1 and e["name"] == "F0")
+    assert (f1["ts"], f1["dur"]) == (1500.0, 1000.0)  # after F0 on device 0 and a 0.5 transfer
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"gpipe", "Device 0", "Device 1"}
+    starts = [e for e in events if e["ph"] == "s"]
+    assert len(starts) == tl.transfers == len([e for e in events if e["ph"] == "f"])
+    assert chrome_trace([tl], us_per_unit=1e6)["traceEvents"][2]["dur"] == 1e6
+
+
+def test_measured_timeline_renders():
+    s = one_f_one_b(2, 1)
+    tl = Timeline([(0, s.actions[0][0], 5.0, 6.0), (1, s.actions[1][0], 6.0, 7.0),
+                   (1, s.actions[1][1], 7.0, 9.0), (0, s.actions[0][1], 9.0, 11.0)], 2)
+    assert ascii_chart(tl) == "Device 0 |F0······B0B0|\nDevice 1 |··F0B0B0····|"
+    assert chrome_trace([tl])["traceEvents"][-1]["ph"] == "X"  # no schedule: no flow arrows
