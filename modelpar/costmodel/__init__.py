@@ -9,7 +9,13 @@ from modelpar.costmodel.assumptions import DEFAULT, REFERENCE, Assumptions
 from modelpar.costmodel.estimate import Estimate, check_config, estimate, matmul_efficiency
 from modelpar.costmodel.formulas import *  # noqa: F401,F403
 from modelpar.costmodel.formulas import __all__ as _formulas_all
-from modelpar.costmodel.memory import activation_bytes_per_layer, memory_breakdown, params_on_gpu
+from modelpar.costmodel.memory import (
+    activation_bytes_per_layer,
+    layerwise_stage_gb,
+    memory_breakdown,
+    params_on_gpu,
+    stages_needed,
+)
 from modelpar.costmodel.presets import GPUS, MODELS, NodePreset, gpu_preset, make_cluster, model_preset
 from modelpar.costmodel.search import SearchResult, divisors, fitting_gpu_counts, search
 from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
@@ -19,5 +25,6 @@ __all__ = [
     "Assumptions", "ClusterSpec", "DEFAULT", "Estimate", "GPUS", "GPUSpec", "MODELS", "ModelSpec",
     "NodePreset", "ParallelConfig", "RECOMPUTE", "REFERENCE", "SearchResult", "activation_bytes_per_layer",
     "check_config", "divisors", "estimate", "fitting_gpu_counts", "gpu_preset", "make_cluster",
-    "matmul_efficiency", "memory_breakdown", "model_preset", "params_on_gpu", "search",
+    "layerwise_stage_gb", "matmul_efficiency", "memory_breakdown", "model_preset", "params_on_gpu", "search",
+    "stages_needed",
 ]

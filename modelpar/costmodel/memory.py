@@ -10,7 +10,8 @@ from __future__ import annotations
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 
-__all__ = ["activation_bytes_per_layer", "memory_breakdown", "params_on_gpu", "stage_layers"]
+__all__ = ["activation_bytes_per_layer", "layerwise_stage_gb", "memory_breakdown", "params_on_gpu", "stage_layers",
+           "stages_needed"]
 
 REPLICATED_COEFF = 10.0  # Korthikanti §4.1: LayerNorm inputs 4, QKV and MLP inputs 2 + 2, two dropout masks 1 + 1 (× s·b·h bytes)
 
@@ -83,3 +84,23 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
         "working": working,
         "reserve": a.memory_reserve_gb * 1e9,
     }
+
+
+def layerwise_stage_gb(model: ModelSpec, stages: int, bytes_per_param: float) -> float:
+    """§1.1: GB on the first stage of a layer-wise split: L/K layers plus the embedding, no activations."""
+    return (model.layers / stages * model.layer_params + model.embedding_params) * bytes_per_param / 1e9
+
+
+def stages_needed(model: ModelSpec, memory_gb: float, bytes_per_param: float, gpus_per_node: int = 8) -> int:
+    """§1.1: fewest layer-wise stages K whose first stage fits ``memory_gb`` (GPT-3: 8 for inference, 48 for training).
+
+    Assumptions: K fills whole nodes (a multiple of ``gpus_per_node``, or a divisor of it), K divides
+    L so every stage holds the same layers, and the first stage also holds the embedding (≈ 0.35
+    layer for GPT-3); activations are not counted. Bytes per parameter: 2 for 16-bit inference
+    weights, 16 for mixed-precision Adam training.
+    """
+    for k in range(1, model.layers + 1):
+        whole = k % gpus_per_node == 0 or gpus_per_node % k == 0
+        if whole and model.layers % k == 0 and layerwise_stage_gb(model, k, bytes_per_param) <= memory_gb:
+            return k
+    raise ValueError(f"memory_gb ({memory_gb}) is too small for even one layer per stage of {model.name}")

@@ -45,20 +45,29 @@ def _leanest(model: ModelSpec, t: int, p: int, d: int, batch: int, a: Assumption
     return sum(memory_breakdown(model, cfg, batch // d, a).values())
 
 
-def fitting_gpu_counts(model: ModelSpec, memory_gb: float, batch: int, a: Assumptions = DEFAULT) -> list[int]:
-    """Every GPU count t·p·d (t | heads, p | layers, d | batch) whose leanest layout fits ``memory_gb``."""
+def fitting_gpu_counts(
+    model: ModelSpec, memory_gb: float, batch: int, a: Assumptions = DEFAULT
+) -> tuple[list[int], float]:
+    """GPU counts t·p·d (t | heads, p | layers, d | batch) whose leanest layout fits ``memory_gb``, and the least GB any layout needs."""
     kv = model.kv_heads or model.heads
-    found = set()
+    found, least = set(), float("inf")
     for t in (t for t in divisors(model.heads) if kv % t == 0):
         for p in divisors(model.layers):
             for d in divisors(batch):
-                if _leanest(model, t, p, d, batch, a) <= memory_gb * 1e9:
+                need = _leanest(model, t, p, d, batch, a)
+                least = min(least, need)
+                if need <= memory_gb * 1e9:
                     found.add(t * p * d)
-    return sorted(found)
+    return sorted(found), least / 1e9
 
 
-def _pinned(name: str, value: int | None, options: list[int]) -> list[int]:
-    return options if value is None else [x for x in options if x == value]
+def _pinned(name: str, value: int | None, options: list[int], res: SearchResult | None = None, of: str = "") -> list[int]:
+    """``options``, or just the pinned ``value`` if it is one of them (else record why not)."""
+    if value is None:
+        return options
+    if value not in options and res is not None:
+        res.reject("pins", f"{name} = {value} does not divide {of}")
+    return [x for x in options if x == value]
 
 
 def search(
@@ -80,15 +89,16 @@ def search(
     limit = cluster.gpu.memory_gb * 1e9
     kv = model.kv_heads or model.heads
     recomputes = list(RECOMPUTE) if recompute is None else [recompute]
-    for tt in _pinned("t", t, divisors(n)):
+    for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
         if model.heads % tt or kv % tt:
             res.reject("heads", f"t = {tt} does not divide heads ({model.heads}, kv {kv})")
             continue
         sps = [False, True] if tt > 1 else [False]
         sps = sps if sequence_parallel is None else [x for x in sps if x == sequence_parallel]
-        for pp in _pinned("p", p, divisors(n // tt)):
+        for pp in _pinned("p", p, divisors(n // tt), res, f"the {n // tt} GPUs left by t = {tt}"):
             dd = n // (tt * pp)
             if d is not None and dd != d:
+                res.reject("pins", f"d = {d} but t·p = {tt * pp} leaves d = {dd} on {n} GPUs")
                 continue
             if pp > model.layers or (model.layers % pp and not a.uneven_layers):
                 res.reject("layers", f"p = {pp} does not divide layers ({model.layers})")
@@ -98,7 +108,7 @@ def search(
                 continue
             for rc in recomputes:
                 for sp in sps:
-                    for b in _pinned("micro_batch", micro_batch, divisors(batch // dd)):
+                    for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
                         m = batch // (dd * b)
                         if _search_chunks(model, cluster, batch, a, res, (tt, pp, dd, b, rc, sp), m, v, limit):
                             break  # a larger micro-batch needs at least as much memory
