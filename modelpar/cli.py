@@ -14,6 +14,7 @@ import sys
 
 # Subcommand name -> module that registers it.
 COMMANDS: dict[str, str] = {
+    "plan": "modelpar.commands.plan",
     "bench": "modelpar.commands.bench",
     "simulate": "modelpar.commands.simulate",
 }
