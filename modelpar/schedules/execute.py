@@ -64,14 +64,16 @@ def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept i
     clock = [0.0] * D
     ready = list(range(D - 1, -1, -1))
     done_devices = 0
+    dur_f, dur_g, dur_w = dur[_F], dur[grad], dur[_W]
     while ready:
         d = ready.pop()
         acts = schedule.actions[d]
         n = len(acts)
-        i, t = ptr[d], clock[d]
-        st, en = starts[d], ends[d]
-        while i < n:
-            a = acts[i]
+        t = clock[d]
+        st, en = starts[d].append, ends[d].append
+        i = n
+        for j in range(ptr[d], n):
+            a = acts[j]
             s, k, m = a.stage, a.kind, a.microbatch
             if s < 0 or m < 0 or dev[s] != d:
                 raise _Invalid
@@ -82,15 +84,18 @@ def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept i
                 if s:
                     f = fin[base - M]
                     if f is None:
+                        i = j
                         _park(waiting, base - M, d)
                         break
                     f += xin[s]
                     if f > r:
                         r = f
+                took = dur_f[s]
             elif k is grad:
                 key = off_g + base
                 f = fin[base]
                 if f is None:
+                    i = j
                     _park(waiting, base, d)
                     break
                 if f > r:
@@ -98,32 +103,35 @@ def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept i
                 if s < last:
                     f = fin[key + M]
                     if f is None:
+                        i = j
                         _park(waiting, key + M, d)
                         break
                     f += xin[s + 1]
                     if f > r:
                         r = f
+                took = dur_g[s]
             elif k is _W:
                 key = off_w + base
                 f = fin[off_g + base]
                 if f is None:
+                    i = j
                     _park(waiting, off_g + base, d)
                     break
                 if f > r:
                     r = f
+                took = dur_w[s]
             else:  # B in a split schedule
                 raise _Invalid
             if fin[key] is not None:  # duplicate
                 raise _Invalid
-            t = r + dur[k][s]
+            t = r + took
             fin[key] = t
-            st.append(r)
-            en.append(t)
+            st(r)
+            en(t)
             woken = waiting[key]
             if woken is not None:
                 ready.extend(woken)
                 waiting[key] = None
-            i += 1
         ptr[d], clock[d] = i, t
         if i == n:
             done_devices += 1
