@@ -61,7 +61,7 @@ def part3() -> None:
     """The calibrated model against published runs, in each source's convention."""
     print("== Part 3: predicted vs published (TFLOP/s executed, or MFU) ==")
     print(f"{'run':<26} {'measured':>9} {'predicted':>10} {'error':>7}")
-    for run, pred, err in compare(DEFAULT):
+    for run, pred, err in compare():
         fmt = "{:>9.1%}" if run.convention == "mfu" else "{:>9.0f}"
         print(f"{run.name:<26} {fmt.format(run.measured)} {fmt.format(pred):>10} {err:>+7.1%}")
 

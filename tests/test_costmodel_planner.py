@@ -105,7 +105,7 @@ def test_bad_config_names_the_problem():
 
 
 def test_published_runs_within_tolerance():
-    rows = compare(DEFAULT)
+    rows = compare()
     assert len(rows) == len(PUBLISHED) >= 15
     errors = {run.name: err for run, _, err in rows}
     megatron = [abs(e) for n, e in errors.items() if n.startswith(("Megatron", "Korthikanti"))]

@@ -94,16 +94,17 @@ def _pins(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.costmodel import DEFAULT, search
+    from modelpar.costmodel import assumptions_for, plan
     from modelpar.costmodel.report import explain, format_table, no_fit_error
 
     model, cluster = _model(args), _cluster(args)
     batch = check_int("--batch", args.batch, minimum=1)
     top = check_int("--top", args.top, minimum=1)
     pins = _pins(args)
-    result = search(model, cluster, batch, DEFAULT, **pins)
+    assumptions = assumptions_for(cluster.gpu.name)
+    result = plan(model, cluster, batch, assumptions, **pins)
     if not result.ranked:
-        raise no_fit_error(model, cluster, batch, DEFAULT, result, pinned=bool(pins))
+        raise no_fit_error(model, cluster, batch, assumptions, result, pinned=bool(pins))
     if args.plot:
         from modelpar.costmodel.plot import plot_tp_grid
 

@@ -6,7 +6,8 @@ over stages, point-to-point hidden except in fill and drain, the gradient all-re
 (d − 1)/d of the gradients); it reproduces the text's 197 TFLOP/s, 78 GB and §6.3's 0.3%. ``DEFAULT`` adds what decides real
 throughput, fitted once to published runs (``modelpar.costmodel.published``): a GEMM efficiency
 curve, element-wise (memory-bound) work, achieved link bandwidth, per-kernel latency and the
-output layer on the last stage.
+output layer on the last stage. ``MODERN`` is ``DEFAULT`` with today's software (flash attention,
+distributed optimizer, overlapped gradient all-reduce); ``assumptions_for`` picks by GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from modelpar._validate import check_number
 
-__all__ = ["Assumptions", "DEFAULT", "REFERENCE"]
+__all__ = ["Assumptions", "DEFAULT", "MODERN", "REFERENCE", "assumptions_for"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,12 @@ REFERENCE = Assumptions(
     dp_overlap=0.5,  # the text counts (d − 1)/d·S per all-reduce, half of the ring's 2(d − 1)/d·S
     uniform_stages=True,
 )
+
+# The software H100/H200 clusters run (Megatron-Core, Llama 3's stack): fused (flash) attention,
+# the distributed optimizer (ZeRO-1), and the gradient all-reduce overlapped with backward.
+MODERN = DEFAULT.with_(flash_attention=True, distributed_optimizer=True, dp_overlap=0.8)
+
+
+def assumptions_for(gpu_name: str) -> Assumptions:
+    """``DEFAULT`` (Megatron-LM as in the published A100 runs) for A100s, ``MODERN`` for H100/H200 and later."""
+    return DEFAULT if gpu_name.lower().startswith(("a100", "v100", "custom")) else MODERN

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.assumptions import Assumptions, assumptions_for
 from modelpar.costmodel.presets import make_cluster, model_preset
 from modelpar.costmodel.search import search
 from modelpar.costmodel.specs import ModelSpec
@@ -68,14 +68,18 @@ PUBLISHED: list[PublishedRun] = [
       for g, tf in ((2240, 126), (2800, 121), (3360, 113))),
     *(PublishedRun(f"Llama 3 405B, {g} GPUs", "Dubey et al. 2024 Table 4", model_preset("llama3-405b"), "h100-sxm",
                    g, 2048, mfu, "mfu", pins=dict(t=8, p=16),
-                   framework=dict(flash_attention=True, distributed_optimizer=True, dp_overlap=0.9, uneven_layers=True))
+                   framework=dict(uneven_layers=True))
       for g, mfu in ((8192, 0.43), (16384, 0.41))),
 ]
 
 
-def predict(run: PublishedRun, assumptions: Assumptions = DEFAULT) -> float:
-    """The planner's best configuration for ``run``, in the run's convention (TFLOP/s or MFU)."""
-    a = assumptions.with_(**run.framework) if run.framework else assumptions
+def predict(run: PublishedRun, assumptions: Assumptions | None = None) -> float:
+    """The planner's best configuration for ``run``, in the run's convention (TFLOP/s or MFU).
+
+    ``assumptions`` default to ``DEFAULT`` on A100 and ``MODERN`` on H100 (``assumptions_for``).
+    """
+    a = assumptions or assumptions_for(run.gpu)
+    a = a.with_(**run.framework) if run.framework else a
     cluster = make_cluster(run.gpu, run.gpus, **run.cluster)
     best = search(run.model, cluster, run.batch, a, **run.pins).ranked
     if not best:
@@ -83,7 +87,7 @@ def predict(run: PublishedRun, assumptions: Assumptions = DEFAULT) -> float:
     return best[0].mfu if run.convention == "mfu" else best[0].tflops_per_gpu
 
 
-def compare(assumptions: Assumptions = DEFAULT) -> list[tuple[PublishedRun, float, float]]:
+def compare(assumptions: Assumptions | None = None) -> list[tuple[PublishedRun, float, float]]:
     """(run, predicted, predicted/measured − 1) for every published run."""
     rows = []
     for run in PUBLISHED:

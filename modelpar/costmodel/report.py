@@ -33,7 +33,8 @@ def _layout(e: Estimate) -> str:
     c = e.config
     sp = " with sequence parallelism" if c.sequence_parallel else ""
     v = f", v = {c.v} chunks per device" if c.v > 1 else ""
-    return f"t = {c.t}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {c.recompute} recomputation{sp}"
+    rc = "no" if c.recompute == "none" else c.recompute
+    return f"t = {c.t}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}"
 
 
 def explain(result: SearchResult, cluster: ClusterSpec) -> str:
@@ -62,6 +63,8 @@ def explain(result: SearchResult, cluster: ClusterSpec) -> str:
     if len(result.ranked) > 1:
         other = result.ranked[1]
         text.append(f"Runner-up: {_layout(other)}, {other.step_time_s / best.step_time_s - 1:+.1%} step time.")
+    if result.note:
+        text.append(result.note)
     dropped = ", ".join(f"{n} by {k}" for k, n in result.rejected.most_common())
     if dropped:
         text.append(f"Dropped layouts: {dropped}.")

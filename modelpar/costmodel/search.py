@@ -16,7 +16,7 @@ from modelpar.costmodel.estimate import Estimate, estimate
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
 
-__all__ = ["SearchResult", "divisors", "fitting_gpu_counts", "search"]
+__all__ = ["SearchResult", "divisors", "fitting_gpu_counts", "plan", "search"]
 
 
 def divisors(n: int) -> list[int]:
@@ -33,6 +33,7 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)  # reason -> number of layouts
     example: dict[str, str] = field(default_factory=dict)  # reason -> one concrete message
     leanest: Estimate | None = None  # least memory among layouts that failed only on memory
+    note: str = ""  # how the search had to relax its rules, if it did
 
     def reject(self, reason: str, message: str, count: int = 1) -> None:
         self.rejected[reason] += count
@@ -138,3 +139,20 @@ def _search_chunks(model, cluster, batch, a, res, dims, m, v, limit) -> bool:
 def _short(cfg: ParallelConfig) -> str:
     sp = " sp" if cfg.sequence_parallel else ""
     return f"t={cfg.t} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}"
+
+
+def plan(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Assumptions = DEFAULT, **pins) -> SearchResult:
+    """``search``, retried with uneven stages (⌈L/(p·v)⌉ layers on the busiest device) if no even split fits.
+
+    Llama-3 405B's 126 layers, for one, have no power-of-two pipeline split; Megatron-LM and
+    DeepSpeed then give some stages fewer layers (Llama 3 paper §3.3.2 does the same).
+    """
+    res = search(model, cluster, batch, assumptions, **pins)
+    if res.ranked or assumptions.uneven_layers or pins.get("p") is not None:  # a pinned p must divide L
+        return res
+    uneven = search(model, cluster, batch, assumptions.with_(uneven_layers=True), **pins)
+    if not uneven.ranked:
+        return res
+    uneven.note = (f"No layout splits the {model.layers} layers evenly over p·v chunks and fits, so stages are "
+                   f"uneven: the busiest device holds ⌈L/(p·v)⌉ layers per chunk.")
+    return uneven
