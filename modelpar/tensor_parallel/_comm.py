@@ -1,0 +1,143 @@
+"""Raw collectives over a tensor-parallel group, with accounting and a cross-rank shape check.
+
+Plain functions (no autograd): ``collectives.py`` wraps them in the autograd Functions of §5.4.
+They only use ``torch.distributed`` calls that NCCL and gloo both implement, on the tensor's own
+device, so the same code runs on CPUs and GPUs. ``group=None`` means "not tensor-parallel":
+one rank, no communication (unlike ``torch.distributed``, where None is the world group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modelpar.tensor_parallel.accounting import record
+
+__all__ = ["all_gather", "all_reduce", "check_same_shape", "group_rank", "group_size",
+           "reduce_scatter", "resolve_group", "set_shape_checks", "split"]
+
+# torch >= 2.11 renamed the tensor forms; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_META_LEN = 10  # ndim, dtype code, up to 8 sizes
+_shape_checks = True
+
+
+def resolve_group(group: Any) -> dist.ProcessGroup | None:
+    """A ProcessGroup (or None) from ``group``: None, a ProcessGroup or a 1-D DeviceMesh.
+
+    Raises ValueError when this process is not a member: a layer built on the wrong group
+    would otherwise hang in its first collective.
+    """
+    if group is None:
+        return None
+    if hasattr(group, "get_group"):  # torch.distributed.device_mesh.DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"group must be a 1-D DeviceMesh (e.g. mesh['tp']), got one of {group.ndim} dims")
+        group = group.get_group()
+    if not dist.is_initialized():
+        raise ValueError("group was given but torch.distributed is not initialised; use group=None for one process")
+    if dist.get_rank(group) < 0:
+        ranks = dist.get_process_group_ranks(group)
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of group ranks {ranks}")
+    return group
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def set_shape_checks(enabled: bool) -> bool:
+    """Turn the cross-rank shape check before each forward collective on or off; returns the old setting.
+
+    A collective whose ranks pass different shapes aborts gloo (and hangs NCCL); the check is one
+    all-gather of 10 integers that turns this into a ValueError on every rank.
+    """
+    global _shape_checks
+    old, _shape_checks = _shape_checks, bool(enabled)
+    return old
+
+
+def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise ValueError on every rank if ranks of ``group`` hold ``x`` with different shapes or dtypes."""
+    n = group_size(group)
+    if n == 1 or not _shape_checks:
+        return
+    sizes = list(x.shape)[:8] + [-1] * (8 - min(x.dim(), 8))
+    meta = torch.tensor([x.dim(), _dtype_code(x.dtype)] + sizes, dtype=torch.int64, device=x.device)
+    out = torch.empty(n * _META_LEN, dtype=torch.int64, device=x.device)
+    _all_gather_single(out, meta, group=group)
+    record("shape_check", "forward", out.numel(), 8, n, op="")
+    rows = out.view(n, _META_LEN).tolist()
+    if any(r != rows[0] for r in rows):
+        desc = ", ".join(f"rank {i}: {tuple(r[2:2 + r[0]])} {_DTYPES[r[1]]}" for i, r in enumerate(rows))
+        raise ValueError(f"{what} must have the same shape and dtype on every tensor-parallel rank, got {desc}")
+
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.uint8, torch.int8, torch.int16, torch.bool, torch.complex64, torch.complex128]
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, phase: str, op: str = "sum") -> torch.Tensor:
+    """A new tensor holding the element-wise sum (or max) of ``x`` over the group."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=_OPS[op], group=group)
+    record("all_reduce", phase, out.numel(), out.element_size(), n, op)
+    return out
+
+
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, phase: str) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` in rank order."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    _all_gather_single(flat, x.contiguous().view(-1), group=group)
+    record("all_gather", phase, flat.numel(), x.element_size(), n, op="")
+    stacked = flat.view(n, *x.shape)  # [n, ...]: move the rank index next to dim and merge them
+    return stacked.movedim(0, dim).flatten(dim, dim + 1) if dim else stacked.flatten(0, 1)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, phase: str) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's 1/n slice along ``dim``."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    dim = dim % x.dim()
+    _check_divisible(x, dim, n)
+    chunks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, ...]
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
+    record("reduce_scatter", phase, chunks.numel(), x.element_size(), n)
+    return out
+
+
+def split(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's 1/n slice of ``x`` along ``dim`` (no communication)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim % x.dim(), n)
+    return x.chunk(n, dim)[group_rank(group)].contiguous()
+
+
+def _check_divisible(x: torch.Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(f"tensor of shape {tuple(x.shape)}: dimension {dim} ({x.shape[dim]}) must be "
+                         f"divisible by the tensor-parallel size ({n})")

@@ -1,0 +1,82 @@
+"""Cross entropy over vocabulary-parallel logits without gathering them (§5.5; Megatron-LM).
+
+loss = logsumexp(z) − z[target], and logsumexp splits over vocabulary blocks. Each rank holds
+logits for V/t ids; three all-reduces of one scalar per token finish the job: the max (for a
+stable exp), Σexp, and the target logit (non-zero on the one rank that owns the target).
+All-gathering the logits instead would move b·s·V values per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from modelpar._validate import check_choice
+from modelpar.tensor_parallel._comm import all_reduce, check_same_shape, group_rank, group_size, resolve_group
+from modelpar.tensor_parallel.layers import check_token_ids
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Per-token losses [N] from logits shards [N, V/t]; backward: softmax − one-hot, this rank's block."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None,  # type: ignore[override]
+                ignore_index: int) -> torch.Tensor:
+        per_rank = logits.shape[-1]
+        start = group_rank(group) * per_rank
+        zmax = all_reduce(logits.max(dim=-1).values, group, "forward", op="max")
+        shifted = logits - zmax.unsqueeze(-1)
+        outside = (target < start) | (target >= start + per_rank)
+        local = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = all_reduce(target_logit, group, "forward")
+        exp = shifted.exp_()  # reuse the buffer: it becomes the softmax saved for backward
+        sum_exp = all_reduce(exp.sum(dim=-1), group, "forward")
+        loss = sum_exp.log() - target_logit
+        ignored = target == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(exp, local, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        softmax, local, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, group: Any = None,
+                                 ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy of logits split by vocabulary across ``group``: equals ``F.cross_entropy``
+    of the full logits, forward and backward.
+
+    ``logits_shard``: [..., V/t], this rank's vocabulary block (rank r holds ids r·V/t …).
+    ``target``: [...], full-vocabulary ids, the same on every rank; ``ignore_index`` entries
+    contribute no loss and no gradient. ``reduction``: "mean" (over non-ignored tokens, as
+    ``F.cross_entropy``), "sum" or "none". 16-bit logits are computed in float32.
+    """
+    check_choice("reduction", reduction, ["mean", "sum", "none"])
+    group = resolve_group(group)
+    t = group_size(group)
+    if logits_shard.dim() < 1 or tuple(target.shape) != tuple(logits_shard.shape[:-1]):
+        raise ValueError(f"target must have the shape of logits_shard without its last dimension "
+                         f"{tuple(logits_shard.shape[:-1])}, got {tuple(target.shape)}")
+    check_token_ids("target", target, logits_shard.shape[-1] * t, ignore_index)
+    check_same_shape(logits_shard, group, "logits_shard")
+    logits = logits_shard if logits_shard.dtype in (torch.float32, torch.float64) else logits_shard.float()
+    losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                              group, ignore_index)
+    if reduction == "none":
+        return losses.view(target.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (target != ignore_index).sum()
