@@ -2,6 +2,7 @@
 
 Part 1: HW5's clock_cycles. Part 2: the GPipe timeline and its bubble (K − 1)/(M + K − 1),
 checked against the simulator. Part 3: the throughput table, with and without transfer cost.
+Part 4: micro-batches are not free — measured t(b) ≈ α + β·b, step time vs M, and M*.
 """
 
 from __future__ import annotations
@@ -56,10 +57,35 @@ def part3() -> None:
     print()
 
 
+def part4() -> None:
+    """§2.4: time an MLP stage on b rows, fit α + β·b, step 3(M + K − 1)(α + βN/M), M* = √((K − 1)βN/α)."""
+    import torch  # parts 1-3 are pure Python; only this part measures
+
+    from modelpar.pipeline import microbatch_table, mlp_stage, optimal_microbatches, predicted_step_time
+
+    print("== Part 4: micro-batches are not free (measured on this machine, 1 thread per stage) ==")
+    torch.manual_seed(0)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scan = microbatch_table(mlp_stage(128), lambda b: torch.randn(b, 128), batch=1024, stages=4,
+                                microbatch_counts=[2**i for i in range(9)], repeats=5)
+    finally:
+        torch.set_num_threads(saved)
+    print(scan.format())
+    print(f"fastest measured M = {scan.best_measured.microbatches}, formula M* = {scan.m_star:.1f} "
+          "(reference: alpha 60-80 us, M* about 15-17; timings vary run to run)")
+    steps = ", ".join(f"M = {m}: {predicted_step_time(0.2, 0.01, 1024, 4, m):.1f} ms" for m in (4, 16, 64))
+    print(f"exercise 3 (K = 4, t(b) = 0.2 + 0.01 b ms, N = 1024): {steps}; "
+          f"M* = {optimal_microbatches(0.2, 0.01, 1024, 4):.1f}")
+    print()
+
+
 def main() -> None:
     part1()
     part2()
     part3()
+    part4()
 
 
 if __name__ == "__main__":
