@@ -48,7 +48,7 @@ def test_pins_and_numbers_instead_of_presets(capsys):
 
 def test_plot_writes_a_png(capsys, tmp_path):
     path = tmp_path / "plan.png"
-    code, out, _ = run(capsys, *BASE, "--plot", str(path))
+    code, out, _ = run(capsys, "plan", "--model", "gpt3-175b", "--gpus", "64", "--batch", "64", "--plot", str(path))
     assert code == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 

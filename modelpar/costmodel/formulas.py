@@ -56,7 +56,9 @@ def fused_cross_entropy_bytes(tokens: int, t: int, scalars: int = 3, dtype_bytes
 # --- §5.6: tensor-parallel communication / computation ---------------------------------------
 def tp_layer_flops(b: int, s: int, h: int, t: int) -> float:
     """§5.6: forward + backward FLOPs of one transformer layer on one of ``t`` GPUs, ≈ 72·b·s·h²/t."""
-    return 72.0 * check_int("b", b, minimum=1) * check_int("s", s, minimum=1) * check_int("h", h, minimum=1) ** 2 / check_int("t", t, minimum=1)
+    b, s = check_int("b", b, minimum=1), check_int("s", s, minimum=1)
+    h, t = check_int("h", h, minimum=1), check_int("t", t, minimum=1)
+    return 72.0 * b * s * h * h / t
 
 
 def tp_layer_comm_bytes(b: int, s: int, h: int, t: int, allreduces: int = 4, dtype_bytes: int = 2) -> float:
@@ -81,7 +83,10 @@ def gpt_params(layers: int, hidden: int, vocab: int, seq: int) -> float:
 
 
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = True) -> float:
-    """SC'21 eq. (3): FLOPs per iteration 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) with full recomputation; 72·…·(1 + s/(6h) + V/(12·l·h)) without."""
+    """SC'21 eq. (3): FLOPs per iteration with full recomputation, 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+
+    Without recomputation: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)).
+    """
     bsz, s = check_int("batch", batch, minimum=1), check_int("seq", seq, minimum=1)
     l, h = check_int("layers", layers, minimum=1), check_int("hidden", hidden, minimum=1)
     v = check_int("vocab", vocab, minimum=1)

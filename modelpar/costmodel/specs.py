@@ -79,7 +79,10 @@ class ModelSpec:
 
     @property
     def layer_flops_per_token(self) -> float:
-        """Forward FLOPs of one layer per token: 2 per weight plus 4·s·h for QKᵀ and attention·V (no causal halving, as Megatron counts)."""
+        """Forward FLOPs of one layer per token: 2 per weight plus 4·s·h for QKᵀ and attention·V.
+
+        No causal halving, as Megatron counts.
+        """
         return 2 * self.layer_matmul_params + 4 * self.seq * self.hidden
 
     @property
