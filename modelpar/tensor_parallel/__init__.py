@@ -39,6 +39,7 @@ from modelpar.tensor_parallel.sharding import (
     sync_sequence_parallel_grads,
     unshard_tensor,
 )
+from modelpar.tensor_parallel.splits import matmul_splits, mlp_splits
 from modelpar.tensor_parallel.transformer import ParallelTransformerLayer
 
 __all__ = [
@@ -60,6 +61,8 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "gather_full_state_dict",
     "load_full_state_dict",
+    "matmul_splits",
+    "mlp_splits",
     "pad_vocab_size",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
