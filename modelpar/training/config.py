@@ -1,0 +1,110 @@
+"""What a training run is: the model, the (t, p, d) split, the schedule and the optimisation.
+
+``TrainConfig.check(world_size)`` validates everything before any process group work starts, so
+bad input is the same clear ValueError on every rank (every rank checks the same config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.distributed import ParallelDims
+from modelpar.model import GPTConfig
+
+__all__ = ["RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
+
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+RECOMPUTE_CHOICES = ("none", "full")  # or a positive integer k: a checkpoint every k layers
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)  # the GPT to train
+    tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
+    pp: int = 2  # p: pipeline stages
+    dp: int = 1  # d: data-parallel replicas
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
+    chunks: int = 2  # v: model chunks per rank for the interleaved schedule (others use 1)
+    microbatches: int = 4  # m: micro-batches per replica per step
+    batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
+    recompute: str = "none"  # activation recomputation per stage: none, full, or k (every k layers)
+    sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
+    steps: int = 300  # optimizer steps
+    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to lr/10)
+    warmup: int = 20  # warm-up steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay, matrices only
+    clip: float = 1.0  # gradient clipping: max global L2 norm over all shards (0 = off)
+    seed: int = 0  # one seed: initial weights and batches (identical for every split)
+    dtype: str = "float32"  # parameter and activation dtype (tests use float64)
+    eval_every: int = 50  # validation loss every this many steps (0 = only at the end)
+    eval_batches: int = 4  # validation batches per evaluation
+    checkpoint_dir: str | None = None  # where checkpoints go (None: no checkpoints)
+    checkpoint_every: int = 0  # save every this many steps (0: only at the end, if a dir is set)
+    keep: int = 2  # complete checkpoints kept on disk
+    resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
+    def virtual_chunks(self) -> int:
+        """v: model chunks per pipeline rank (1 unless the schedule is interleaved)."""
+        return self.chunks if self.schedule == "interleaved" else 1
+
+    @property
+    def recompute_arg(self) -> str | int | None:
+        """The ``recompute=`` argument of the layer chain: None, "full" or k."""
+        return None if self.recompute == "none" else ("full" if self.recompute == "full" else int(self.recompute))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.model.seq_len
+
+    def check(self, world_size: int | None = None) -> TrainConfig:
+        """Raise ValueError naming the first bad setting; return self."""
+        dims = self.dims
+        if world_size is not None:
+            dims.check_world(world_size)
+        check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
+        check_choice("dtype", self.dtype, DTYPES)
+        v = self.virtual_chunks
+        if self.schedule == "interleaved":
+            check_int("chunks", self.chunks, minimum=2)
+        for name in ("microbatches", "batch_size", "steps"):
+            check_int(name, getattr(self, name), minimum=1)
+        for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("eval_batches", self.eval_batches, minimum=1)
+        check_number("lr", self.lr, 0.0, strict=True)
+        check_number("weight_decay", self.weight_decay)
+        check_number("clip", self.clip)
+        if self.recompute not in RECOMPUTE_CHOICES:
+            if not str(self.recompute).isdigit():
+                raise ValueError(f"recompute must be one of {{none, full}} or a positive integer k, "
+                                 f"got {self.recompute!r}")
+            check_int("recompute", int(self.recompute), minimum=1, maximum=self.model.layers // (self.pp * v))
+        check_divisible("batch_size", self.batch_size, "dp", self.dp)
+        check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
+        if self.schedule == "interleaved":
+            check_divisible("microbatches", self.microbatches, "pp", self.pp)
+        self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        if isinstance(values.get("model"), dict):
+            values["model"] = GPTConfig(**values["model"])
+        return cls(**values)

@@ -1,0 +1,187 @@
+"""The 3D-parallel training loop (§6): run on every rank of an initialised process group.
+
+    for step in range(start, steps):
+        inputs → first stage, labels → last stage          (modelpar.corpus.rank_batch)
+        PipelineRunner.step: schedule's F/B(/I/W) over p    (modelpar.pipeline)
+        GradSync.finish: sp sums, tied-embedding sum, dp mean
+        GradSync.clip: global norm over every shard
+        AdamW.step; loss mean over replicas; report; eval; checkpoint
+
+Everything every rank must agree on (config checks, checkpoint choice and compatibility) is
+decided before the first collective, so bad input raises the same ValueError on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modelpar.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from modelpar.corpus import load_corpus, rank_batch
+from modelpar.model import GPTLoss, build_stage
+from modelpar.pipeline.runner import PipelineRunner
+from modelpar.schedules import get_schedule
+from modelpar.training.config import TrainConfig
+from modelpar.training.evaluate import evaluate
+from modelpar.training.grads import GradSync, param_groups
+from modelpar.training.setup import RankSetup, setup_rank
+from modelpar.training.state import check_meta, init_optimizer_state, run_meta, state_tensors
+
+__all__ = ["TrainResult", "lr_at", "train"]
+
+Reporter = Callable[[dict[str, Any]], None]
+_MEASURED_STEPS = 5  # the last steps whose timelines give the measured bubble
+
+
+@dataclass
+class TrainResult:
+    """What a run did (the same on every rank, except ``bubble_*``, measured per pipeline group)."""
+
+    start_step: int  # 0, or the step a resumed run started from
+    losses: list[float] = field(default_factory=list)  # training loss of every step since step 0
+    val: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
+    step_times: list[float] = field(default_factory=list)  # seconds, this run's steps
+    grad_norms: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    bubble_measured: float | None = None  # idle share of the pipeline in the last steps
+    bubble_simulated: float | None = None  # the simulator's bubble with the measured action costs
+    bubble_ideal: float | None = None  # the simulator's bubble with equal stages, F = 1, B = 2
+    num_parameters: int = 0
+    unigram_baseline: float = 0.0  # nats/byte on validation, see Corpus.unigram_baseline
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Median throughput over this run's steps (the first, warm-up step excluded if possible)."""
+        times = self.step_times[1:] or self.step_times
+        return self.tokens_per_step / statistics.median(times) if times else 0.0
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to lr/10 at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _global_mean(value: float | None, weight: float, device: torch.device) -> float:
+    """Sum over all ranks of ``value * weight`` (ranks without a value contribute 0)."""
+    t = torch.tensor([0.0 if value is None else value * weight], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _resume(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> tuple[int, list[float]]:
+    """Load the latest complete checkpoint if asked; return (step to start at, losses so far)."""
+    if not cfg.resume:
+        return 0, []
+    path = latest_checkpoint(cfg.checkpoint_dir)  # type: ignore[arg-type]
+    if path is None:
+        return 0, []
+    check_meta(read_meta(path), cfg, str(path))
+    meta = load_checkpoint(path, state)
+    return int(meta["step"]), [float(x) for x in meta["losses"]]
+
+
+def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
+    """Train on this rank; every rank of the default process group calls it with the same ``cfg``."""
+    cfg.check(dist.get_world_size())
+    rs: RankSetup = setup_rank(cfg)
+    dtype = getattr(torch, cfg.dtype)
+    corpus = load_corpus()
+    schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_chunks)
+    stages = schedule.num_stages
+    modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
+                              sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
+                              dtype=dtype, device=rs.device)
+               for s in schedule.stages_on(rs.pp_rank)}
+    runner = PipelineRunner(schedule, modules, GPTLoss(rs.tp_group), group=rs.pp_group, timeout=rs.timeout)
+    sync = GradSync(list(modules.values()), rs.tp_group, rs.dp_group, rs.embed_group, rs.tp_rank, rs.dp_rank,
+                    cfg.dp, cfg.sequence_parallel, tied_split=cfg.model.tie_embeddings and stages > 1)
+    optimizer = torch.optim.AdamW(param_groups(sync.params, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(0.9, 0.95), eps=1e-8)
+    init_optimizer_state(optimizer)
+    rng = torch.get_rng_state()
+    state = state_tensors(modules, optimizer, rs.tp_rank, dist.get_rank(), rng)
+    start, losses = _resume(cfg, state)
+    torch.set_rng_state(rng)
+    result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
+                         num_parameters=cfg.model.num_parameters(),
+                         unigram_baseline=corpus.unigram_baseline())
+    first, last = rs.pp_rank == schedule.device_of(0), rs.pp_rank == schedule.device_of(stages - 1)
+    loss_weight = 1.0 / cfg.dp if (last and rs.tp_rank == 0) else 0.0
+    emit = report if (report is not None and dist.get_rank() == 0) else None
+    if emit:
+        emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": result.num_parameters,
+              "unigram": result.unigram_baseline, "losses": list(losses)})
+    timelines = []
+    seq = cfg.model.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+    act_shape = (cfg.batch_size // cfg.dp, seq, cfg.model.hidden)
+
+    def validate(step: int) -> None:
+        total = 0.0
+        for i in range(cfg.eval_batches):
+            x, y = corpus.batch("val", i, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+            xi, yi = rank_batch(x, y, dp_rank=rs.dp_rank, dp=cfg.dp, first_stage=first, last_stage=last)
+            loss = evaluate(modules, schedule, rs, xi, yi, act_shape, dtype)
+            total += _global_mean(loss, loss_weight, rs.device) / cfg.eval_batches
+        result.val.append((step, total))
+        if emit:
+            emit({"event": "eval", "step": step, "val_loss": total})
+
+    def save(step: int) -> None:
+        if cfg.checkpoint_dir:
+            rng.copy_(torch.get_rng_state())
+            save_checkpoint(cfg.checkpoint_dir, step, state, run_meta(cfg, step, result.losses), keep=cfg.keep)
+
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+        xi, yi = rank_batch(x, y, dp_rank=rs.dp_rank, dp=cfg.dp, first_stage=first, last_stage=last)
+        xi, yi = (None if t is None else t.to(rs.device) for t in (xi, yi))
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        sync.zero_grad()
+        runner.step(xi, yi)
+        sync.finish()
+        norm = sync.clip(cfg.clip)
+        optimizer.step()
+        mine = float(runner.last_loss) if runner.last_loss is not None else None
+        loss = _global_mean(mine, loss_weight, rs.device)
+        result.step_times.append(time.perf_counter() - t0)
+        result.losses.append(loss)
+        result.grad_norms.append(norm)
+        if cfg.steps - step <= _MEASURED_STEPS:
+            timelines.append(runner.timeline())
+        if emit:
+            emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr_at(cfg, step),
+                  "tokens_per_s": cfg.tokens_per_step / result.step_times[-1]})
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            validate(done)
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            save(done)
+    validate(cfg.steps)
+    save(cfg.steps)
+    _bubbles(result, schedule, timelines)
+    if emit:
+        emit({"event": "done"})
+    return result
+
+
+def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
+    """Measured bubble of the last steps, the simulator's with their costs, and the ideal one."""
+    from modelpar.pipeline.measure import measured_durations, predict
+    from modelpar.simulate import simulate
+
+    result.bubble_ideal = simulate(schedule).bubble
+    if timelines:
+        result.bubble_measured = statistics.median(tl.bubble for tl in timelines)
+        result.bubble_simulated = predict(schedule, measured_durations(timelines)).bubble
