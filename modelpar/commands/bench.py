@@ -8,6 +8,7 @@ import importlib
 # Bench name -> module defining ``register(subparsers)`` like a top-level command.
 BENCHES: dict[str, str] = {
     "microbatch": "modelpar.commands.bench_microbatch",
+    "pipeline": "modelpar.commands.bench_pipeline",
 }
 
 

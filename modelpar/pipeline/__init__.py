@@ -14,8 +14,24 @@ from modelpar.pipeline.microbatch import (
 from modelpar.pipeline.partition import balance_by_cost, balance_by_size, balance_by_time, layer_times, split_sequential
 from modelpar.pipeline.pipe import Pipe
 from modelpar.pipeline.workers import StageWorkers
+from modelpar.pipeline.executor import StepRecord
+from modelpar.pipeline.measure import gather_timeline, measured_durations, predict
+from modelpar.pipeline.mlp_bench import MLPBench
+from modelpar.pipeline.runner import PipelineRunner
+from modelpar.pipeline.stage import PipelineStage
+from modelpar.pipeline.stages import even_balance, mlp_model, split_stages
 
 __all__ = [
+    "MLPBench",
+    "PipelineRunner",
+    "PipelineStage",
+    "StepRecord",
+    "even_balance",
+    "gather_timeline",
+    "measured_durations",
+    "mlp_model",
+    "predict",
+    "split_stages",
     "LinearFit",
     "MicrobatchRow",
     "MicrobatchScan",

@@ -1,0 +1,133 @@
+"""Run the built-in MLP through a schedule on real processes, and compare the run with the simulator.
+
+``bench_rank`` runs on every rank (start it with ``LocalCluster`` / ``launch`` or torchrun);
+rank 0 returns the measured timelines. ``summarize`` (in the parent) feeds the measured
+per-action costs and transfer time back to the simulator (``measure.predict``) and puts the
+prediction beside the measurement. ``modelpar bench pipeline`` and ``benchmarks/`` use both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from modelpar._validate import check_choice, check_divisible, check_int
+from modelpar.recompute.plan import Strategy
+from modelpar.schedules.generators import SCHEDULES, get_schedule
+from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.timeline import Timeline
+
+__all__ = ["MLPBench", "bench_rank", "summarize"]
+
+
+@dataclass(frozen=True)
+class MLPBench:
+    """One measured configuration: schedule, pipeline shape and the built-in MLP's size."""
+
+    schedule: str = "1f1b"  # one of modelpar.schedules.SCHEDULES
+    stages: int = 4  # K: processes
+    microbatches: int = 8  # M
+    chunks: int = 1  # v: model chunks per process (interleaved only)
+    width: int = 256  # MLP feature size
+    blocks: int = 2  # MLP blocks (width -> 4 width -> width) per process, split over its chunks
+    rows: int = 256  # batch rows N
+    steps: int = 5  # measured steps (after one warm-up step)
+    recompute: Strategy = None  # per-stage activation recomputation
+    threads: int = 1  # torch intra-op threads per process
+    timeout: float = 60.0  # seconds a rank may wait for a peer
+
+    def __post_init__(self) -> None:
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_int("stages", self.stages, minimum=1)
+        check_int("microbatches", self.microbatches, minimum=1)
+        for name in ("width", "blocks", "steps", "threads"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("rows", self.rows, minimum=self.microbatches)
+        check_divisible("blocks", self.blocks, "chunks", check_int("chunks", self.chunks, minimum=1))
+
+    def build_schedule(self) -> Schedule:
+        return get_schedule(self.schedule, self.stages, self.microbatches, self.chunks)
+
+
+def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
+    """Every rank: run warm-up + ``cfg.steps`` steps; rank 0 returns timelines and wall times."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from modelpar.pipeline.runner import PipelineRunner
+    from modelpar.pipeline.stages import mlp_model, split_stages
+
+    torch.set_num_threads(cfg.threads)
+    schedule = cfg.build_schedule()
+    rank = dist.get_rank()
+    per_stage = cfg.blocks // schedule.chunks
+    model = mlp_model(cfg.width, per_stage * schedule.num_stages)
+    stages = split_stages(model, schedule, rank, [3 * per_stage] * schedule.num_stages, cfg.recompute)
+    runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=cfg.timeout)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(cfg.rows, cfg.width, generator=gen)
+    y = torch.randn(cfg.rows, cfg.width, generator=gen)
+    transfer = ping_pong(torch.empty(-(-cfg.rows // cfg.microbatches), cfg.width)) if cfg.stages > 1 else 0.0
+    timelines, walls, peaks = [], [], []
+    for i in range(1 + cfg.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        runner.step(x, y)
+        wall = torch.tensor([time.perf_counter() - start])
+        for p in runner.parameters():
+            p.grad = None
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        timeline = runner.timeline()
+        peak = [0] * dist.get_world_size()
+        dist.all_gather_object(peak, runner.record.peak_held)
+        if i:
+            timelines.append(timeline)
+            walls.append(wall.item())
+            peaks.append(peak)
+    if rank:
+        return None
+    return {"timelines": timelines, "walls": walls, "transfer": transfer, "peak_held": peaks[-1]}
+
+
+def ping_pong(buf: Any, repeats: int = 10) -> float:
+    """One-way time of ``buf`` between ranks 0 and 1 (half the median round trip); 0 elsewhere."""
+    import torch.distributed as dist
+
+    rank, times = dist.get_rank(), []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1, tag=i)
+            dist.recv(buf, 1, tag=i)
+        elif rank == 1:
+            dist.recv(buf, 0, tag=i)
+            dist.send(buf, 0, tag=i)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) / 2 if rank in (0, 1) else 0.0
+
+
+def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
+    """Measured (median step) vs simulated with the measured costs: step time, bubble, peaks."""
+    from modelpar.pipeline.measure import measured_durations, predict
+
+    timelines: list[Timeline] = result["timelines"]
+    order = sorted(range(len(timelines)), key=lambda i: timelines[i].step_time)
+    median = timelines[order[len(order) // 2]]
+    predicted = predict(cfg.build_schedule(), measured_durations(timelines), result["transfer"])
+    chunks = median.chunks
+    return {
+        "measured_step_s": median.step_time,
+        "simulated_step_s": predicted.step_time,
+        "measured_bubble": median.bubble,
+        "simulated_bubble": predicted.bubble,
+        "wall_step_s": statistics.median(result["walls"]),
+        "transfer_s": result["transfer"],
+        "measured_peak_held": result["peak_held"],
+        "simulated_peak_held": [round(p * chunks) for p in predicted.peak_activations],
+        "measured": median,
+        "simulated": predicted,
+    }

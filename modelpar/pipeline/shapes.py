@@ -1,0 +1,158 @@
+"""Learn every tensor shape a step will send before anything is sent, and fail together if any is wrong.
+
+Only the first stage's rank sees the inputs and only the last stage's rank the targets, but every
+rank must allocate receive buffers and every rank must raise the same error on bad input. So:
+
+1. ``exchange_batch``: one all-reduce of a small integer vector; the owners fill in the shape
+   and dtype of the inputs / targets (or an error code), everyone else zeros. Every rank then
+   checks the batch (present, at least M rows, targets matching) and raises the same ValueError.
+2. ``dry_run``: for each distinct microbatch size, stage by stage in model order, the owner runs
+   its module once on zeros (eval mode, no grad, random state restored) and broadcasts the
+   output's shape and dtype — or its error, which every rank then raises.
+
+Both run once per batch shape (the first step), not every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["BatchSpec", "TensorSpec", "dry_run", "exchange_batch", "microbatch_sizes"]
+
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+BatchSpec = tuple[TensorSpec, TensorSpec]  # (inputs, targets)
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+_MAX_DIMS = 8
+_FIELDS = 3 + _MAX_DIMS  # status, ndim, dtype, shape...
+_OK, _MISSING, _NOT_TENSOR, _BAD = 1, 2, 3, 4
+
+
+def microbatch_sizes(rows: int, num_microbatches: int) -> list[int]:
+    """Rows of each microbatch, as ``torch.tensor_split``: sizes differ by at most one, larger first."""
+    q, r = divmod(rows, num_microbatches)
+    return [q + 1] * r + [q] * (num_microbatches - r)
+
+
+def _encode(value: Any) -> list[int]:
+    if value is None:
+        return [_MISSING] + [0] * (_FIELDS - 1)
+    if not isinstance(value, torch.Tensor):
+        return [_NOT_TENSOR] + [0] * (_FIELDS - 1)
+    if value.dim() == 0 or value.dim() > _MAX_DIMS or value.dtype not in _DTYPES:
+        return [_BAD, value.dim()] + [0] * (_FIELDS - 2)
+    shape = list(value.shape) + [0] * (_MAX_DIMS - value.dim())
+    return [_OK, value.dim(), _DTYPES.index(value.dtype)] + shape
+
+
+def _decode(name: str, field: list[int], owner: int) -> TensorSpec:
+    status, ndim, dtype = field[:3]
+    where = f"on rank {owner}, which runs its stage"
+    if status == _MISSING:
+        raise ValueError(f"{name} must be a tensor {where}, got None")
+    if status == _NOT_TENSOR:
+        raise ValueError(f"{name} must be a torch.Tensor {where}, got another type")
+    if status == _BAD:
+        raise ValueError(
+            f"{name} must have 1..{_MAX_DIMS} dimensions (a batch dimension first) and a standard "
+            f"dtype {where}, got {ndim} dimensions"
+        )
+    return tuple(field[3 : 3 + ndim]), _DTYPES[dtype]
+
+
+def exchange_batch(inputs: Any, targets: Any, owners: tuple[int, int], num_microbatches: int,
+                   group: Any) -> BatchSpec:
+    """All ranks learn the (shape, dtype) of inputs and targets; the same ValueError everywhere if bad.
+
+    ``owners`` are the global ranks holding the first and the last stage.
+    """
+    me = dist.get_rank()
+    vec = [0] * (2 * _FIELDS)
+    if me == owners[0]:
+        vec[:_FIELDS] = _encode(inputs)
+    if me == owners[1]:
+        vec[_FIELDS:] = _encode(targets)
+    t = torch.tensor(vec, dtype=torch.int64)
+    dist.all_reduce(t, group=group)
+    vec = t.tolist()
+    inp = _decode("inputs", vec[:_FIELDS], owners[0])
+    tgt = _decode("targets", vec[_FIELDS:], owners[1])
+    rows = inp[0][0]
+    if rows < num_microbatches:
+        raise ValueError(
+            f"inputs has {rows} rows (dim 0) but the schedule has {num_microbatches} microbatches; "
+            f"each microbatch needs at least one row, so the batch must have >= {num_microbatches} rows"
+        )
+    if tgt[0][0] != rows:
+        raise ValueError(f"targets must have as many rows as inputs ({rows}), got shape {tgt[0]}")
+    return inp, tgt
+
+
+def dry_run(
+    modules: dict[int, nn.Module],
+    stage_to_device: Sequence[int],
+    batch: BatchSpec,
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: Any,
+) -> dict[tuple[int, int], TensorSpec]:
+    """Return ``{(stage, rows): spec}``: the output of every stage but the last, per microbatch size.
+
+    Every rank gets the same table. A stage that fails on its input raises ValueError on every
+    rank, naming the stage, its rank and the input it was given.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    (in_shape, in_dtype), (tg_shape, tg_dtype) = batch
+    last = len(stage_to_device) - 1
+    specs: dict[tuple[int, int], TensorSpec] = {}
+    for rows in sorted(set(microbatch_sizes(in_shape[0], num_microbatches))):
+        spec: TensorSpec = ((rows, *in_shape[1:]), in_dtype)
+        for s, device in enumerate(stage_to_device):
+            owner = ranks[device]
+            result: list[Any] = [None]
+            if me == owner:
+                target = ((rows, *tg_shape[1:]), tg_dtype) if s == last else None
+                result[0] = _try_stage(modules[s], spec, target, loss_fn)
+            dist.broadcast_object_list(result, src=owner, group=group)
+            kind, value = result[0]
+            if kind == "error":
+                source = "the inputs" if s == 0 else f"stage {s - 1}"
+                raise ValueError(
+                    f"stage {s} (rank {owner}) cannot run on the output of {source} "
+                    f"(shape {tuple(spec[0])}, {spec[1]}): {value}"
+                )
+            if s < last:
+                specs[s, rows] = spec = value
+    return specs
+
+
+def _try_stage(module: nn.Module, spec: TensorSpec, target: TensorSpec | None,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[str, Any]:
+    """Run ``module`` once on zeros; ('ok', output spec) or ('error', message)."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module.eval()
+            out = module(torch.zeros(spec[0], dtype=spec[1]))
+            if not isinstance(out, torch.Tensor):
+                return "error", f"a stage must return one tensor, got {type(out).__name__}"
+            if target is None:
+                if not out.is_floating_point():
+                    return "error", f"activations between stages must be floating point, got {out.dtype}"
+                return "ok", (tuple(out.shape), out.dtype)
+            loss = loss_fn(out, torch.zeros(target[0], dtype=target[1]))
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                return "error", "loss_fn must return a scalar tensor (the mean loss of a microbatch)"
+            return "ok", None
+    except Exception as err:  # noqa: BLE001  reported on every rank as a ValueError
+        return "error", f"{type(err).__name__}: {err}"
+    finally:
+        for m, training in modes:
+            m.train(training)

@@ -1,0 +1,67 @@
+"""Cut a model into a schedule's virtual stages and keep this device's; the built-in MLP.
+
+Every rank builds the same whole model (same seed) and keeps only its stages, so a bad split
+raises the same ValueError on every rank before any communication. With interleaving, device d
+keeps virtual stages d, d + K, ... (the schedule's stage -> device map decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from modelpar._validate import check_int
+from modelpar.pipeline.microbatch import mlp_stage
+from modelpar.pipeline.partition import split_sequential
+from modelpar.recompute.plan import Strategy
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["even_balance", "mlp_model", "split_stages"]
+
+
+def even_balance(layers: int, stages: int) -> list[int]:
+    """Layers per stage, as equal as possible (the first stages take one more)."""
+    q, r = divmod(layers, stages)
+    return [q + 1] * r + [q] * (stages - r)
+
+
+def split_stages(
+    model: nn.Sequential,
+    schedule: Schedule,
+    device: int,
+    balance: Sequence[int] | None = None,
+    recompute: Strategy = None,
+) -> dict[int, nn.Module]:
+    """``{stage: module}`` for the virtual stages ``schedule`` puts on ``device``.
+
+    ``balance[s]`` is stage s's layer count (default: even). ``recompute`` (None, k, "sqrt",
+    "full", "recompute-all") wraps each stage in ``modelpar.recompute.Recompute``.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"model must be an nn.Sequential to be split into stages, got {type(model).__name__}")
+    n, stages = len(model), schedule.num_stages
+    check_int("device", device, minimum=0, maximum=schedule.num_devices - 1)
+    if balance is None:
+        if n < stages:
+            raise ValueError(
+                f"model has {n} layers and cannot be split into {stages} stages "
+                f"({schedule.num_devices} devices × {schedule.chunks} chunks); each stage needs a layer"
+            )
+        balance = even_balance(n, stages)
+    elif isinstance(balance, (str, bytes)) or len(balance) != stages:
+        raise ValueError(f"balance must give a layer count for each of the {stages} stages, got {balance!r}")
+    parts = split_sequential(model, balance)
+    if recompute is not None:
+        from modelpar.recompute import recompute_stage
+
+        parts = [recompute_stage(p, recompute) for p in parts]
+    return {s: parts[s] for s in schedule.stages_on(device)}
+
+
+def mlp_model(width: int, blocks: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
+    """``blocks`` MLP blocks width → 4·width → GELU → width (3 layers each), seeded alike on every rank."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(check_int("seed", seed))
+        return mlp_stage(width, blocks).to(dtype)

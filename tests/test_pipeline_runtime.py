@@ -1,0 +1,289 @@
+"""The multi-process pipeline runtime on real gloo processes, float64, against one process.
+
+One cluster of 4 ranks for the module. Pipeline groups are carved out of it with
+``dist.new_group``: K = 4 uses every rank; K = 2 runs two pipelines at once on the groups
+[0, 2] and [1, 3] (group ranks are not global ranks); K = 1 runs one per rank.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from modelpar.distributed import LocalCluster
+from modelpar.pipeline import PipelineRunner, measured_durations, predict, split_stages
+from modelpar.schedules import Schedule, get_schedule
+from modelpar.simulate import simulate
+from modelpar.simulate.ascii import ascii_chart
+
+TOL = 1e-12
+ROWS = 10  # not a multiple of most M: the last microbatches are smaller
+WIDTHS = [5, 7, 6, 4, 8, 5, 6, 7, 3]  # 8 Linear+Tanh units whose widths change at every boundary
+CASES = {  # schedule -> (K, M, v) where the schedule allows it
+    "gpipe": [(k, m, 1) for k in (1, 2, 4) for m in (1, 2, 4, 8)],
+    "1f1b": [(k, m, 1) for k in (1, 2, 4) for m in (1, 2, 4, 8)],
+    "interleaved": [(k, m, 2) for k in (1, 2, 4) for m in (1, 2, 4, 8) if m % k == 0],
+    "zb-h1": [(k, m, 1) for k in (1, 2, 4) for m in (1, 2, 4, 8)],
+}
+_GROUPS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(4, timeout=120) as c:
+        yield c
+
+
+# --- helpers that run on the ranks -------------------------------------------------------------
+def _group(k: int):
+    """This rank's pipeline group of size k (created once per process, by every rank)."""
+    if not _GROUPS:
+        _GROUPS[4] = dist.group.WORLD
+        _GROUPS[2] = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        _GROUPS[1] = [dist.new_group([r]) for r in range(4)]
+    rank = dist.get_rank()
+    return {4: _GROUPS[4], 2: _GROUPS[2][rank % 2], 1: _GROUPS[1][rank]}[k]
+
+
+def _model(widths=WIDTHS, seed=0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
+def _batch(rows=ROWS, width_in=WIDTHS[0], width_out=WIDTHS[-1]):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.randn(rows, width_in, generator=gen, dtype=torch.float64),
+            torch.randn(rows, width_out, generator=gen, dtype=torch.float64))
+
+
+def _compare(model, ref) -> tuple[float, int]:
+    """Largest |grad difference| over this rank's parameters, and how many had a gradient."""
+    err, count = 0.0, 0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if p.grad is not None:
+            err, count = max(err, (p.grad - q.grad).abs().max().item()), count + 1
+    return err, count
+
+
+def _transparency(name, cases):
+    """Every case: two SGD steps pipelined vs on one process; errors, losses, peaks per case."""
+    out = []
+    x, y = _batch()
+    for k, m, v in cases:
+        schedule = get_schedule(name, k, m, v)
+        group = _group(k)
+        model, ref = _model(), _model()
+        stages = split_stages(model, schedule, dist.get_rank(group), balance=[2 * 8 // (k * v)] * (k * v))
+        runner = PipelineRunner(schedule, stages, F.mse_loss, group, timeout=30)
+        opt = torch.optim.SGD(runner.parameters(), lr=0.5)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        case = {"case": (name, k, m, v), "grad_err": 0.0, "loss_err": 0.0, "owned": 0, "peak": []}
+        for _ in range(2):
+            losses = runner.step(x, y)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            err, owned = _compare(model, ref)
+            case["grad_err"] = max(case["grad_err"], err)
+            case["owned"] = owned
+            if losses:
+                case["loss_err"] = max(case["loss_err"], abs(runner.last_loss.item() - ref_loss.item()))
+                case["microbatch_losses"] = len(losses)
+            case["peak"].append(runner.record.peak_held)
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        mine = {id(p) for p in runner.parameters()}
+        case["param_err"] = max((p - q).abs().max().item()
+                                for p, q in zip(model.parameters(), ref.parameters()) if id(p) in mine)
+        case["device"] = dist.get_rank(group)
+        out.append(case)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_transparency_two_steps_every_k_and_m(cluster, name):
+    per_rank = cluster.run(_transparency, name, CASES[name])
+    for rank, cases in enumerate(per_rank):
+        for c in cases:
+            _, k, m, v = c["case"]
+            assert c["grad_err"] <= TOL, c
+            assert c["loss_err"] <= TOL, c
+            assert c["param_err"] <= TOL, c  # two optimizer steps later, still the same model
+            assert c["owned"] == 2 * 8 // k  # every parameter this rank holds got a gradient
+            schedule = get_schedule(name, k, m, v)
+            if schedule.device_of(schedule.num_stages - 1) == c["device"]:
+                assert c["microbatch_losses"] == m
+            # held activations (F until B, or I when split), counted per chunk: the simulator's peak
+            expected = simulate(schedule).peak_activations[c["device"]] * schedule.chunks
+            assert c["peak"] == [round(expected)] * 2, (rank, c)
+
+
+def test_reference_peaks_one_f_one_b_and_gpipe(cluster):
+    """§4.1: 1F1B (K = 4, M = 8) holds [4, 3, 2, 1] microbatches per device; GPipe holds all 8."""
+    per_rank = cluster.run(_transparency, "1f1b", [(4, 8, 1)])
+    assert [r[0]["peak"][0] for r in per_rank] == [4, 3, 2, 1]
+    per_rank = cluster.run(_transparency, "gpipe", [(4, 8, 1)])
+    assert [r[0]["peak"][0] for r in per_rank] == [8, 8, 8, 8]
+
+
+class _Embed(nn.Module):
+    """Token ids -> vectors, flattening the sequence: (N, T) int64 -> (N, T·d) float64."""
+
+    def __init__(self, vocab, d, seq):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d).double()
+        self.out = seq * d
+
+    def forward(self, ids):
+        return self.emb(ids).reshape(ids.shape[0], self.out)
+
+
+def _token_model(seed=0):
+    torch.manual_seed(seed)
+    layers = [_Embed(11, 3, 4), nn.Linear(12, 9), nn.Tanh(), nn.Linear(9, 9), nn.GELU(),
+              nn.Linear(9, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 5),
+              nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 11), nn.LogSoftmax(dim=-1)]
+    return nn.Sequential(*layers).double()
+
+
+def _uneven_tokens(name, balance, recompute):
+    """Uneven stages, integer token ids in, NLL loss out; returns errors, peak, and the timeline."""
+    schedule = get_schedule(name, 4, 6)
+    model, ref = _token_model(), _token_model()
+    stages = split_stages(model, schedule, dist.get_rank(), balance=balance, recompute=recompute)
+    runner = PipelineRunner(schedule, stages, F.nll_loss, timeout=30)
+    gen = torch.Generator().manual_seed(2)
+    ids, targets = torch.randint(0, 11, (9, 4), generator=gen), torch.randint(0, 11, (9,), generator=gen)
+    runner.step(ids, targets)
+    ref_loss = F.nll_loss(ref(ids), targets)
+    ref_loss.backward()
+    err, owned = _compare(model, ref)
+    timeline = runner.timeline()
+    loss_err = abs(runner.last_loss.item() - ref_loss.item()) if runner.last_loss is not None else 0.0
+    return {"err": err, "owned": owned, "loss_err": loss_err, "timeline": timeline}
+
+
+@pytest.mark.parametrize("name,recompute", [("1f1b", None), ("zb-h1", None), ("1f1b", "full"), ("zb-h1", "sqrt")])
+def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
+    balance = [1, 2, 5, 8]  # layers per stage; 9 rows in 6 microbatches: sizes 2, 2, 2, 1, 1, 1
+    per_rank = cluster.run(_uneven_tokens, name, balance, recompute)
+    owned = [sum(1 for layer in list(_token_model())[sum(balance[:d]):sum(balance[:d + 1])]
+                 for _ in layer.parameters()) for d in range(4)]
+    for d, r in enumerate(per_rank):
+        assert r["err"] <= TOL and r["loss_err"] <= TOL, (d, r["err"], r["loss_err"])
+        assert r["owned"] == owned[d]
+    # the gathered timeline: every device ran exactly its actions, in the schedule's order, one at a time
+    tl, schedule = per_rank[0]["timeline"], get_schedule(name, 4, 6)
+    assert tl.actions == [list(a) for a in schedule.actions]
+    for starts, ends in zip(tl.starts, tl.ends):
+        assert all(s <= e for s, e in zip(starts, ends))
+        assert all(e <= s2 for e, s2 in zip(ends, starts[1:]))
+    # causality across devices: an action starts only after what it needs has ended
+    end = {a: e for d in range(4) for a, e in zip(tl.actions[d], tl.ends[d])}
+    start = {a: s for d in range(4) for a, s in zip(tl.actions[d], tl.starts[d])}
+    late = [(str(dep), str(a), end[dep] - start[a]) for a in start for dep in schedule.dependencies(a)
+            if end[dep] > start[a]]
+    assert not late
+    predicted = predict(schedule, measured_durations([tl]))
+    assert predicted.actions == tl.actions and 0 < predicted.step_time <= tl.step_time * (1 + 1e-9)
+    assert len(ascii_chart(tl, unit=tl.step_time / 50).splitlines()) == 4
+
+
+# --- bad input: the same clear error on every rank, before anything is sent -------------------
+def _error_on_every_rank(case):
+    try:
+        schedule = get_schedule("1f1b", 4, 4)
+        model, x, y = _model(), *_batch()
+        if case == "deadlock":
+            schedule = Schedule.from_text("0F0 0B0 \n 1B0 1F0 \n 2F0 2B0 \n 3F0 3B0")
+        if case == "stage count":
+            schedule = get_schedule("1f1b", 3, 4)
+        if case == "split":
+            model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        stages = split_stages(model, schedule, dist.get_rank() % schedule.num_devices)
+        if case == "shapes" and 1 in stages:
+            stages[1] = nn.Sequential(nn.Linear(9, 4), nn.Tanh()).double()  # stage 0 sends width 6
+        runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=30)
+        if case == "rows":
+            x, y = x[:3], y[:3]
+        if case == "no inputs":
+            x = None
+        runner.step(x, y)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("deadlock", r"invalid schedule.*"),
+    ("stage count", r"schedule 1f1b has 3 devices but the pipeline group has 4 processes"),
+    ("split", r"model has 3 layers and cannot be split into 4 stages"),
+    ("rows", r"inputs has 3 rows \(dim 0\) but the schedule has 4 microbatches"),
+    ("no inputs", r"inputs must be a tensor on rank 0, which runs its stage, got None"),
+    ("shapes", r"stage 1 \(rank 1\) cannot run on the output of stage 0 \(shape \(2, 6\), torch.float64\)"
+               r".*mat1 and mat2 shapes cannot be multiplied"),
+])
+def test_bad_input_same_error_on_every_rank(cluster, case, message):
+    errors = cluster.run(_error_on_every_rank, case)
+    assert len(set(errors)) == 1, errors
+    assert errors[0] != "no error"
+    import re
+
+    assert re.search(message, errors[0]), errors[0]
+
+
+# --- a stage that raises: every rank ends, the caller sees the original error ------------------
+def _raise_on_rank_1(catch):
+    schedule = get_schedule("1f1b", 4, 4)
+    stages = split_stages(_model(), schedule, dist.get_rank())
+    if 1 in stages:
+        stages[1] = _BoomLater(stages[1])
+    runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=2)
+    start = time.monotonic()
+    try:
+        runner.step(*_batch())
+    except Exception as err:  # noqa: BLE001
+        if not catch:
+            raise
+        return type(err).__name__, str(err), "\n".join(getattr(err, "__notes__", [])), time.monotonic() - start
+    return "no error", "", "", time.monotonic() - start
+
+
+class _BoomLater(nn.Module):
+    """Passes the dry run, then fails on the third real microbatch."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 3:
+                raise KeyError("boom in stage 1")
+        return self.inner(x)
+
+
+def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
+    results = cluster.run(_raise_on_rank_1, True)
+    cluster.close()  # the timed-out receives broke the gloo pairs: the next run starts fresh ranks
+    kind, message, notes, elapsed = results[1]
+    assert kind == "KeyError" and "boom in stage 1" in message
+    assert "while running action 1F2 on rank 1" in notes
+    for rank in (0, 2, 3):
+        kind, message, _, elapsed = results[rank]
+        assert kind == "TimeoutError", results[rank]
+        assert f"rank {rank} (pipeline device {rank}) waited 2 s for the" in message
+        assert elapsed < 2 + 10
+    assert "for action 2F2) from rank 1" in results[2][1]  # rank 2 names the action it waited on
+
+
+def test_failing_stage_reaches_the_caller_with_its_rank(cluster):
+    with pytest.raises(KeyError, match=r"\[rank 1\] 'boom in stage 1'") as info:
+        cluster.run(_raise_on_rank_1, False)
+    assert info.value.rank == 1
