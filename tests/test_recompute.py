@@ -270,3 +270,41 @@ def test_plan_segments():
     assert plan_recompute(10, None).segments == [] and plan_recompute(10, "full").label == "full"
     assert plan_recompute(64, "sqrt").label == "every-8" and plan_recompute(5, "recompute-all").label == "recompute-all"
     assert chain_cost(10, 4).held == max(1 + 4, 2 + 4, 3 + 2) == 6
+
+
+# -- CUDA: the device generator is replayed too (skipped without a GPU) -------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("recompute", [2, "full", "recompute-all"])
+def test_cuda_dropout_bitwise_and_random_stream_untouched(recompute):
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Dropout(0.3)) for _ in range(4)])
+    layers = layers.to("cuda", torch.float64)
+
+    def run(module):
+        x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).cuda().requires_grad_()
+        torch.manual_seed(5)  # seeds the CUDA generator too
+        out = module(x)
+        grads = torch.autograd.grad(out.sum(), [x, *layers.parameters()])
+        return [out.detach(), *grads, torch.rand(4, device="cuda"), torch.rand(4)]
+
+    assert _equal(run(Recompute(layers, recompute)), run(layers))
+
+
+@needs_cuda
+def test_cuda_autocast_is_replayed():
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)]).cuda()
+
+    def run(module):
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).requires_grad_()
+        torch.manual_seed(3)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module(x)
+        assert out.dtype == torch.bfloat16
+        return list(torch.autograd.grad(out.float().sum(), [x, *layers.parameters()]))
+
+    assert _equal(run(Recompute(layers, 2)), run(layers))
