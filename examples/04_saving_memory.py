@@ -2,11 +2,16 @@
 
 Part 1: 1F1B has GPipe's bubble but holds K − d microbatches on device d instead of M.
 Part 2: interleaving v = 2 chunks halves the bubble time at the cost of more transfers and
-activations. Part 3: the bubble vs M, without and with transfer cost.
+activations. Part 3: the bubble vs M, without and with transfer cost. Part 4: activation
+recomputation on the reference's tanh chain (n = 64): store-all, every-k, recompute-all. Part 5:
+GPipe with and without recomputation, the memory model of §4.3 against a measured pipeline.
 """
 
 from __future__ import annotations
 
+import torch
+
+from modelpar.recompute import chain_cost, gpipe_activation_memory, measure_chain, measure_gpipe, scaled_tanh_stages
 from modelpar.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from modelpar.simulate import Costs, simulate
 from modelpar.simulate.ascii import ascii_chart
@@ -44,10 +49,47 @@ def part3() -> None:
     print()
 
 
+def part4() -> None:
+    """§4.3: tanh chain n = 64: held ≈ n/k + k (16 = 2√n at k = 8), gradients bitwise equal."""
+    print("== Part 4: activation recomputation, tanh chain n = 64 (measured with saved-tensor hooks) ==")
+    n, x = 64, torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    _, plain = measure_chain([torch.tanh] * n, x, None)
+    print(f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>9} {'extra forwards':>15}  bitwise equal")
+    for recompute in (None, 2, 4, 8, 16, 32, "full", "recompute-all"):
+        report, grads = measure_chain([torch.tanh] * n, x, recompute)
+        equal = all(torch.equal(a, b) for a, b in zip(grads, plain))
+        print(f"{report.label:14} {report.held:5} {chain_cost(n, recompute).held:6} {report.held_bytes / 1024:9.0f} "
+              f"{report.extra_forwards:15}  {equal}")
+    print("every-k keeps n/k segment inputs + one segment's k activations: fewest at k = √64 = 8 (2√n = 16);")
+    print("it re-runs each layer once (64 forwards, one more forward pass). The reference's n − n/k = 56")
+    print("counts the recomputed intermediates: a segment's last output is the next checkpoint, but")
+    print("autograd must still re-run that layer to rebuild its graph.")
+    print()
+
+
+def part5() -> None:
+    """§4.3: GPipe N = 256, L = 48, K = 4: recomputation saves 8.7× at M = 32, costs a little at M = 1."""
+    print("== Part 5: GPipe with recomputation, N = 256, L = 48, K = 4 (per device, samples × layers) ==")
+    batch, layers, stages, width = 256, 48, 4, 4
+    x = torch.randn(batch, width, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    print(f"{'M':>3} {'plain model':>12} {'measured':>9} {'recompute model':>16} {'measured':>9} {'saving':>7}  grads equal")
+    for m in (1, 4, 32):
+        plain, ours = (measure_gpipe(scaled_tanh_stages(layers, stages, width, r), x, m) for r in (None, "full"))
+        p_model, r_model = (gpipe_activation_memory(batch, layers, stages, m, r) for r in (False, True))
+        equal = all(torch.equal(a, b) for a, b in zip(plain.grads, ours.grads))
+        print(f"{m:3} {p_model:12} {max(plain.sample_layers(width)):9.0f} {r_model:16} "
+              f"{max(ours.sample_layers(width)):9.0f} {p_model / r_model:6.1f}x  {equal}")
+    print("O(N × L/K) -> O(N + L/K × N/M): each device keeps every micro-batch's stage input and re-runs")
+    print("one micro-batch's L/K layers at a time; at M = 1 that is N more than it saves.")
+    print()
+
+
 def main() -> None:
     part1()
     part2()
     part3()
+    part4()
+    part5()
 
 
 if __name__ == "__main__":
