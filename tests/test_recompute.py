@@ -212,6 +212,20 @@ def test_inside_threaded_pipe():
     assert _equal(list(grads([recompute_stage(s, r) for s, r in zip(stages, [2, "full"])])), list(grads(stages)))
 
 
+@pytest.mark.parametrize("recompute", [1, "full", "recompute-all"])
+def test_inside_the_gpt_block_stack(recompute):
+    model = pytest.importorskip("modelpar.model")
+    cfg = model.GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=4)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def run(option):
+        gpt = model.build_stage(cfg, recompute=option, dtype=torch.float64)
+        out = gpt(ids)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), list(gpt.parameters()))]
+
+    assert _equal(run(recompute), run(None))
+
+
 def test_meter_counts_hand_checked_cases():
     meter = ActivationMeter()
     x = torch.randn(4, 3, requires_grad=True)
