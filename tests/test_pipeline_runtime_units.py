@@ -1,0 +1,149 @@
+"""The runtime's pieces in one process: split backward, stages, microbatch sizes, tags, prediction, CLI."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from modelpar.cli import main
+from modelpar.pipeline import PipelineStage, even_balance, measured_durations, predict, split_stages
+from modelpar.pipeline.p2p import act_tag, grad_tag
+from modelpar.pipeline.shapes import microbatch_sizes
+from modelpar.pipeline.split_backward import backward_input
+from modelpar.schedules import Kind, get_schedule
+from modelpar.simulate import Costs, Event, Timeline, simulate
+
+
+def _mlp(widths, seed, tie=False):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.GELU()]
+    model = nn.Sequential(*layers).double()
+    if tie:  # one weight used by two layers: its gradient must not be counted twice
+        model[2].weight = model[0].weight
+    return model
+
+
+def _split_vs_full(model, x_needs_grad, rows=5, seed=0):
+    """Gradients from I then W vs one full backward: (max error, whether W ran after I)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, model[0].in_features, generator=gen, dtype=torch.float64, requires_grad=x_needs_grad)
+    out = model(x)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    params = list(model.parameters())
+    ref = torch.autograd.grad(out, ([x] if x_needs_grad else []) + params, g)
+    out = model(x)
+    gx, weight = backward_input(out, g, x if x_needs_grad else None)
+    untouched = all(p.grad is None for p in params)  # I computed no weight gradient
+    weight()
+    got = ([gx] if x_needs_grad else []) + [p.grad for p in params]
+    return max((a - b).abs().max().item() for a, b in zip(ref, got)), untouched
+
+
+@settings(max_examples=25, deadline=None)
+@given(widths=st.lists(st.integers(1, 6), min_size=2, max_size=5), x_needs_grad=st.booleans(),
+       seed=st.integers(0, 10))
+def test_split_backward_equals_full_backward(widths, x_needs_grad, seed):
+    err, untouched = _split_vs_full(_mlp(widths, seed), x_needs_grad, seed=seed)
+    assert err == 0.0  # the same products in the same order: bitwise equal
+    assert untouched
+
+
+def test_split_backward_tied_weight_counted_once():
+    err, _ = _split_vs_full(_mlp([4, 4, 4, 3], 0, tie=True), True)
+    assert err < 1e-15
+
+
+def test_split_backward_defers_the_weight_products():
+    """I runs the input-gradient products only; the weight gradient appears only after W."""
+    model = _mlp([3, 4, 2], 0)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    out = model(x)
+    gx, weight = backward_input(out, torch.ones_like(out), x)
+    assert gx.shape == x.shape and model[0].weight.grad is None and x.grad is None
+    weight()
+    assert model[0].weight.grad is not None and model[2].bias.grad is not None
+
+
+def test_stage_forward_backward_scales_the_loss_and_holds_microbatches():
+    torch.manual_seed(0)
+    module = nn.Linear(3, 1).double()
+    stage = PipelineStage(1, module, num_stages=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+    loss = stage.forward(0, x, t, scale=0.25)
+    assert stage.held == 1 and not loss.requires_grad
+    gx = stage.backward(0, None)
+    assert stage.held == 0
+    ref = nn.Linear(3, 1).double()
+    ref.load_state_dict(module.state_dict())
+    xr = x.clone().requires_grad_()
+    (((ref(xr) - t) ** 2).mean() * 0.25).backward()
+    assert torch.equal(module.weight.grad, ref.weight.grad) and torch.equal(gx, xr.grad)
+
+
+@given(rows=st.integers(1, 200), m=st.integers(1, 50))
+def test_microbatch_sizes_match_tensor_split(rows, m):
+    if m > rows:
+        return
+    sizes = microbatch_sizes(rows, m)
+    assert sizes == [len(c) for c in torch.tensor_split(torch.empty(rows), m)]
+    assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
+
+
+def test_tags_are_unique_per_message():
+    m = 8
+    tags = {act_tag(s, j, m) for s in range(6) for j in range(m)} | {grad_tag(s, j, m) for s in range(6) for j in range(m)}
+    assert len(tags) == 2 * 6 * m
+
+
+def test_split_stages_even_and_interleaved_placement():
+    model = _mlp([2] * 9, 0)  # 16 layers
+    schedule = get_schedule("interleaved", 2, 4, 2)
+    stages = split_stages(model, schedule, 1)
+    assert sorted(stages) == [1, 3] and all(len(m) == 4 for m in stages.values())
+    assert stages[1][0] is model[4] and stages[3][0] is model[12]
+    assert even_balance(10, 4) == [3, 3, 2, 2]
+    with pytest.raises(ValueError, match=r"balance must give a layer count for each of the 4 stages"):
+        split_stages(model, schedule, 0, balance=[8, 8])
+    with pytest.raises(ValueError, match=r"balance must add up to the number of layers \(16\)"):
+        split_stages(model, schedule, 0, balance=[4, 4, 4, 5])
+    with pytest.raises(ValueError, match=r"model must be an nn.Sequential.*got Linear"):
+        split_stages(nn.Linear(2, 2), schedule, 0)
+
+
+def test_prediction_from_measured_costs_reproduces_the_simulator():
+    """Fed the durations of a simulated 1F1B run (F = 1, B = 2), predict redraws the reference's 33 units."""
+    schedule = get_schedule("1f1b", 4, 8)
+    sim = simulate(schedule, Costs())
+    measured = Timeline(sim.events, 4, schedule)
+    durations = measured_durations([measured])
+    assert durations[Kind.F] == [1.0] * 4 and durations[Kind.B] == [2.0] * 4
+    predicted = predict(schedule, durations)
+    assert predicted.step_time == 33 and round(predicted.bubble, 3) == 0.273  # §4.1: 33 units, 27.3 %
+    with_transfer = predict(schedule, durations, transfer=0.5)
+    assert with_transfer.step_time > 33
+    shifted = Timeline([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
+    assert shifted.step_time == 33  # measured clocks start anywhere
+
+
+def test_cli_bad_arguments_exit_2_before_starting_processes(capsys):
+    assert main(["bench", "pipeline", "--schedule", "1f1b", "--chunks", "2"]) == 2
+    assert "chunks must be 1 for schedule '1f1b'" in capsys.readouterr().err
+    assert main(["bench", "pipeline", "--schedule", "bogus"]) == 2
+    assert "schedule must be one of" in capsys.readouterr().err
+    assert main(["bench", "pipeline", "--rows", "3", "--microbatches", "4"]) == 2
+    assert "rows must be >= 4, got 3" in capsys.readouterr().err
+
+
+def test_cli_json_runs_two_processes(capsys):
+    args = ["bench", "pipeline", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--steps", "2",
+            "--width", "8", "--rows", "8", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["measured_peak_held"] == out["simulated_peak_held"] == [2, 1]
+    assert out["measured_step_s"] > 0 and out["simulated_step_s"] > 0
+    assert 0 <= out["simulated_bubble"] < 1 and 0 <= out["measured_bubble"] < 1
