@@ -194,6 +194,36 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
     assert len(ascii_chart(tl, unit=tl.step_time / 50).splitlines()) == 4
 
 
+V_SCHEDULE = """
+device 0: 0F0 0F1 0F2 3F0 3F1 3B0 3F2 3B1 0B0 3B2 0B1 0B2
+device 1: 1F0 1F1 2F0 1F2 2F1 2B0 2F2 1B0 2B1 1B1 2B2 1B2
+"""  # hand-written, V placement: device 0 holds stages 0 and 3, device 1 holds 1 and 2
+
+
+def _hand_written_v(schedule_text):
+    """Both ends of the model on device 0, a same-device hand-over (1 -> 2) on device 1."""
+    schedule = Schedule.from_text(schedule_text, name="v")
+    group = _group(2)
+    model, ref = _model(), _model()
+    stages = split_stages(model, schedule, dist.get_rank(group))
+    runner = PipelineRunner(schedule, stages, F.mse_loss, group, timeout=30)
+    x, y = _batch()
+    losses = runner.step(x, y)
+    F.mse_loss(ref(x), y).backward()
+    return _compare(model, ref), len(losses), runner.record.peak_held
+
+
+def test_hand_written_v_schedule(cluster):
+    schedule = Schedule.from_text(V_SCHEDULE).validate()
+    assert schedule.stage_to_device == (0, 1, 1, 0)
+    per_rank = cluster.run(_hand_written_v, V_SCHEDULE)
+    for rank, ((err, owned), n_losses, peak) in enumerate(per_rank):
+        device = rank // 2  # groups [0, 2] and [1, 3]
+        assert err <= TOL and owned == 8
+        assert n_losses == (3 if device == 0 else 0)  # the last stage lives on device 0
+        assert peak == simulate(schedule).peak_activations[device] * schedule.chunks
+
+
 # --- bad input: the same clear error on every rank, before anything is sent -------------------
 def _error_on_every_rank(case):
     try:
