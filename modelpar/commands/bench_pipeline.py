@@ -93,7 +93,7 @@ def report(cfg: Any, s: dict[str, Any]) -> str:
     return (
         f"{cfg.schedule} (K = {cfg.stages}, M = {cfg.microbatches}{v}) on {cfg.stages} gloo processes: "
         f"MLP width {cfg.width}, {cfg.blocks} blocks per process, {cfg.rows} rows, median of {cfg.steps} steps\n"
-        f"simulated = the simulator fed this run's median action times and a measured transfer of "
+        f"simulated = the simulator fed this run's mean action times and a measured transfer of "
         f"{s['transfer_s'] * 1e3:.3f} ms (one way)\n\n{table}\n"
         f"(wall-clock step incl. entry and send completion: {s['wall_step_s'] * 1e3:.2f} ms)\n\n"
         f"Measured timeline, one cell = {unit * 1e3:.3f} ms:\n{ascii_chart(measured, unit=unit)}"

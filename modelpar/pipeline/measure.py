@@ -37,7 +37,11 @@ def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Sch
 
 
 def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]:
-    """Median duration of each kind on each virtual stage over all ``timelines`` (seconds)."""
+    """Mean duration of each kind on each virtual stage over all ``timelines`` (seconds).
+
+    The mean, not the median: it keeps each device's total work, so a prediction from it has
+    the busy time the run had (on a loaded machine a few preempted actions carry much of it).
+    """
     timelines = list(timelines)
     if not timelines:
         raise ValueError("timelines must hold at least one measured timeline, got none")
@@ -46,7 +50,7 @@ def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]
     for tl in timelines:
         for e in tl.events:
             samples[e.action.kind][e.action.stage].append(e.end - e.start)
-    return {k: [statistics.median(x) if x else 0.0 for x in per_stage] for k, per_stage in samples.items()}
+    return {k: [statistics.fmean(x) if x else 0.0 for x in per_stage] for k, per_stage in samples.items()}
 
 
 def predict(schedule: Schedule, durations: dict[Kind, list[float]], transfer: float = 0.0) -> Timeline:
