@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from modelpar.recompute import chain_cost, gpipe_activation_memory, measure_chain, measure_gpipe, scaled_tanh_stages
+from modelpar.recompute import gpipe_activation_memory, measure_gpipe, scaled_tanh_stages, strategy_table
 from modelpar.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from modelpar.simulate import Costs, simulate
 from modelpar.simulate.ascii import ascii_chart
@@ -52,14 +52,8 @@ def part3() -> None:
 def part4() -> None:
     """§4.3: tanh chain n = 64: held ≈ n/k + k (16 = 2√n at k = 8), gradients bitwise equal."""
     print("== Part 4: activation recomputation, tanh chain n = 64 (measured with saved-tensor hooks) ==")
-    n, x = 64, torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
-    _, plain = measure_chain([torch.tanh] * n, x, None)
-    print(f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>9} {'extra forwards':>15}  bitwise equal")
-    for recompute in (None, 2, 4, 8, 16, 32, "full", "recompute-all"):
-        report, grads = measure_chain([torch.tanh] * n, x, recompute)
-        equal = all(torch.equal(a, b) for a, b in zip(grads, plain))
-        print(f"{report.label:14} {report.held:5} {chain_cost(n, recompute).held:6} {report.held_bytes / 1024:9.0f} "
-              f"{report.extra_forwards:15}  {equal}")
+    x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    print(strategy_table([torch.tanh] * 64, x, [None, 2, 4, 8, 16, 32, "full", "recompute-all"]))
     print("every-k keeps n/k segment inputs + one segment's k activations: fewest at k = √64 = 8 (2√n = 16);")
     print("it re-runs each layer once (64 forwards, one more forward pass). The reference's n − n/k = 56")
     print("counts the recomputed intermediates: a segment's last output is the next checkpoint, but")

@@ -322,3 +322,18 @@ def test_cuda_autocast_is_replayed():
         return list(torch.autograd.grad(out.float().sum(), [x, *layers.parameters()]))
 
     assert _equal(run(Recompute(layers, 2)), run(layers))
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_bench_recompute_command(capsys):
+    from modelpar.cli import main
+
+    assert main(["bench", "recompute", "--layers", "16", "--repeats", "0", "--strategies", "none,4,recompute-all"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [["store-all", "16", "16", "32", "0", "True"], ["every-4", "8", "8", "16", "16", "True"],
+                    ["recompute-all", "2", "2", "4", "136", "True"]]  # 16 x 32 float32: 2 KiB each
+    assert main(["bench", "recompute", "--layers", "16", "--strategies", "none,17"]) == 2
+    assert "recompute (k, layers per segment of a 16-layer chain) must be <= 16, got 17" in capsys.readouterr().err
+    assert main(["bench", "recompute", "--strategies", ","]) == 2

@@ -16,13 +16,15 @@ from modelpar.recompute.plan import ChainCost, RecomputePlan, Strategy, best_k, 
 
 if TYPE_CHECKING:
     from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats
-    from modelpar.recompute.measure import ChainReport, GPipeReport, ScaledTanh, measure_chain, measure_gpipe, scaled_tanh_stages
+    from modelpar.recompute.measure import (ChainReport, GPipeReport, ScaledTanh, measure_chain, measure_gpipe,
+                                            scaled_tanh_stages, strategy_table)
     from modelpar.recompute.meter import ActivationMeter, HeldActivations
     from modelpar.recompute.module import Recompute, recompute_sequential, recompute_stage
 
 _TORCH_NAMES = {
     "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats"],
-    "measure": ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages"],
+    "measure": ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages",
+                "strategy_table"],
     "meter": ["ActivationMeter", "HeldActivations"],
     "module": ["Recompute", "recompute_sequential", "recompute_stage"],
 }

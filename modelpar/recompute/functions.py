@@ -81,12 +81,6 @@ class Segment:
         return run_layers(self.layers[:stop], x, self.stats, self.start, recomputing=recomputing)
 
 
-def _forward(ctx, segment: Segment, x: torch.Tensor) -> torch.Tensor:
-    """Shared forward: remember the segment, RNG and input; run without building a graph."""
-    ctx.segment, ctx.state = segment, capture_state(x)
-    ctx.save_for_backward(x)
-    y = segment.run(x)  # autograd.Function.forward runs with grad mode off
-    return y.view_as(y) if y is x else y  # an identity chain must not return its input as-is
 
 
 def _grads(y: torch.Tensor, inputs: list[torch.Tensor | None], grad_y: torch.Tensor) -> list[torch.Tensor | None]:
@@ -102,12 +96,19 @@ def _input_leaf(h: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     return h.detach().requires_grad_(needs_grad)
 
 
-class Checkpoint(torch.autograd.Function):
-    """Keep a segment's input only; in backward re-run the segment once and back-propagate through it."""
+class _KeepInput(torch.autograd.Function):
+    """The forward both strategies share: run without building a graph, keep only the input."""
 
     @staticmethod
     def forward(ctx, segment: Segment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        return _forward(ctx, segment, x)
+        ctx.segment, ctx.state = segment, capture_state(x)  # parameters are inputs only to get gradients
+        ctx.save_for_backward(x)
+        y = segment.run(x)  # autograd.Function.forward runs with grad mode off
+        return y.view_as(y) if y is x else y  # an identity chain must not return its input as-is
+
+
+class Checkpoint(_KeepInput):
+    """Keep a segment's input only; in backward re-run the segment once and back-propagate through it."""
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -121,12 +122,8 @@ class Checkpoint(torch.autograd.Function):
         return (None, *_grads(y, inputs, grad_y))
 
 
-class RecomputeAll(torch.autograd.Function):
+class RecomputeAll(_KeepInput):
     """Keep the chain's input only; for each layer, last to first, re-run the chain up to it."""
-
-    @staticmethod
-    def forward(ctx, segment: Segment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        return _forward(ctx, segment, x)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

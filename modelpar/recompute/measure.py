@@ -8,6 +8,8 @@ stage, to check GPipe's memory model (reference §4.3) on real tensors.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,9 +20,9 @@ from modelpar._validate import check_divisible, check_int
 from modelpar.recompute.functions import chain_parameters
 from modelpar.recompute.meter import ActivationMeter, HeldActivations
 from modelpar.recompute.module import Recompute
-from modelpar.recompute.plan import Strategy
+from modelpar.recompute.plan import Strategy, chain_cost
 
-__all__ = ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages"]
+__all__ = ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages", "strategy_table"]
 
 
 class ScaledTanh(nn.Module):
@@ -60,6 +62,33 @@ def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.
         grads = list(torch.autograd.grad(out, inputs, allow_unused=True)) if inputs else []
     report = ChainReport(chain.plan.label, meter.peak_count, meter.peak_bytes, chain.stats.forwards, chain.stats.recomputed)
     return report, grads
+
+
+def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.Sequential, x: torch.Tensor,
+                   strategies: Sequence[Strategy], repeats: int = 0, model: bool = True) -> str:
+    """One row per strategy: measured held activations (and ``chain_cost``'s, for layers saving one
+    activation each, if ``model``), bytes, extra forwards, gradients bitwise equal to store-all's,
+    and the median forward + backward time over ``repeats`` steps (none if 0)."""
+    _, plain = measure_chain(layers, x, None)
+    head = f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>10} {'extra forwards':>15}  bitwise equal"
+    head = head if model else head.replace(f" {'model':>6}", "")
+    rows = [head + ("  fwd+bwd ms" if repeats else "")]
+    for recompute in strategies:
+        report, grads = measure_chain(layers, x, recompute)
+        equal = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
+        expected = f" {chain_cost(len(layers), recompute).held:6}" if model else ""
+        row = (f"{report.label:14} {report.held:5}{expected} "
+               f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15}  {str(equal):13}")
+        if repeats:
+            chain = Recompute(layers, recompute)
+            seconds = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                chain(x).sum().backward()
+                seconds.append(time.perf_counter() - start)
+            row += f"  {statistics.median(seconds) * 1e3:10.2f}"
+        rows.append(row.rstrip())
+    return "\n".join(rows)
 
 
 def scaled_tanh_stages(layers: int, stages: int, width: int, recompute: Strategy, seed: int = 0) -> list[Recompute]:
