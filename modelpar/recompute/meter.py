@@ -51,7 +51,7 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self._refs: dict[int, int] = {}  # storage pointer -> holders alive
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finaliser may run inside _pack (cyclic GC) on this thread
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
         self.count = self.bytes = self.peak_count = self.peak_bytes = 0
 
