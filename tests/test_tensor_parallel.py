@@ -173,6 +173,9 @@ def expect_value_error(case: str):
         elif case == "shapes":
             row = tp.RowParallelLinear(8, 4, group=g4, dtype=torch.float64)
             row(torch.randn(2 + dist.get_rank() % 2, 3, 2, dtype=torch.float64))
+        elif case == "one_bad_id":  # only rank 1's input is bad: the others must not wait for it
+            emb = tp.VocabParallelEmbedding(VOCAB, 4, group=g4)
+            emb(torch.tensor([[0, 99 if dist.get_rank() == 1 else 1]]))
         elif case == "target":
             tp.vocab_parallel_cross_entropy(torch.randn(4, 8), torch.tensor([0, 1, 99, 2]), g4)
     except ValueError as err:
@@ -242,7 +245,7 @@ def test_vocab_parallel_cross_entropy_equals_F_cross_entropy(cluster, reduction)
 def test_communication_counts_per_layer(cluster, t):
     bsh = B * S * H
     (_, plain), = cluster.run(transparency, "layer", t, count=True)[:1]
-    assert plain["forward"] == {("all_reduce", "forward"): (2, 2 * bsh), ("shape_check", "forward"): (2, 2 * 10 * t)}
+    assert plain["forward"] == {("all_reduce", "forward"): (2, 2 * bsh), ("shape_check", "forward"): (2, 2 * 11 * t)}
     assert plain["backward"] == {("all_reduce", "backward"): (2, 2 * bsh)}
     (_, sp), = cluster.run(transparency, "layer", t, sp=True, count=True)[:1]
     assert sp["forward"][("all_gather", "forward")] == (2, 2 * bsh)
@@ -268,6 +271,7 @@ def test_meta_build_load_and_gather_round_trip(cluster, t, sp):
     ("vocab", True, r"num_embeddings \(50257\) .* pad_vocab_size\(50257, 4\) = 50260"),
     ("shapes", True, r"must have the same shape .* rank 0: \(2, 3, 4\).* rank 1: \(3, 3, 4\)"),
     ("target", True, r"target must be in \[0, 32\) or -100, got 99"),
+    ("one_bad_id", True, r"ids must be in \[0, 32\), got 99|ids is invalid on tensor-parallel rank\(s\) \[1\]"),
     ("not_member", False, r"global rank [23]\) is not a member of group ranks \[0, 1\]"),
 ])
 def test_bad_input_is_a_clear_error_on_every_rank(cluster, case, every_rank, match):
@@ -277,3 +281,5 @@ def test_bad_input_is_a_clear_error_on_every_rank(cluster, case, every_rank, mat
         assert messages[r] is not None and re.search(match, messages[r]), (r, messages[r])
     if not every_rank:
         assert messages[0] == messages[1] == "member"
+    if case == "one_bad_id":  # the bad rank names its value, the others name the bad rank
+        assert "got 99" in messages[1] and all("rank(s) [1]" in messages[r] for r in (0, 2, 3))

@@ -23,7 +23,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_META_LEN = 10  # ndim, dtype code, up to 8 sizes
+_META_LEN = 11  # ndim, dtype code, error flag, up to 8 sizes
 _shape_checks = True
 
 
@@ -59,26 +59,34 @@ def set_shape_checks(enabled: bool) -> bool:
     """Turn the cross-rank shape check before each forward collective on or off; returns the old setting.
 
     A collective whose ranks pass different shapes aborts gloo (and hangs NCCL); the check is one
-    all-gather of 10 integers that turns this into a ValueError on every rank.
+    all-gather of 11 integers that turns this into a ValueError on every rank.
     """
     global _shape_checks
     old, _shape_checks = _shape_checks, bool(enabled)
     return old
 
 
-def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise ValueError on every rank if ranks of ``group`` hold ``x`` with different shapes or dtypes."""
+def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str,
+                     local_error: str | None = None) -> None:
+    """Raise ValueError on every rank if ranks of ``group`` hold ``x`` with different shapes or dtypes,
+    or if any rank found ``local_error`` in its input (so one rank's bad input stops all, no hang)."""
     n = group_size(group)
     if n == 1 or not _shape_checks:
+        if local_error:
+            raise ValueError(local_error)
         return
     sizes = list(x.shape)[:8] + [-1] * (8 - min(x.dim(), 8))
-    meta = torch.tensor([x.dim(), _dtype_code(x.dtype)] + sizes, dtype=torch.int64, device=x.device)
+    meta = torch.tensor([x.dim(), _dtype_code(x.dtype), int(bool(local_error))] + sizes,
+                        dtype=torch.int64, device=x.device)
     out = torch.empty(n * _META_LEN, dtype=torch.int64, device=x.device)
     _all_gather_single(out, meta, group=group)
     record("shape_check", "forward", out.numel(), 8, n, op="")
     rows = out.view(n, _META_LEN).tolist()
+    flagged = [i for i, r in enumerate(rows) if r[2]]
+    if flagged:
+        raise ValueError(local_error or f"{what} is invalid on tensor-parallel rank(s) {flagged} (see their error)")
     if any(r != rows[0] for r in rows):
-        desc = ", ".join(f"rank {i}: {tuple(r[2:2 + r[0]])} {_DTYPES[r[1]]}" for i, r in enumerate(rows))
+        desc = ", ".join(f"rank {i}: {tuple(r[3:3 + r[0]])} {_DTYPES[r[1]]}" for i, r in enumerate(rows))
         raise ValueError(f"{what} must have the same shape and dtype on every tensor-parallel rank, got {desc}")
 
 

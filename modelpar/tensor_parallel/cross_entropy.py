@@ -16,7 +16,7 @@ from torch.autograd import Function
 
 from modelpar._validate import check_choice
 from modelpar.tensor_parallel._comm import all_reduce, check_same_shape, group_rank, group_size, resolve_group
-from modelpar.tensor_parallel.layers import check_token_ids
+from modelpar.tensor_parallel.layers import token_ids_error
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -70,8 +70,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     if logits_shard.dim() < 1 or tuple(target.shape) != tuple(logits_shard.shape[:-1]):
         raise ValueError(f"target must have the shape of logits_shard without its last dimension "
                          f"{tuple(logits_shard.shape[:-1])}, got {tuple(target.shape)}")
-    check_token_ids("target", target, logits_shard.shape[-1] * t, ignore_index)
-    check_same_shape(logits_shard, group, "logits_shard")
+    check_same_shape(logits_shard, group, "logits_shard",
+                     token_ids_error("target", target, logits_shard.shape[-1] * t, ignore_index))
     logits = logits_shard if logits_shard.dtype in (torch.float32, torch.float64) else logits_shard.float()
     losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                               group, ignore_index)

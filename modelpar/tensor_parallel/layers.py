@@ -156,11 +156,10 @@ class VocabParallelEmbedding(TensorParallelModule):
         nn.init.normal_(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_token_ids("ids", ids, self.num_embeddings)
+        check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.num_embeddings))
         if self.tp_world == 1:
             out = F.embedding(ids, self.weight)
             return C.scatter_to_sequence_parallel_region(out, self.group) if self.sequence_parallel else out
-        check_same_shape(ids, self.group, "ids")
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -185,17 +184,18 @@ class LayerNorm(nn.LayerNorm, TensorParallelModule):
             self._set_spec(name, ShardSpec(None, sequence_parallel=sequence_parallel))
 
 
-def check_token_ids(name: str, ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> None:
-    """Raise ValueError unless every id is in [0, vocab) (or equals ``ignore_index``)."""
+def token_ids_error(name: str, ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> str | None:
+    """The error message if some id is outside [0, vocab) (and not ``ignore_index``), else None."""
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{name} must be an integer tensor, got dtype {ids.dtype}")
+        return f"{name} must be an integer tensor, got dtype {ids.dtype}"
     bad = (ids < 0) | (ids >= vocab)
     if ignore_index is not None:
         bad &= ids != ignore_index
     if ids.numel() and bool(bad.any()):
         value = ids[bad].flatten()[0].item()
         allowed = f"[0, {vocab})" + (f" or {ignore_index}" if ignore_index is not None else "")
-        raise ValueError(f"{name} must be in {allowed}, got {value}")
+        return f"{name} must be in {allowed}, got {value}"
+    return None
 
 
 def _uniform_init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:

@@ -161,4 +161,7 @@ def sync_sequence_parallel_grads(module: nn.Module) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group, "backward")
         for p, g in zip(params, flat.split([g.numel() for g in grads])):
-            p.grad = g.view_as(p).clone()
+            if p.grad is None:
+                p.grad = g.view_as(p).clone()
+            else:
+                p.grad.copy_(g.view_as(p))
