@@ -192,11 +192,10 @@ def _full_init(cfg: GPTConfig, name: str, module: nn.Module, shape: tuple[int, .
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> GPT:
     """Fill every parameter with its shard of a seeded full tensor: the same values for any split."""
-    tied_copy = model.cfg.tie_embeddings and model.embed is None and model.head is not None
     for mod_name, module in model.named_modules():
         for leaf, param in module.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}" if mod_name else leaf
-            if tied_copy and name == "head.weight":
+            if model.cfg.tie_embeddings and name == "head.weight":  # the embedding, or its copy
                 name = TIED_INIT_NAME
             dim = getattr(param, "tensor_parallel_dim", None)
             world = module.tp_world if isinstance(module, TensorParallelModule) else 1
@@ -218,4 +217,6 @@ def build_stage(cfg: GPTConfig, stage: int = 0, num_stages: int = 1, *, seed: in
         model = GPT(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
     split_stage(model, stage, num_stages)
     model.to_empty(device=device)
+    if cfg.tie_embeddings and model.embed is not None and model.head is not None:
+        model.head.weight = model.embed.word.weight  # to_empty gives shared parameters separate storage
     return init_parameters(model, seed)

@@ -47,6 +47,8 @@ class TrainConfig:
     checkpoint_every: int = 0  # save every this many steps (0: only at the end, if a dir is set)
     keep: int = 2  # complete checkpoints kept on disk
     resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
+    exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
+    #                      for jobs with a time limit, as Megatron's --exit-interval
 
     @property
     def dims(self) -> ParallelDims:
@@ -78,7 +80,7 @@ class TrainConfig:
             check_int("chunks", self.chunks, minimum=2)
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed"):
+        for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed", "exit_after"):
             check_int(name, getattr(self, name), minimum=0)
         check_int("eval_batches", self.eval_batches, minimum=1)
         check_number("lr", self.lr, 0.0, strict=True)

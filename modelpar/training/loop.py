@@ -141,6 +141,7 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
             rng.copy_(torch.get_rng_state())
             save_checkpoint(cfg.checkpoint_dir, step, state, run_meta(cfg, step, result.losses), keep=cfg.keep)
 
+    done = start
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
@@ -158,18 +159,22 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
         result.grad_norms.append(norm)
-        if cfg.steps - step <= _MEASURED_STEPS:
-            timelines.append(runner.timeline())
-        if emit:
-            emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr_at(cfg, step),
-                  "tokens_per_s": cfg.tokens_per_step / result.step_times[-1]})
         done = step + 1
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+        stopping = done == cfg.steps or (cfg.exit_after and done - start >= cfg.exit_after)
+        if done > cfg.steps - _MEASURED_STEPS or stopping:
+            timelines = timelines[-(_MEASURED_STEPS - 1):] + [runner.timeline()]
+        if emit:
+            emit({"event": "step", "step": done, "loss": loss, "grad_norm": norm, "lr": lr_at(cfg, step),
+                  "tokens_per_s": cfg.tokens_per_step / result.step_times[-1]})
+        if stopping:
+            break
+        if cfg.eval_every and done % cfg.eval_every == 0:
             validate(done)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.steps:
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             save(done)
-    validate(cfg.steps)
-    save(cfg.steps)
+    validate(done)
+    if done > start:
+        save(done)
     _bubbles(result, schedule, timelines)
     if emit:
         emit({"event": "done"})

@@ -1,0 +1,112 @@
+"""What `modelpar train` shows: a live progress bar, then a summary table and a loss-curve PNG.
+
+The training ranks emit small event dicts (start, step, eval, done); ``Display`` turns them into
+a rich progress bar with the loss and tokens/s. Local runs pass events from rank 0 to the parent
+through a JSON-lines file (``EventFile``), so the parent owns the terminal; under torchrun rank 0
+displays them itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+__all__ = ["Display", "EventFile", "plot_losses", "summary_table"]
+
+
+class EventFile:
+    """Rank 0 appends events as JSON lines; the parent reads what is new with ``poll``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._offset = 0
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def poll(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(complete.encode("utf-8"))
+        return [json.loads(line) for line in complete.splitlines() if line]
+
+
+class Display:
+    """A progress bar: step m/n, loss, last validation loss, tokens/s, elapsed and remaining time."""
+
+    def __init__(self, console: Console | None = None, title: str = "train") -> None:
+        self.console = console or Console(stderr=True)
+        self.title = title
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self.task: Any = None
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self.progress.start()
+            self.task = self.progress.add_task(self.title, total=event["steps"], completed=event["start_step"],
+                                               loss="-", val="-", tps="-")
+        elif self.task is None:
+            return
+        elif kind == "step":
+            self.progress.update(self.task, completed=event["step"], loss=f"{event['loss']:.3f}",
+                                 tps=f"{event['tokens_per_s']:,.0f}")
+        elif kind == "eval":
+            self.progress.update(self.task, val=f"{event['val_loss']:.3f}")
+        elif kind == "done":
+            self.close()
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+            self.task = None
+
+
+def summary_table(rows: list[tuple[str, str]], title: str = "modelpar train") -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def plot_losses(path: str | os.PathLike, losses: list[float], val: list[tuple[int, float]],
+                baseline: float, title: str) -> Path:
+    """Training loss per step, validation points and the unigram baseline, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(range(1, len(losses) + 1), losses, lw=1, color="tab:blue", label="training loss")
+    if val:
+        ax.plot([s for s, _ in val], [v for _, v in val], "o-", color="tab:orange", ms=4, label="validation loss")
+    ax.axhline(baseline, ls="--", color="gray", label=f"unigram baseline {baseline:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

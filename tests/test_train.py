@@ -1,0 +1,246 @@
+"""3D-parallel training on real gloo processes: every split computes the single-process model.
+
+One cluster each of 2, 4 and 8 ranks for the whole module. The oracle is a plain PyTorch loop on
+the whole model in this process (torch's own cross entropy and ``clip_grad_norm_``), float64.
+"""
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from modelpar.checkpoint import latest_checkpoint, read_meta
+from modelpar.corpus import load_corpus
+from modelpar.distributed import LocalCluster
+from modelpar.model import GPTConfig, build_stage
+from modelpar.training import TrainConfig, lr_at, param_groups, train
+
+TINY = GPTConfig(hidden=32, heads=4, layers=4, seq_len=16)
+BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, dtype="float64", warmup=1, lr=1e-2,
+                   clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
+TOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def c2():
+    with LocalCluster(2, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def c4():
+    with LocalCluster(4, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def c8():
+    with LocalCluster(8, timeout=120) as c:
+        yield c
+
+
+def reference(cfg: TrainConfig) -> tuple[list[float], list[float], float]:
+    """Losses, gradient norms and final validation loss of a plain single-process loop."""
+    torch.manual_seed(0)
+    model = build_stage(cfg.model, seed=cfg.seed, dtype=torch.float64)
+    opt = torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    corpus, losses, norms = load_corpus(), [], []
+    xent = lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # noqa: E731
+    for step in range(cfg.steps):
+        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        opt.zero_grad()
+        loss = xent(x, y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip).item())
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        x, y = corpus.batch("val", 0, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+        return losses, norms, xent(x, y).item()
+
+
+_REFERENCES: dict = {}
+
+
+def ref(cfg: TrainConfig):
+    key = (cfg.model, cfg.steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(dataclasses.replace(cfg, tp=1, pp=1, dp=1))
+    return _REFERENCES[key]
+
+
+def _train(cfg):
+    torch.set_num_threads(1)  # 2, 4 or 8 ranks share 2 cores
+    r = train(cfg)
+    return r.losses, r.grad_norms, r.val[-1][1], r.start_step
+
+
+def _try_train(cfg):
+    try:
+        return "ok", _train(cfg)
+    except ValueError as err:
+        return "error", str(err)
+
+
+def check_split(cluster, **changes):
+    cfg = dataclasses.replace(BASE, **changes)
+    want_losses, want_norms, want_val = ref(cfg)
+    results = cluster.run(_train, cfg)
+    for losses, norms, val, _ in results:  # every rank reports the same numbers
+        assert losses == pytest.approx(want_losses, abs=TOL, rel=0)
+        assert norms == pytest.approx(want_norms, abs=TOL, rel=0)
+        assert val == pytest.approx(want_val, abs=TOL, rel=0)
+    assert max(want_norms) > cfg.clip  # clipping was active, so the global norm mattered
+
+
+def test_the_oracle_learns_and_clips():
+    losses, norms, _ = ref(BASE)
+    assert losses[0] == pytest.approx(5.5455, abs=1e-3) and losses[-1] < losses[0]
+    assert norms[0] > BASE.clip
+
+
+# --- transparency: the same seed gives the same losses for every split and schedule ------------------
+@pytest.mark.parametrize("split", [(2, 1, 1), (1, 1, 2)])
+def test_two_ranks_tp_or_dp(c2, split):
+    t, p, d = split
+    check_split(c2, tp=t, pp=p, dp=d)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_two_stages_every_schedule(c2, schedule):
+    check_split(c2, pp=2, schedule=schedule)
+
+
+def test_two_stages_tied_embeddings_recompute(c2):
+    tied = dataclasses.replace(TINY, tie_embeddings=True)
+    check_split(c2, model=tied, pp=2, schedule="interleaved", recompute="full")
+    check_split(c2, model=tied, pp=2, schedule="zb-h1")
+
+
+@pytest.mark.parametrize("split", [(2, 1, 2), (1, 2, 2)])
+def test_four_ranks_with_dp(c4, split):
+    t, p, d = split
+    check_split(c4, tp=t, pp=p, dp=d)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_tp2_pp2_every_schedule(c4, schedule):
+    check_split(c4, tp=2, pp=2, schedule=schedule)
+
+
+def test_tp2_pp2_sequence_parallel_tied_recompute(c4):
+    check_split(c4, tp=2, pp=2, sequence_parallel=True, model=dataclasses.replace(TINY, tie_embeddings=True),
+                recompute="1")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_eight_ranks_3d(c8, schedule):
+    check_split(c8, tp=2, pp=2, dp=2, schedule=schedule, sequence_parallel=schedule == "interleaved")
+
+
+# --- bad input: the same clear error on every rank, before training ---------------------------------
+@pytest.mark.parametrize("changes, message", [
+    ({"tp": 2, "pp": 2, "dp": 2}, r"tp \* pp \* dp = 2 \* 2 \* 2 = 8 must equal the number of processes \(world size 2\)"),
+    ({"tp": 2, "model": dataclasses.replace(TINY, heads=3, hidden=24)}, r"heads \(3\) must be divisible by tp \(2\)"),
+    ({"pp": 2, "model": dataclasses.replace(TINY, layers=3)}, r"layers \(3\) must be divisible by the number of pipeline"),
+    ({"tp": 2, "model": dataclasses.replace(TINY, vocab_size=255)}, r"vocab_size \(255\) must be divisible by tp \(2\)"),
+    ({"pp": 2, "microbatches": 3}, r"batch_size per replica \(8\) must be divisible by microbatches \(3\)"),
+    ({"pp": 2, "schedule": "pipedream"}, r"schedule must be one of \{gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
+])
+def test_bad_input_is_one_error_on_every_rank(c2, changes, message):
+    results = c2.run(_try_train, dataclasses.replace(BASE, **changes))
+    assert all(kind == "error" and re.search(message, text) for kind, text in results), results
+
+
+# --- checkpoints: exact resume, crash safety, mismatches ----------------------------------------------
+def test_resume_gives_bitwise_the_uninterrupted_losses(c2, tmp_path):
+    cfg = dataclasses.replace(BASE, pp=2, steps=6, checkpoint_dir=str(tmp_path / "a"), checkpoint_every=2)
+    full = c2.run(_train, cfg)[0]
+    stopped = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "b"), exit_after=3)
+    first = c2.run(_train, stopped)[0]
+    assert first[0] == full[0][:3] and latest_checkpoint(tmp_path / "b").name == "step_00000003"
+    resumed = c2.run(_train, dataclasses.replace(stopped, exit_after=0, resume=True))[0]
+    assert resumed[3] == 3 and resumed[0] == full[0] and resumed[2] == full[2]  # bitwise, with the history
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step_00000004", "step_00000006"]  # keep=2
+
+
+def _die_while_writing(cfg, step):
+    import modelpar.checkpoint as ck
+
+    original = ck._fsync_write
+
+    def crash(path, text):
+        if dist.get_rank() == 0 and f".step_{step:08d}.tmp" in str(path):
+            os._exit(3)  # the shards are on disk, the marker is not
+        original(path, text)
+
+    ck._fsync_write = crash
+    try:
+        return _train(cfg)
+    finally:
+        ck._fsync_write = original
+
+
+def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(c2, tmp_path):
+    cfg = dataclasses.replace(BASE, pp=2, steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    with pytest.raises(RuntimeError, match=r"rank 0 died|\[rank 1\].*(Connection|closed)"):  # or its peer sees it first
+        c2.run(_die_while_writing, cfg, 4)
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    assert any(p.name.startswith(".step_00000004.tmp") for p in tmp_path.iterdir())  # the torn write
+    losses, _, _, start = c2.run(_train, dataclasses.replace(cfg, resume=True))[0]
+    assert start == 2
+    assert losses == c2.run(_train, dataclasses.replace(cfg, checkpoint_dir=None))[0][0]  # bitwise
+    assert not any(".tmp" in p.name for p in tmp_path.iterdir())  # the next save cleaned it up
+
+
+def _fail_mid_step(cfg, rank, step):
+    from modelpar.model import GPT
+
+    original, calls = GPT.forward, [0]
+
+    def forward(self, x):
+        calls[0] += 1
+        if dist.get_rank() == rank and calls[0] > step * cfg.microbatches:
+            raise RuntimeError(f"injected failure in step {step + 1}")
+        return original(self, x)
+
+    GPT.forward = forward
+    try:
+        return _train(cfg)
+    finally:
+        GPT.forward = original
+
+
+def test_a_failing_rank_ends_the_run_and_keeps_the_last_checkpoint(c4, tmp_path):
+    cfg = dataclasses.replace(BASE, tp=2, pp=2, steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    with pytest.raises(RuntimeError, match=r"\[rank 3\] injected failure in step 4") as info:
+        c4.run(_fail_mid_step, cfg, 3, 3)
+    assert info.value.rank == 3
+    path = latest_checkpoint(tmp_path)
+    assert path.name == "step_00000002" and read_meta(path)["losses"] == pytest.approx(ref(cfg)[0][:2], abs=TOL)
+
+
+def test_checkpoint_of_another_model_or_split_is_refused_on_every_rank(c4, tmp_path):
+    cfg = dataclasses.replace(BASE, tp=2, pp=2, steps=1, checkpoint_dir=str(tmp_path))
+    c4.run(_train, cfg)
+    bigger = dataclasses.replace(cfg, resume=True, model=dataclasses.replace(TINY, hidden=64))
+    other = dataclasses.replace(cfg, resume=True, tp=1, pp=2, dp=2)
+    for bad, message in ((bigger, r"different model: hidden differ"), (other, r"written with tp=2, this run has tp=1")):
+        results = c4.run(_try_train, bad)
+        assert all(kind == "error" and re.search(message, text) for kind, text in results), results
+
+
+# --- it learns ----------------------------------------------------------------------------------------
+def test_default_model_beats_the_unigram_baseline_quickly(c4):
+    cfg = TrainConfig(steps=30, eval_every=0, eval_batches=2, dtype="float32")  # the default t=2, p=2
+    losses, _, val, _ = c4.run(_train, cfg)[0]
+    baseline = load_corpus().unigram_baseline()
+    assert baseline == pytest.approx(3.2404, abs=1e-4)
+    assert val < baseline - 0.2 and losses[-1] < losses[0] - 2.0
