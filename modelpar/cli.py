@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "plan": "modelpar.commands.plan",
     "bench": "modelpar.commands.bench",
     "simulate": "modelpar.commands.simulate",
+    "train": "modelpar.commands.train",
 }
 
 
