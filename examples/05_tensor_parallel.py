@@ -98,10 +98,11 @@ def _on_every_rank() -> dict:
 
 def part3_and_4(res: dict) -> None:
     print(f"== Part 3: one pre-LN layer (b={B}, s={S}, h={H}, {HEADS} heads) on real gloo processes vs one process ==")
-    print(f"{'t':>2} {'SP':>3} {'output diff':>12} {'grad diff':>10}  collectives per layer (count x elements)")
+    print(f"{'t':>2} {'SP':>3} {'output diff':>12} {'grad diff':>10}  {'forward':<32} backward")
     for (t, sp), (out, grad, log) in res["layers"].items():
-        comms = ", ".join(f"{k} {ph[:3]} {n}x{e // n}" for (k, ph), (n, e) in sorted(log.items()) if k != "shape_check")
-        print(f"{t:>2} {'yes' if sp else 'no':>3} {out:>12.1e} {grad:>10.1e}  {comms}")
+        comms = [" + ".join(f"{n} {kind.replace('_', '-')}" for (kind, ph), (n, _) in sorted(log.items())
+                            if ph == phase and kind != "shape_check") for phase in ("forward", "backward")]
+        print(f"{t:>2} {'yes' if sp else 'no':>3} {out:>12.1e} {grad:>10.1e}  {comms[0]:<32} {comms[1]}")
     print(f"each collective moves b·s·h = {B * S * H} elements, independent of t; SP replaces each all-reduce "
           "by reduce-scatter + all-gather of the same volume\n")
     print("== Part 4: the output layer: vocabulary-parallel cross entropy ==")
