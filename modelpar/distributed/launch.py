@@ -162,8 +162,12 @@ class LocalCluster:
                               self._tasks[r], self._results))
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except BaseException:
+            self._teardown()  # e.g. a script without an `if __name__ == "__main__":` guard
+            raise
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
@@ -200,6 +204,7 @@ class LocalCluster:
             )
 
     def _teardown(self) -> None:
+        self._procs = [p for p in self._procs if p.pid is not None]  # never-started ones
         for p in self._procs:
             if p.is_alive():
                 p.terminate()
@@ -217,7 +222,8 @@ class LocalCluster:
         for q in self._tasks:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         self._teardown()
 
 
