@@ -36,7 +36,9 @@ def clock_offset(group: Any, rounds: int = 5) -> float:
     if len(set(ids)) == 1:
         return 0.0
     ranks, me = dist.get_process_group_ranks(group), dist.get_rank(group)
-    buf = torch.zeros(1, dtype=torch.float64)
+    from modelpar.pipeline.p2p import comm_device
+
+    buf = torch.zeros(1, dtype=torch.float64, device=comm_device(group))
     best = (float("inf"), 0.0)
     for peer in range(1, len(ranks)):
         for _ in range(rounds):

@@ -24,7 +24,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "grad_tag", "act_tag"]
+__all__ = ["P2P", "act_tag", "comm_device", "grad_tag", "matches_by_tag"]
+
+
+def comm_device(group: Any) -> torch.device:
+    """Where this rank's communication buffers live: its current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def matches_by_tag(group: Any) -> bool:
+    """Gloo matches point-to-point messages by tag; NCCL only by the order they are posted."""
+    return dist.get_backend(group) != "nccl"
 
 
 def act_tag(stage: int, microbatch: int, num_microbatches: int) -> int:
@@ -45,6 +57,7 @@ class P2P:
         self.ranks: list[int] = dist.get_process_group_ranks(group)  # device -> global rank
         self.device = dist.get_rank(group)
         self.rank = dist.get_rank()
+        self.buffer_device = comm_device(group)
         self.timeout = datetime.timedelta(seconds=timeout)
         self._sends: list[tuple[Any, torch.Tensor, str]] = []
 
@@ -58,7 +71,7 @@ class P2P:
 
     def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: int, tag: int) -> tuple[Any, torch.Tensor]:
         """Post a receive into a fresh buffer; ``wait`` it when the data is needed."""
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=self.buffer_device)
         return dist.irecv(buf, src=self.ranks[device], group=self.group, tag=tag), buf
 
     def wait(self, posted: tuple[Any, torch.Tensor], device: int, what: str) -> torch.Tensor:

@@ -26,9 +26,10 @@ from torch import nn
 from modelpar._validate import check_int, check_number
 from modelpar.pipeline.clock import clock_offset
 from modelpar.pipeline.executor import StepRecord, run_actions
-from modelpar.pipeline.p2p import P2P
+from modelpar.pipeline.p2p import P2P, matches_by_tag
 from modelpar.pipeline.shapes import BatchSpec, dry_run, exchange_batch, microbatch_sizes
 from modelpar.pipeline.stage import LossFn, PipelineStage
+from modelpar.schedules.messages import check_fifo_order
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["PipelineRunner"]
@@ -73,6 +74,8 @@ class PipelineRunner:
                        for s, m in sorted(stage_modules.items())}
         self.loss_fn = loss_fn
         self.p2p = P2P(self.group, self.timeout)
+        if not matches_by_tag(self.group):
+            check_fifo_order(schedule)  # NCCL pairs sends and receives by posting order
         ranks = self.p2p.ranks
         self._owners = (ranks[schedule.device_of(0)], ranks[schedule.device_of(last)])
         self._batch: BatchSpec | None = None

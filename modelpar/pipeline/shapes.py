@@ -78,7 +78,9 @@ def exchange_batch(inputs: Any, targets: Any, owners: tuple[int, int], num_micro
         vec[:_FIELDS] = _encode(inputs)
     if me == owners[1]:
         vec[_FIELDS:] = _encode(targets)
-    t = torch.tensor(vec, dtype=torch.int64)
+    from modelpar.pipeline.p2p import comm_device
+
+    t = torch.tensor(vec, dtype=torch.int64, device=comm_device(group))
     dist.all_reduce(t, group=group)
     vec = t.tolist()
     inp = _decode("inputs", vec[:_FIELDS], owners[0])
@@ -137,17 +139,19 @@ def _try_stage(module: nn.Module, spec: TensorSpec, target: TensorSpec | None,
                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[str, Any]:
     """Run ``module`` once on zeros; ('ok', output spec) or ('error', message)."""
     modes = [(m, m.training) for m in module.modules()]
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module.eval()
-            out = module(torch.zeros(spec[0], dtype=spec[1]))
+            out = module(torch.zeros(spec[0], dtype=spec[1], device=device))
             if not isinstance(out, torch.Tensor):
                 return "error", f"a stage must return one tensor, got {type(out).__name__}"
             if target is None:
                 if not out.is_floating_point():
                     return "error", f"activations between stages must be floating point, got {out.dtype}"
                 return "ok", (tuple(out.shape), out.dtype)
-            loss = loss_fn(out, torch.zeros(target[0], dtype=target[1]))
+            loss = loss_fn(out, torch.zeros(target[0], dtype=target[1], device=device))
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 return "error", "loss_fn must return a scalar tensor (the mean loss of a microbatch)"
             return "ok", None

@@ -13,6 +13,7 @@ from modelpar.schedules.generators import (
     single_device,
     zb_h1,
 )
+from modelpar.schedules.messages import check_fifo_order, pair_messages
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
 from modelpar.schedules.validate import validate_schedule
@@ -22,6 +23,7 @@ __all__ = [
     "Action",
     "Kind",
     "Schedule",
+    "check_fifo_order",
     "clock_cycles",
     "contiguous_map",
     "execute",
@@ -31,6 +33,7 @@ __all__ = [
     "loop_map",
     "naive",
     "one_f_one_b",
+    "pair_messages",
     "schedule_table",
     "single_device",
     "v_map",
