@@ -61,6 +61,19 @@ def test_autocast_state_is_carried_to_the_worker():
         assert workers.receive(0).dtype == torch.float32
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_worker_uses_its_device_and_the_callers_cuda_autocast():
+    last = torch.cuda.device_count() - 1
+    a = torch.randn(8, 8, device=f"cuda:{last}")
+    with StageWorkers(["cpu", f"cuda:{last}"]) as workers:
+        with torch.autocast("cuda", dtype=torch.float16):
+            workers.submit(1, lambda: (torch.cuda.current_device(), a @ a))
+        device, out = workers.receive(1)
+        assert device == last and out.dtype == torch.float16
+        workers.submit(1, lambda: a @ a)
+        assert workers.receive(1).dtype == torch.float32
+
+
 def test_num_threads_sets_intra_op_threads_in_each_worker():
     with StageWorkers(["cpu", "cpu"], num_threads=1) as workers:
         for j in range(2):

@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "microbatch",
         help="time a stage vs micro-batch size, fit alpha + beta*b, print step time vs M and M* (section 2.4)",
-        description=__doc__.splitlines()[0],
+        description="Time one pipeline stage on micro-batches of N/M rows, fit t(b) = alpha + beta*b and print "
+                    "the GPipe step time against M with M* = sqrt((K - 1) beta N / alpha) (reference section 2.4).",
     )
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages K (default 4)")
     parser.add_argument("--batch", type=int, default=1024, help="rows N in one batch (default 1024)")
