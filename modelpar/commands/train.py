@@ -61,6 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="continue from the latest complete checkpoint in --checkpoint-dir")
     r.add_argument("--exit-after", type=int, help="stop after this many steps with a checkpoint (time-limited jobs)")
     r.add_argument("--out", default="modelpar-train", help="folder for loss.png and summary.json (default %(default)s)")
+    r.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="under torchrun: process-group backend (auto: nccl with GPUs, else gloo)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
     p.set_defaults(func=run)
 
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     display = None if args.no_progress else Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
     if is_torchrun():
-        result = run_in_process(cfg, display)
+        result = run_in_process(cfg, display, backend=None if args.backend == "auto" else args.backend)
         if result is None:  # not global rank 0: rank 0 writes the summary
             return 0
     else:
@@ -98,11 +100,13 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps")
         result = run_local(cfg, display)
-    _summary(cfg, result, Path(args.out), console)
+    _summary(cfg, result, Path(args.out))
     return 0
 
 
-def _summary(cfg: Any, result: Any, out: Path, console: Any) -> None:
+def _summary(cfg: Any, result: Any, out: Path) -> None:
+    from rich.console import Console
+
     from modelpar.training.report import plot_losses, summary_table
 
     final_val = result.val[-1][1] if result.val else float("nan")
@@ -127,4 +131,4 @@ def _summary(cfg: Any, result: Any, out: Path, console: Any) -> None:
                "bubble_ideal": result.bubble_ideal, "start_step": result.start_step}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
-    console.print(summary_table(rows))
+    Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr

@@ -59,11 +59,15 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     return outcome["result"]
 
 
-def run_in_process(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None) -> TrainResult | None:
-    """Train as one rank of torchrun's processes; the result (and ``display``) on global rank 0 only."""
+def run_in_process(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None,
+                   backend: str | None = None) -> TrainResult | None:
+    """Train as one rank of torchrun's processes; the result (and ``display``) on global rank 0 only.
+
+    ``backend``: None picks NCCL when CUDA is available, else gloo (``init_from_env``).
+    """
     import torch.distributed as dist
 
-    init_from_env()
+    init_from_env(backend)
     try:
         rank = dist.get_rank()
         result = train(cfg, report=display if rank == 0 else None)

@@ -1,0 +1,83 @@
+"""Throughput of `modelpar train` for the 8 splits (t, p, d) ∈ {1, 2}³ on this machine (§6).
+
+One run: for each split, t·p·d fresh local processes (gloo) train the same small GPT for a few
+steps; tokens/s is the median step after the first. Beside it: the pipeline bubble measured
+from the last steps' timelines, the simulator's bubble with the measured action costs, the
+ideal one (equal stages, F = 1, B = 2), and — when ``modelpar.costmodel`` is present — the cost
+model's predicted throughput ratio for the same layouts, calibrated so that (1, 1, 1) matches
+the measured step time. The cost model assumes one device per rank; on a machine with fewer
+cores than ranks the ranks share the cores, which the ``cores`` column makes visible.
+
+    python benchmarks/bench_train.py [--steps 15] [--hidden 128] [--layers 4] [--schedule 1f1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+
+from modelpar.model import GPTConfig
+from modelpar.training import TrainConfig
+from modelpar.training.launch import run_local
+
+SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
+def cost_model_ratios(cfg: TrainConfig, measured_step_111: float) -> dict[tuple[int, int, int], float] | None:
+    """Predicted tokens/s of each split relative to (1, 1, 1), one "GPU" per rank, or None without the cost model."""
+    try:
+        from modelpar.costmodel import ClusterSpec, GPUSpec, ModelSpec, ParallelConfig, estimate
+    except ImportError:
+        return None
+    m = cfg.model
+    spec = ModelSpec(layers=m.layers, hidden=m.hidden, heads=m.heads, seq=m.seq_len, vocab=m.vocab_size,
+                     tied_embeddings=m.tie_embeddings, name="bench")
+
+    def step(split: tuple[int, int, int], peak: float) -> float:
+        t, p, d = split
+        gpu = GPUSpec("cpu-rank", peak_tflops=peak, memory_gb=1e3, hbm_tb_s=0.02, matmul_efficiency=1.0)
+        cluster = ClusterSpec(gpu, t * p * d, gpus_per_node=8, intra_node_gbps=2.0, inter_node_gbps=2.0)
+        pc = ParallelConfig(t, p, d, micro_batch=cfg.batch_size // (d * cfg.microbatches), recompute="none")
+        return estimate(spec, cluster, pc, cfg.batch_size).step_time_s
+
+    peak = 1.0  # TFLOP/s, then scaled so that (1, 1, 1) takes the measured time
+    peak *= step((1, 1, 1), peak) / measured_step_111
+    base = step((1, 1, 1), peak)
+    return {s: base / step(s, peak) for s in SPLITS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b")
+    args = ap.parse_args()
+    base = TrainConfig(model=GPTConfig(hidden=args.hidden, layers=args.layers), steps=args.steps, schedule=args.schedule,
+                       eval_every=0, eval_batches=1, warmup=5)
+    cores = os.cpu_count() or 1
+    rows = []
+    for t, p, d in SPLITS:
+        res = run_local(replace(base, tp=t, pp=p, dp=d))
+        rows.append(((t, p, d), res))
+        print(f"  ran (t, p, d) = ({t}, {p}, {d}): {res.tokens_per_s:,.0f} tokens/s", flush=True)
+    ref = rows[0][1]
+    predicted = cost_model_ratios(base, base.tokens_per_step / ref.tokens_per_s)
+    m = base.model
+    print(f"\nGPT h={m.hidden} L={m.layers} s={m.seq_len} V={m.vocab_size}, batch {base.batch_size}, "
+          f"m={base.microbatches}, {base.schedule}, {args.steps} steps, {cores} cores, float32, gloo\n")
+    print(f"{'(t, p, d)':>10} {'procs':>5} {'tokens/s':>9} {'ratio':>6} {'cost model':>10} "
+          f"{'bubble meas.':>12} {'sim. (meas. costs)':>18} {'ideal':>6}")
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    for split, res in rows:
+        t, p, d = split
+        pred = f"{predicted[split]:.2f}" if predicted else "-"
+        ratio = res.tokens_per_s / ref.tokens_per_s
+        print(f"{str(split):>10} {t * p * d:>5} {res.tokens_per_s:>9,.0f} {ratio:>6.2f} {pred:>10} "
+              f"{pct(res.bubble_measured) if p > 1 else '-':>12} {pct(res.bubble_simulated) if p > 1 else '-':>18} "
+              f"{pct(res.bubble_ideal):>6}")
+
+
+if __name__ == "__main__":
+    main()

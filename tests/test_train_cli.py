@@ -1,0 +1,51 @@
+"""`modelpar train` on the command line: flags to config, bad input as one line + exit code 2, a tiny run."""
+
+import json
+
+import pytest
+
+from modelpar.cli import build_parser, main
+from modelpar.commands.train import build_config
+from modelpar.training import TrainConfig
+
+
+def test_no_flags_is_the_documented_default():
+    cfg = build_config(build_parser().parse_args(["train"]))
+    assert cfg == TrainConfig()
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.dims.world_size) == (2, 2, 1, 4)
+
+
+def test_flags_reach_the_config():
+    args = build_parser().parse_args(["train", "--tp", "1", "--pp", "4", "--dp", "2", "--schedule", "interleaved",
+                                      "--layers", "8", "--hidden", "64", "--recompute", "FULL", "--sequence-parallel",
+                                      "--tie-embeddings", "--steps", "7", "--lr", "1e-3", "--exit-after", "3"])
+    cfg = build_config(args)
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.recompute, cfg.steps, cfg.lr, cfg.exit_after) == \
+        (1, 4, 2, "interleaved", "full", 7, 1e-3, 3)
+    assert (cfg.model.layers, cfg.model.hidden, cfg.model.tie_embeddings, cfg.sequence_parallel) == (8, 64, True, True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
+    (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
+    (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, zb-h1}, got 'dualpipe'"),
+    (["--recompute", "often"], "recompute must be one of {none, full} or a positive integer k, got 'often'"),
+    (["--layers", "6", "--pp", "4"], "layers (6) must be divisible by the number of pipeline stages (pp * chunks) (4)"),
+    (["--resume"], "resume needs checkpoint_dir"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, flags, message):
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"modelpar train: error: {err.split('error: ', 1)[1]}" and message in err and "\n" not in err
+
+
+def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["train", "--tp", "1", "--pp", "2", "--hidden", "32", "--seq-len", "16", "--steps", "4",
+                 "--batch-size", "4", "--microbatches", "2", "--eval-every", "2", "--no-progress", "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 4 and [s for s, _ in summary["val"]] == [2, 4]
+    assert 0 < summary["bubble_measured"] < 1 and summary["bubble_ideal"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "unigram baseline" in capsys.readouterr().out
