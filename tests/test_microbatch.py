@@ -6,11 +6,18 @@ import math
 import random
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.cli import main
-from modelpar.pipeline import fit_linear, microbatch_table, optimal_microbatches, predicted_step_time
+from modelpar.pipeline import (
+    fit_linear,
+    measure_stage_times,
+    microbatch_table,
+    optimal_microbatches,
+    predicted_step_time,
+)
 from modelpar.pipeline import microbatch as microbatch_module
 
 
@@ -64,7 +71,7 @@ def test_fit_is_exact_on_any_line(alpha, beta, rows):
 
 
 class FakeClock:
-    """Stands in for time.perf_counter; the fake stage advances it by α + β·rows per call."""
+    """Stands in for perf_counter; the fake stage advances it by α + β·rows per call."""
 
     def __init__(self, alpha: float, beta: float) -> None:
         self.now, self.alpha, self.beta = 0.0, alpha, beta
@@ -78,7 +85,7 @@ class FakeClock:
 
 def test_table_on_a_stage_with_known_cost(monkeypatch):
     clock = FakeClock(alpha=80e-6, beta=4e-6)
-    monkeypatch.setattr(microbatch_module.time, "perf_counter", clock)
+    monkeypatch.setattr(microbatch_module, "perf_counter", clock)
     scan = microbatch_table(clock.stage, lambda b: b, batch=1024, stages=4, microbatch_counts=[1, 4, 16, 64, 256])
     assert [(r.microbatches, r.rows) for r in scan.rows] == [(1, 1024), (4, 256), (16, 64), (64, 16), (256, 4)]
     for r in scan.rows:
@@ -111,16 +118,33 @@ def test_bad_input(call, match):
         call()
 
 
-def test_cli_prints_the_table(capsys):
+@pytest.fixture
+def synthetic_times(monkeypatch):
+    """The CLI's plumbing without the machine's noise: every stage costs 50 us + 2 us per row."""
+    monkeypatch.setattr(microbatch_module, "measure_stage_times",
+                        lambda stage, rows, make_input, repeats: [50e-6 + 2e-6 * b for b in rows])
+
+
+def test_measure_stage_times_runs_the_stage_on_each_size():
+    seen = []
+    times = measure_stage_times(lambda x: seen.append(x.shape[0]), [3, 1, 7], lambda b: torch.zeros(b, 2),
+                                repeats=2, min_seconds=0.0)
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert seen == [3] * 3 + [1] * 3 + [7] * 3  # a warm-up call, then one call per repeat
+
+
+def test_cli_prints_the_table(capsys, synthetic_times):
     assert main(["bench", "microbatch", "--batch", "256", "--hidden", "16", "--repeats", "2",
                  "--max-microbatches", "16", "--stages", "3"]) == 0
     out = capsys.readouterr().out
     assert "K = 3 stages, batch N = 256 rows" in out and "M* = sqrt((K - 1) * beta * N / alpha)" in out
     assert [line.split()[:2] for line in out.splitlines()[3:8]] == [["1", "256"], ["2", "128"], ["4", "64"],
                                                                     ["8", "32"], ["16", "16"]]
+    assert "fit t(b) = 50.0 us + 2.000 us * b" in out
+    assert f"M* = sqrt((K - 1) * beta * N / alpha) = {math.sqrt(2 * 2 * 256 / 50):.1f}" in out  # 4.5
 
 
-def test_cli_loads_a_users_stage(tmp_path, monkeypatch, capsys):
+def test_cli_loads_a_users_stage(tmp_path, monkeypatch, capsys, synthetic_times):
     (tmp_path / "my_stage.py").write_text(
         "import torch\n"
         "def make(hidden):\n    return torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.ReLU())\n"

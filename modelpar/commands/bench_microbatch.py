@@ -23,7 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--stages", type=int, default=4, help="pipeline stages K (default 4)")
     parser.add_argument("--batch", type=int, default=1024, help="rows N in one batch (default 1024)")
     parser.add_argument("--hidden", type=int, default=128, help="feature size of the stage's input (default 128)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per size; the median counts (default 7)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per size; the fastest counts (default 7)")
     parser.add_argument("--max-microbatches", type=int, default=256,
                         help="largest M of the sweep M = 1, 2, 4, ... (default 256, capped at N)")
     parser.add_argument("--threads", type=int, default=1,
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         scan = microbatch_table(stage, lambda b: torch.randn(b, hidden), batch, stages, counts, repeats)
     finally:
         torch.set_num_threads(saved)
-    print(f"stage: {label}, {threads} intra-op thread(s); median of {repeats} timed forwards per size")
+    print(f"stage: {label}, {threads} intra-op thread(s); fastest of {repeats} timed repeats per size")
     print(scan.format())
     best = scan.best_measured
     print(f"fastest measured: M = {best.microbatches} ({best.rows} rows per micro-batch); "
