@@ -136,7 +136,8 @@ def load_checkpoint(path: str | os.PathLike, state: dict[str, torch.Tensor], *,
     meta = read_meta(path)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     problem = _mismatch(path, state, stored)
-    flag = torch.tensor([1.0 if problem else 0.0])
+    on_gpu = dist.get_backend(group) == "nccl"
+    flag = torch.tensor([1.0 if problem else 0.0], device="cuda" if on_gpu else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank raises, or none
     if flag.item():
         raise ValueError(problem or f"checkpoint {str(path)!r} does not match this run on another "

@@ -63,7 +63,7 @@ def run_in_process(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] |
                    backend: str | None = None) -> TrainResult | None:
     """Train as one rank of torchrun's processes; the result (and ``display``) on global rank 0 only.
 
-    ``backend``: None picks NCCL when CUDA is available, else gloo (``init_from_env``).
+    ``backend``: "gloo" or "nccl"; None picks NCCL when CUDA is available (``init_from_env``).
     """
     import torch.distributed as dist
 

@@ -28,10 +28,11 @@ from modelpar.corpus import load_corpus, rank_batch
 from modelpar.model import GPTLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
+from modelpar.tensor_parallel import set_shape_checks
 from modelpar.training.config import TrainConfig
 from modelpar.training.evaluate import evaluate
 from modelpar.training.grads import GradSync, param_groups
-from modelpar.training.setup import RankSetup, setup_rank
+from modelpar.training.setup import setup_rank
 from modelpar.training.state import check_meta, init_optimizer_state, run_meta, state_tensors
 
 __all__ = ["TrainResult", "lr_at", "train"]
@@ -90,95 +91,125 @@ def _resume(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> tuple[int, list
     return int(meta["step"]), [float(x) for x in meta["losses"]]
 
 
+class _Run:
+    """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
+
+    def __init__(self, cfg: TrainConfig, report: Reporter | None) -> None:
+        self.cfg, self.rs = cfg, setup_rank(cfg)
+        rs = self.rs
+        self.dtype = getattr(torch, cfg.dtype)
+        self.corpus = load_corpus()
+        self.schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_chunks)
+        stages = self.schedule.num_stages
+        self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
+                                       sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
+                                       dtype=self.dtype, device=rs.device)
+                        for s in self.schedule.stages_on(rs.pp_rank)}
+        self.runner = PipelineRunner(self.schedule, self.modules, GPTLoss(rs.tp_group), group=rs.pp_group,
+                                     timeout=rs.timeout)
+        self.sync = GradSync(list(self.modules.values()), rs.tp_group, rs.dp_group, rs.embed_group, rs.tp_rank,
+                             rs.dp_rank, cfg.dp, cfg.sequence_parallel,
+                             tied_split=cfg.model.tie_embeddings and stages > 1)
+        self.optimizer = torch.optim.AdamW(param_groups(self.sync.params, cfg.weight_decay), lr=cfg.lr,
+                                           betas=(0.9, 0.95), eps=1e-8)
+        init_optimizer_state(self.optimizer)
+        self.rng = torch.get_rng_state()
+        self.state = state_tensors(self.modules, self.optimizer, rs.tp_rank, dist.get_rank(), self.rng)
+        start, losses = _resume(cfg, self.state)
+        torch.set_rng_state(self.rng)
+        self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
+                                  num_parameters=cfg.model.num_parameters(),
+                                  unigram_baseline=self.corpus.unigram_baseline())
+        self.first = rs.pp_rank == self.schedule.device_of(0)
+        self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
+        self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
+        self.emit = report if (report is not None and dist.get_rank() == 0) else None
+        seq = cfg.model.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+        self.act_shape = (cfg.batch_size // cfg.dp, seq, cfg.model.hidden)
+        self.timelines: list[Any] = []
+
+    def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, y = self.corpus.batch(split, index, self.cfg.batch_size, self.cfg.model.seq_len, self.cfg.seed)
+        xi, yi = rank_batch(x, y, dp_rank=self.rs.dp_rank, dp=self.cfg.dp, first_stage=self.first,
+                            last_stage=self.last)
+        return tuple(None if t is None else t.to(self.rs.device) for t in (xi, yi))  # type: ignore[return-value]
+
+    def step(self, step: int) -> None:
+        """One optimizer step on global batch ``step``."""
+        t0 = time.perf_counter()
+        xi, yi = self.batch("train", step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg, step)
+        self.sync.zero_grad()
+        self.runner.step(xi, yi)
+        self.sync.finish()
+        norm = self.sync.clip(self.cfg.clip)
+        self.optimizer.step()
+        mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
+        loss = _global_mean(mine, self.loss_weight, self.rs.device)
+        r = self.result
+        r.step_times.append(time.perf_counter() - t0)
+        r.losses.append(loss)
+        r.grad_norms.append(norm)
+        if self.emit:
+            self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
+                       "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1]})
+
+    def measure(self) -> None:
+        """Keep this step's timeline (a collective over the pipeline group) for the bubble."""
+        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [self.runner.timeline()]
+
+    def validate(self, step: int) -> None:
+        total = 0.0
+        for i in range(self.cfg.eval_batches):
+            xi, yi = self.batch("val", i)
+            loss = evaluate(self.modules, self.schedule, self.rs, xi, yi, self.act_shape, self.dtype)
+            total += _global_mean(loss, self.loss_weight, self.rs.device) / self.cfg.eval_batches
+        self.result.val.append((step, total))
+        if self.emit:
+            self.emit({"event": "eval", "step": step, "val_loss": total})
+
+    def save(self, step: int) -> None:
+        if self.cfg.checkpoint_dir:
+            self.rng.copy_(torch.get_rng_state())
+            save_checkpoint(self.cfg.checkpoint_dir, step, self.state,
+                            run_meta(self.cfg, step, self.result.losses), keep=self.cfg.keep)
+
+
 def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     """Train on this rank; every rank of the default process group calls it with the same ``cfg``."""
     cfg.check(dist.get_world_size())
-    rs: RankSetup = setup_rank(cfg)
-    dtype = getattr(torch, cfg.dtype)
-    corpus = load_corpus()
-    schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_chunks)
-    stages = schedule.num_stages
-    modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
-                              sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                              dtype=dtype, device=rs.device)
-               for s in schedule.stages_on(rs.pp_rank)}
-    runner = PipelineRunner(schedule, modules, GPTLoss(rs.tp_group), group=rs.pp_group, timeout=rs.timeout)
-    sync = GradSync(list(modules.values()), rs.tp_group, rs.dp_group, rs.embed_group, rs.tp_rank, rs.dp_rank,
-                    cfg.dp, cfg.sequence_parallel, tied_split=cfg.model.tie_embeddings and stages > 1)
-    optimizer = torch.optim.AdamW(param_groups(sync.params, cfg.weight_decay), lr=cfg.lr,
-                                  betas=(0.9, 0.95), eps=1e-8)
-    init_optimizer_state(optimizer)
-    rng = torch.get_rng_state()
-    state = state_tensors(modules, optimizer, rs.tp_rank, dist.get_rank(), rng)
-    start, losses = _resume(cfg, state)
-    torch.set_rng_state(rng)
-    result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
-                         num_parameters=cfg.model.num_parameters(),
-                         unigram_baseline=corpus.unigram_baseline())
-    first, last = rs.pp_rank == schedule.device_of(0), rs.pp_rank == schedule.device_of(stages - 1)
-    loss_weight = 1.0 / cfg.dp if (last and rs.tp_rank == 0) else 0.0
-    emit = report if (report is not None and dist.get_rank() == 0) else None
-    if emit:
-        emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": result.num_parameters,
-              "unigram": result.unigram_baseline, "losses": list(losses)})
-    timelines = []
-    seq = cfg.model.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
-    act_shape = (cfg.batch_size // cfg.dp, seq, cfg.model.hidden)
-
-    def validate(step: int) -> None:
-        total = 0.0
-        for i in range(cfg.eval_batches):
-            x, y = corpus.batch("val", i, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-            xi, yi = rank_batch(x, y, dp_rank=rs.dp_rank, dp=cfg.dp, first_stage=first, last_stage=last)
-            loss = evaluate(modules, schedule, rs, xi, yi, act_shape, dtype)
-            total += _global_mean(loss, loss_weight, rs.device) / cfg.eval_batches
-        result.val.append((step, total))
-        if emit:
-            emit({"event": "eval", "step": step, "val_loss": total})
-
-    def save(step: int) -> None:
-        if cfg.checkpoint_dir:
-            rng.copy_(torch.get_rng_state())
-            save_checkpoint(cfg.checkpoint_dir, step, state, run_meta(cfg, step, result.losses), keep=cfg.keep)
-
-    done = start
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        xi, yi = rank_batch(x, y, dp_rank=rs.dp_rank, dp=cfg.dp, first_stage=first, last_stage=last)
-        xi, yi = (None if t is None else t.to(rs.device) for t in (xi, yi))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        sync.zero_grad()
-        runner.step(xi, yi)
-        sync.finish()
-        norm = sync.clip(cfg.clip)
-        optimizer.step()
-        mine = float(runner.last_loss) if runner.last_loss is not None else None
-        loss = _global_mean(mine, loss_weight, rs.device)
-        result.step_times.append(time.perf_counter() - t0)
-        result.losses.append(loss)
-        result.grad_norms.append(norm)
-        done = step + 1
-        stopping = done == cfg.steps or (cfg.exit_after and done - start >= cfg.exit_after)
-        if done > cfg.steps - _MEASURED_STEPS or stopping:
-            timelines = timelines[-(_MEASURED_STEPS - 1):] + [runner.timeline()]
-        if emit:
-            emit({"event": "step", "step": done, "loss": loss, "grad_norm": norm, "lr": lr_at(cfg, step),
-                  "tokens_per_s": cfg.tokens_per_step / result.step_times[-1]})
-        if stopping:
-            break
-        if cfg.eval_every and done % cfg.eval_every == 0:
-            validate(done)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            save(done)
-    validate(done)
-    if done > start:
-        save(done)
-    _bubbles(result, schedule, timelines)
-    if emit:
-        emit({"event": "done"})
-    return result
+    run = _Run(cfg, report)
+    start = done = run.result.start_step
+    if run.emit:
+        run.emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": run.result.num_parameters,
+                  "unigram": run.result.unigram_baseline, "losses": list(run.result.losses)})
+    checks = None
+    try:
+        for step in range(start, cfg.steps):
+            run.step(step)
+            if checks is None:  # the first step checked every shape across ranks; later ones repeat it
+                checks = set_shape_checks(False)
+            done = step + 1
+            stopping = done == cfg.steps or (cfg.exit_after and done - start >= cfg.exit_after)
+            if done > cfg.steps - _MEASURED_STEPS or stopping:
+                run.measure()
+            if stopping:
+                break
+            if cfg.eval_every and done % cfg.eval_every == 0:
+                run.validate(done)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                run.save(done)
+        run.validate(done)
+        if done > start:
+            run.save(done)
+    finally:
+        if checks is not None:
+            set_shape_checks(checks)
+    _bubbles(run.result, run.schedule, run.timelines)
+    if run.emit:
+        run.emit({"event": "done"})
+    return run.result
 
 
 def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
