@@ -107,42 +107,25 @@ def test_the_oracle_learns_and_clips():
 
 
 # --- transparency: the same seed gives the same losses for every split and schedule ------------------
-@pytest.mark.parametrize("split", [(2, 1, 1), (1, 1, 2)])
-def test_two_ranks_tp_or_dp(c2, split):
-    t, p, d = split
-    check_split(c2, tp=t, pp=p, dp=d)
+TIED = dataclasses.replace(TINY, tie_embeddings=True)
+SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) × every schedule p = 2 allows
+    {"tp": 2}, {"dp": 2},
+    *({"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")),
+    {"pp": 2, "schedule": "interleaved", "model": TIED, "recompute": "full"},
+    {"pp": 2, "schedule": "zb-h1", "model": TIED},
+    {"tp": 2, "dp": 2}, {"pp": 2, "dp": 2},
+    *({"tp": 2, "pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")),
+    {"tp": 2, "pp": 2, "sequence_parallel": True, "model": TIED, "recompute": "1"},
+    {"tp": 2, "pp": 2, "dp": 2},
+    {"tp": 2, "pp": 2, "dp": 2, "schedule": "interleaved", "sequence_parallel": True},
+]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
-def test_two_stages_every_schedule(c2, schedule):
-    check_split(c2, pp=2, schedule=schedule)
-
-
-def test_two_stages_tied_embeddings_recompute(c2):
-    tied = dataclasses.replace(TINY, tie_embeddings=True)
-    check_split(c2, model=tied, pp=2, schedule="interleaved", recompute="full")
-    check_split(c2, model=tied, pp=2, schedule="zb-h1")
-
-
-@pytest.mark.parametrize("split", [(2, 1, 2), (1, 2, 2)])
-def test_four_ranks_with_dp(c4, split):
-    t, p, d = split
-    check_split(c4, tp=t, pp=p, dp=d)
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
-def test_tp2_pp2_every_schedule(c4, schedule):
-    check_split(c4, tp=2, pp=2, schedule=schedule)
-
-
-def test_tp2_pp2_sequence_parallel_tied_recompute(c4):
-    check_split(c4, tp=2, pp=2, sequence_parallel=True, model=dataclasses.replace(TINY, tie_embeddings=True),
-                recompute="1")
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_eight_ranks_3d(c8, schedule):
-    check_split(c8, tp=2, pp=2, dp=2, schedule=schedule, sequence_parallel=schedule == "interleaved")
+@pytest.mark.parametrize("changes", SPLITS, ids=lambda c: ",".join(f"{k}={getattr(v, 'tie_embeddings', v)}"
+                                                                 for k, v in c.items()))
+def test_every_split_and_schedule_computes_the_single_process_model(request, changes):
+    world = changes.get("tp", 1) * changes.get("pp", 1) * changes.get("dp", 1)
+    check_split(request.getfixturevalue(f"c{world}"), **changes)
 
 
 # --- bad input: the same clear error on every rank, before training ---------------------------------
@@ -181,11 +164,17 @@ def _die_while_writing(cfg, step):
             os._exit(3)  # the shards are on disk, the marker is not
         original(path, text)
 
-    ck._fsync_write = crash
+    return _train_with(ck, "_fsync_write", crash, cfg)
+
+
+def _train_with(owner, name, replacement, cfg):
+    """``_train`` with ``owner.name`` replaced in this rank's process for the run."""
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
     try:
         return _train(cfg)
     finally:
-        ck._fsync_write = original
+        setattr(owner, name, original)
 
 
 def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(c2, tmp_path):
@@ -211,11 +200,7 @@ def _fail_mid_step(cfg, rank, step):
             raise RuntimeError(f"injected failure in step {step + 1}")
         return original(self, x)
 
-    GPT.forward = forward
-    try:
-        return _train(cfg)
-    finally:
-        GPT.forward = original
+    return _train_with(GPT, "forward", forward, cfg)
 
 
 def test_a_failing_rank_ends_the_run_and_keeps_the_last_checkpoint(c4, tmp_path):

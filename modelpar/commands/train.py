@@ -13,53 +13,62 @@ import json
 from pathlib import Path
 from typing import Any
 
-# flag -> (GPTConfig field); every other flag maps to the TrainConfig field of the same name.
-_MODEL_FLAGS = {"hidden": "hidden", "layers": "layers", "heads": "heads", "seq_len": "seq_len",
-                "ffn_mult": "ffn_mult", "tie_embeddings": "tie_embeddings"}
-_RUN_FLAGS = ("tp", "pp", "dp", "schedule", "chunks", "microbatches", "batch_size", "recompute",
-              "sequence_parallel", "steps", "lr", "warmup", "weight_decay", "clip", "seed", "dtype",
-              "eval_every", "eval_batches", "checkpoint_dir", "checkpoint_every", "keep", "resume", "exit_after")
+_MODEL = "model (defaults: h=128, L=4, a=4, s=64, byte vocabulary 256)"
+# Flags by help group: (name, int | float | str, or bool for a switch, help). A flag sets the
+# GPTConfig field of its name in the model group and the TrainConfig field of its name elsewhere.
+_FLAGS: dict[str, list[tuple[str, type, str]]] = {
+    _MODEL: [
+        ("hidden", int, "model width h"),
+        ("layers", int, "transformer layers L (divisible by p·v)"),
+        ("heads", int, "attention heads a (divisible by t)"),
+        ("seq_len", int, "context length s"),
+        ("ffn_mult", int, "MLP width as a multiple of h (default 4)"),
+        ("tie_embeddings", bool, "share the input embedding with the output layer (summed across stages)"),
+    ],
+    "parallelism (default t=2, p=2, d=1, 1f1b, 4 micro-batches)": [
+        ("tp", int, "tensor-parallel size t"),
+        ("pp", int, "pipeline stages p"),
+        ("dp", int, "data-parallel replicas d"),
+        ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
+        ("chunks", int, "model chunks v per rank for --schedule interleaved (default 2)"),
+        ("microbatches", int, "micro-batches m per replica"),
+        ("recompute", str, "activation recomputation per stage: none, full or k (every k layers)"),
+        ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
+    ],
+    "optimisation (defaults: 300 steps, batch 16, AdamW lr 3e-3, clip 1.0)": [
+        ("steps", int, "optimizer steps"),
+        ("batch_size", int, "global batch in sequences"),
+        ("lr", float, "peak learning rate (warm-up, cosine decay to lr/10)"),
+        ("warmup", int, "warm-up steps"),
+        ("weight_decay", float, "AdamW weight decay on matrices"),
+        ("clip", float, "max global gradient norm (0: off)"),
+        ("seed", int, "seed of the initial weights and the batches"),
+        ("dtype", str, "float32 or float64"),
+    ],
+    "evaluation, checkpoints, output": [
+        ("eval_every", int, "validation loss every this many steps (0: at the end)"),
+        ("eval_batches", int, "validation batches per evaluation"),
+        ("checkpoint_dir", str, "write sharded checkpoints here (torch.distributed.checkpoint)"),
+        ("checkpoint_every", int, "checkpoint every this many steps (0: at the end)"),
+        ("keep", int, "complete checkpoints kept (default 2)"),
+        ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir"),
+        ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
+    ],
+}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a GPT with 3D parallelism (local processes or torchrun)",
-                              description=__doc__.splitlines()[0])
-    m = p.add_argument_group("model (defaults: h=128, L=4, a=4, s=64, byte vocabulary 256)")
-    m.add_argument("--hidden", type=int, help="model width h")
-    m.add_argument("--layers", type=int, help="transformer layers L (divisible by p·v)")
-    m.add_argument("--heads", type=int, help="attention heads a (divisible by t)")
-    m.add_argument("--seq-len", type=int, help="context length s")
-    m.add_argument("--ffn-mult", type=int, help="MLP width as a multiple of h (default 4)")
-    m.add_argument("--tie-embeddings", action="store_true", default=None,
-                   help="share the input embedding with the output layer (summed across stages)")
-    s = p.add_argument_group("parallelism (default t=2, p=2, d=1, 1f1b, 4 micro-batches)")
-    s.add_argument("--tp", type=int, help="tensor-parallel size t")
-    s.add_argument("--pp", type=int, help="pipeline stages p")
-    s.add_argument("--dp", type=int, help="data-parallel replicas d")
-    s.add_argument("--schedule", help="gpipe, 1f1b, interleaved or zb-h1")
-    s.add_argument("--chunks", type=int, help="model chunks v per rank for --schedule interleaved (default 2)")
-    s.add_argument("--microbatches", type=int, help="micro-batches m per replica")
-    s.add_argument("--recompute", help="activation recomputation per stage: none, full or k (every k layers)")
-    s.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="shard LayerNorm and residual activations along the sequence")
-    o = p.add_argument_group("optimisation (defaults: 300 steps, batch 16, AdamW lr 3e-3, clip 1.0)")
-    o.add_argument("--steps", type=int, help="optimizer steps")
-    o.add_argument("--batch-size", type=int, help="global batch in sequences")
-    o.add_argument("--lr", type=float, help="peak learning rate (warm-up, cosine decay to lr/10)")
-    o.add_argument("--warmup", type=int, help="warm-up steps")
-    o.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices")
-    o.add_argument("--clip", type=float, help="max global gradient norm (0: off)")
-    o.add_argument("--seed", type=int, help="seed of the initial weights and the batches")
-    o.add_argument("--dtype", help="float32 or float64")
-    r = p.add_argument_group("evaluation, checkpoints, output")
-    r.add_argument("--eval-every", type=int, help="validation loss every this many steps (0: at the end)")
-    r.add_argument("--eval-batches", type=int, help="validation batches per evaluation")
-    r.add_argument("--checkpoint-dir", help="write sharded checkpoints here (torch.distributed.checkpoint)")
-    r.add_argument("--checkpoint-every", type=int, help="checkpoint every this many steps (0: at the end)")
-    r.add_argument("--keep", type=int, help="complete checkpoints kept (default 2)")
-    r.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the latest complete checkpoint in --checkpoint-dir")
-    r.add_argument("--exit-after", type=int, help="stop after this many steps with a checkpoint (time-limited jobs)")
+                              description="Train a small GPT with tensor x pipeline x data parallelism (reference §6).")
+    for title, flags in _FLAGS.items():
+        group = p.add_argument_group(title)
+        for name, kind, text in flags:
+            flag = "--" + name.replace("_", "-")
+            if kind is bool:
+                group.add_argument(flag, action="store_true", default=None, help=text)
+            else:
+                group.add_argument(flag, type=kind, help=text)
+    r = p.add_argument_group("run")
     r.add_argument("--out", default="modelpar-train", help="folder for loss.png and summary.json (default %(default)s)")
     r.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="under torchrun: process-group backend (auto: nccl with GPUs, else gloo)")
@@ -74,8 +83,10 @@ def build_config(args: argparse.Namespace) -> Any:
     from modelpar.training import TrainConfig
 
     cfg = TrainConfig()
-    model = {f: getattr(args, flag) for flag, f in _MODEL_FLAGS.items() if getattr(args, flag, None) is not None}
-    run = {f: getattr(args, f) for f in _RUN_FLAGS if getattr(args, f, None) is not None}
+    given = {name: group for group, flags in _FLAGS.items() for name, _, _ in flags
+             if getattr(args, name, None) is not None}
+    model = {name: getattr(args, name) for name, group in given.items() if group == _MODEL}
+    run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
     if "recompute" in run:
         run["recompute"] = str(run["recompute"]).lower()
     return replace(cfg, model=replace(cfg.model, **model), **run)
