@@ -100,3 +100,9 @@ def test_bad_dims_name_the_argument():
         ParallelDims(tp=0)
     with pytest.raises(ValueError, match=r"tp \* pp \* dp = 2 \* 2 \* 1 = 4 must equal .*world size 3"):
         ParallelDims(pp=2, tp=2).check_world(3)
+
+
+def test_unpicklable_function_is_refused_before_anything_runs(cluster):
+    with pytest.raises(ValueError, match=r"fn and its arguments must be picklable .*<lambda>"):
+        cluster.run(lambda: 1)
+    assert cluster.run(_rank_and_sum)[0] == (0, 10.0)

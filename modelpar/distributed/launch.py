@@ -17,6 +17,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
@@ -171,10 +172,18 @@ class LocalCluster:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        task = (fn, args, kwargs)
+        try:  # fail here, not silently in the queue's feeder thread
+            ForkingPickler.dumps(task)
+        except Exception as err:
+            raise ValueError(
+                f"fn and its arguments must be picklable (a module-level function, importable by the "
+                f"child processes), got {getattr(fn, '__qualname__', fn)!r}: {err}"
+            ) from None
         if not self._procs:
             self._start()
         for q in self._tasks:
-            q.put((fn, args, kwargs))
+            q.put(task)
         results: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout
         while len(results) < self.world_size:
