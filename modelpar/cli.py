@@ -22,7 +22,11 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modelpar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="modelpar",
+        description="Model parallelism in PyTorch, and the tools to reason about it: train a GPT with "
+        "tensor x pipeline x data parallelism, simulate pipeline schedules, plan (t, p, d), measure.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMANDS.values():
