@@ -1,0 +1,88 @@
+"""TrainConfig checks, the learning-rate schedule and the checkpoint metadata rules (no processes)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from modelpar.corpus import rank_batch
+from modelpar.model import GPTConfig
+from modelpar.training import TrainConfig, lr_at
+from modelpar.training.state import check_meta, init_optimizer_state, run_meta
+
+
+def test_lr_schedule_hand_checked():
+    cfg = TrainConfig(lr=1.0, warmup=4, steps=104)
+    assert [lr_at(cfg, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(cfg, 54) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert lr_at(cfg, 104) == pytest.approx(0.1) and lr_at(cfg, 500) == pytest.approx(0.1)
+
+
+@given(st.integers(0, 50), st.integers(1, 400), st.integers(0, 500))
+def test_lr_stays_within_its_bounds(warmup, steps, step):
+    cfg = TrainConfig(lr=3e-3, warmup=warmup, steps=steps)
+    assert 0.1 * 3e-3 - 1e-15 <= lr_at(cfg, step) <= 3e-3 + 1e-15 or step < warmup
+
+
+@given(st.integers(1, 8), st.integers(1, 6), st.booleans(), st.booleans())
+def test_replica_rows_tile_the_global_batch(dp, rows_per_replica, first, last):
+    x = torch.arange(dp * rows_per_replica * 3).view(-1, 3)
+    parts = [rank_batch(x, x + 1, dp_rank=r, dp=dp, first_stage=first, last_stage=last) for r in range(dp)]
+    if first:
+        assert torch.equal(torch.cat([p[0] for p in parts]), x)
+    if last:
+        assert torch.equal(torch.cat([p[1] for p in parts]), x + 1)
+    assert all((p[0] is None) != first and (p[1] is None) != last for p in parts)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"schedule": "interleaved", "chunks": 1}, "chunks must be >= 2, got 1"),
+    ({"schedule": "interleaved", "microbatches": 3, "batch_size": 12}, r"microbatches \(3\) must be divisible by pp \(2\)"),
+    ({"recompute": "3"}, "recompute must be <= 2, got 3"),  # 4 layers over p = 2 stages
+    ({"dp": 3}, r"batch_size \(16\) must be divisible by dp \(3\)"),
+    ({"lr": 0.0}, "lr must be > 0.0, got 0.0"),
+    ({"dtype": "float16"}, r"dtype must be one of \{float32, float64\}, got 'float16'"),
+    ({"exit_after": -1}, "exit_after must be >= 0, got -1"),
+    ({"tp": 0}, "tp must be >= 1, got 0"),
+])
+def test_bad_settings_are_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        replace(TrainConfig(), **changes).check()
+
+
+def test_world_size_and_round_trip():
+    cfg = TrainConfig(tp=2, pp=2, dp=2, model=GPTConfig(hidden=64, tie_embeddings=True))
+    assert cfg.check(8) is cfg and cfg.tokens_per_step == 16 * 64
+    with pytest.raises(ValueError, match=r"= 8 must equal the number of processes \(world size 4\)"):
+        cfg.check(4)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_checkpoint_metadata_rules():
+    cfg = TrainConfig()
+    meta = run_meta(cfg, 10, [5.0, 4.0])
+    check_meta(meta, replace(cfg, steps=999, lr=1e-4, schedule="gpipe", microbatches=8), "ck")  # may differ
+    with pytest.raises(ValueError, match=r"different model: heads, hidden differ \(checkpoint \[4, 128\], this run \[8, 256\]\)"):
+        check_meta(meta, replace(cfg, model=GPTConfig(hidden=256, heads=8)), "ck")
+    for key, value in (("dp", 2), ("seed", 1), ("batch_size", 32), ("dtype", "float64")):
+        with pytest.raises(ValueError, match=f"written with {key}="):
+            check_meta(meta, replace(cfg, **{key: value}), "ck")
+
+
+def test_prefilled_adamw_state_steps_like_lazy_state():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2).double(), torch.nn.Linear(3, 2).double()
+    b.load_state_dict(a.state_dict())
+    opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=0.1), torch.optim.AdamW(b.parameters(), lr=0.1)
+    init_optimizer_state(opt_b)
+    assert all(float(s["step"]) == 0.0 for s in opt_b.state.values())
+    for _ in range(3):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            m(torch.ones(4, 3, dtype=torch.float64)).pow(2).sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not math.isnan(float(next(iter(opt_b.state.values()))["step"]))
