@@ -106,3 +106,8 @@ def test_unpicklable_function_is_refused_before_anything_runs(cluster):
     with pytest.raises(ValueError, match=r"fn and its arguments must be picklable .*<lambda>"):
         cluster.run(lambda: 1)
     assert cluster.run(_rank_and_sum)[0] == (0, 10.0)
+
+
+def test_run_timeout_none_waits_but_a_dead_rank_is_still_seen():
+    with pytest.raises(RankError, match=r"rank 1 died \(exit code 7\)"):
+        launch(_die_on, 2, 1, timeout=5, run_timeout=None)

@@ -138,12 +138,22 @@ class LocalCluster:
     Functions must be importable (module level) since they are pickled to the children.
     After a failed run the ranks may be stuck in a collective, so the cluster is torn down and
     started again on the next ``run``.
+
+    ``timeout`` bounds each collective inside the ranks (torch.distributed's process-group
+    timeout) and, unless ``run_timeout`` says otherwise, each whole ``run``. A long job (training)
+    passes ``run_timeout=None``: a rank that dies is still noticed at once, and a hung collective
+    fails after ``timeout``.
     """
 
-    def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 60.0) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 60.0,
+                 run_timeout: float | None | str = "timeout") -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.backend = check_choice("backend", backend, ["gloo", "nccl"])
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
+        if run_timeout == "timeout":
+            run_timeout = self.timeout
+        self.run_timeout = None if run_timeout is None else check_number(
+            "run_timeout", run_timeout, minimum=0.0, strict=True)
         self._procs: list[Any] = []
 
     def __enter__(self) -> LocalCluster:
@@ -185,7 +195,7 @@ class LocalCluster:
         for q in self._tasks:
             q.put(task)
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.run_timeout if self.run_timeout is not None else float("inf")
         while len(results) < self.world_size:
             try:
                 rank, status, value = self._results.get(timeout=0.1)
@@ -208,7 +218,7 @@ class LocalCluster:
             waiting = [r for r in range(self.world_size) if r not in done]
             self._teardown()
             raise RankError(
-                f"ranks {waiting} did not finish within timeout={self.timeout:g} s "
+                f"ranks {waiting} did not finish within timeout={self.run_timeout:g} s "
                 "(a hang: a collective or a receive that nobody answers?)"
             )
 
@@ -237,7 +247,7 @@ class LocalCluster:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-           timeout: float = 60.0, **kwargs: Any) -> list[Any]:
+           timeout: float = 60.0, run_timeout: float | None | str = "timeout", **kwargs: Any) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh local processes; return each rank's result."""
-    with LocalCluster(world_size, backend=backend, timeout=timeout) as cluster:
+    with LocalCluster(world_size, backend=backend, timeout=timeout, run_timeout=run_timeout) as cluster:
         return cluster.run(fn, *args, **kwargs)

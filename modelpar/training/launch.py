@@ -21,7 +21,7 @@ from modelpar.training.report import EventFile
 
 __all__ = ["run_in_process", "run_local"]
 
-_LOCAL_TIMEOUT = 7 * 24 * 3600.0  # dead ranks are detected at once; this bounds a silent hang
+_COLLECTIVE_TIMEOUT = 1800.0  # a collective waiting this long is a hang; dead ranks are seen at once
 
 
 def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
@@ -41,7 +41,7 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
         def target() -> None:
             try:
                 outcome["result"] = launch(_rank_main, cfg.dims.world_size, cfg, str(events.path),
-                                           timeout=_LOCAL_TIMEOUT)[0]
+                                           timeout=_COLLECTIVE_TIMEOUT, run_timeout=None)[0]
             except BaseException as err:  # noqa: BLE001  re-raised in the calling thread
                 outcome["error"] = err
 
