@@ -111,3 +111,8 @@ def test_unpicklable_function_is_refused_before_anything_runs(cluster):
 def test_run_timeout_none_waits_but_a_dead_rank_is_still_seen():
     with pytest.raises(RankError, match=r"rank 1 died \(exit code 7\)"):
         launch(_die_on, 2, 1, timeout=5, run_timeout=None)
+
+
+def test_background_start_then_run():
+    with LocalCluster(2).start() as c:
+        assert [r for r, _ in c.run(_rank_and_sum)] == [0, 1]

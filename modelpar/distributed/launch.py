@@ -13,6 +13,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import threading
 import socket
 import time
 import traceback
@@ -88,7 +89,11 @@ def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseExcepti
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
             tasks: Any, results: Any) -> None:
     """A rank's main loop: join the group, then run tasks until told to stop (None)."""
+    import torch
     import torch.distributed as dist
+
+    if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -155,6 +160,32 @@ class LocalCluster:
         self.run_timeout = None if run_timeout is None else check_number(
             "run_timeout", run_timeout, minimum=0.0, strict=True)
         self._procs: list[Any] = []
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
+
+    def start(self) -> LocalCluster:
+        """Begin starting the ranks in the background and return at once; ``run`` waits for them.
+
+        Lets a caller overlap the few seconds of process start-up with its own work.
+        """
+        if not self._procs and self._starting is None:
+            self._starting = threading.Thread(target=self._start_in_background, daemon=True)
+            self._starting.start()
+        return self
+
+    def _start_in_background(self) -> None:
+        try:
+            self._start()
+        except BaseException as err:  # noqa: BLE001  re-raised by the next run()
+            self._start_error = err
+
+    def _wait_started(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._start_error is not None:
+            err, self._start_error = self._start_error, None
+            raise err
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -190,6 +221,7 @@ class LocalCluster:
                 f"fn and its arguments must be picklable (a module-level function, importable by the "
                 f"child processes), got {getattr(fn, '__qualname__', fn)!r}: {err}"
             ) from None
+        self._wait_started()
         if not self._procs:
             self._start()
         for q in self._tasks:
@@ -236,6 +268,10 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and wait for them."""
+        try:
+            self._wait_started()
+        except BaseException:  # noqa: BLE001  nothing left to stop
+            pass
         if not self._procs:
             return
         for q in self._tasks:
