@@ -58,10 +58,12 @@ def test_tanh_chain_held_is_n_over_k_plus_k_minimum_at_sqrt_n():
         report, _ = measure_chain(TANH_CHAIN, _tanh_input(), k)
         assert (report.held, report.extra_forwards) == (chain_cost(N, k).held, chain_cost(N, k).extra_forwards)
         assert report.forwards == N and report.extra_forwards == N  # every layer re-run once: one more forward
+        assert report.intermediates == chain_cost(N, k).intermediates == N - math.ceil(N / k)
         assert report.held_bytes == report.held * ROWS * WIDTH * 8
         held[k] = report.held
     for k in (1, 2, 4, 8, 16, 32, 64):
         assert held[k] == N // k + k
+        assert measure_chain(TANH_CHAIN, _tanh_input(), k)[0].intermediates == N - N // k  # k - 1 per segment
     fewest = min(held.values())
     assert fewest == held[8] == 2 * math.isqrt(N) == 16  # 2√n at k = √n
     assert [k for k in held if held[k] == fewest] == [6, 7, 8, 9, 10, 11]  # a shorter last segment can tie
@@ -72,12 +74,14 @@ def test_store_all_and_recompute_all_extremes():
     assert (store.label, store.held, store.extra_forwards) == ("store-all", N, 0)
     every_all, _ = measure_chain(TANH_CHAIN, _tanh_input(), "recompute-all")
     assert (every_all.held, every_all.extra_forwards) == (2, N * (N + 1) // 2) == (2, 2080)
+    assert every_all.intermediates == chain_cost(N, "recompute-all").intermediates == 2079
 
 
 def test_exercise_6_hundred_layers():
     costs = {k: chain_cost(100, k).held for k in range(1, 101)}
     assert min(costs.values()) == costs[10] == 20 and best_k(100) == 10 and best_k(64) == 8
-    assert chain_cost(100, 10).extra_forwards == 100  # the reference's 100 - 100/k = 90 counts intermediates only
+    assert chain_cost(100, 10).extra_forwards == 100  # each layer re-run once (autograd needs its graph) ...
+    assert chain_cost(100, 10).intermediates == 90  # ... re-creating the reference's 100 - 100/k activations
 
 
 @settings(max_examples=25, deadline=None)
@@ -90,6 +94,7 @@ def test_any_chain_matches_the_closed_form(n, data):
     _, plain = measure_chain([torch.tanh] * n, x, None)
     expected = chain_cost(n, recompute)
     assert (report.held, report.extra_forwards, report.forwards) == (expected.held, expected.extra_forwards, n)
+    assert report.intermediates == expected.intermediates
     assert _equal(grads, plain)
 
 

@@ -33,13 +33,20 @@ Layer = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class RecomputeStats:
-    """Layer forwards counted as they run: in the forward pass, and re-run during backward."""
+    """Layer forwards counted as they run: in the forward pass, and re-run during backward.
+
+    ``intermediates``: the re-run outputs that the forward had not kept. A segment's last re-run
+    output is the next segment's stored input (or the chain's output), so every-k re-runs n layer
+    forwards but re-creates only n − n/k activations — the reference's count (§9, exercise 6: 90
+    for n = 100, k = 10). The last layer is re-run all the same: autograd needs its graph.
+    """
 
     forwards: int = 0
     recomputed: int = 0
+    intermediates: int = 0
 
     def reset(self) -> None:
-        self.forwards = self.recomputed = 0
+        self.forwards = self.recomputed = self.intermediates = 0
 
 
 def run_layers(layers: Sequence[Layer], x: torch.Tensor, stats: RecomputeStats, start: int = 0, *, recomputing: bool = False) -> torch.Tensor:
@@ -117,6 +124,7 @@ class Checkpoint(_KeepInput):
         with replay(ctx.state), torch.enable_grad():
             x_leaf = _input_leaf(x, ctx.needs_input_grad[1])
             y = segment.run(x_leaf, recomputing=True)
+        segment.stats.intermediates += len(segment.layers) - 1  # the last output was kept
         needs = ctx.needs_input_grad[1:]
         inputs = [t if need else None for t, need in zip([x_leaf, *segment.params], needs)]
         return (None, *_grads(y, inputs, grad_y))
@@ -141,6 +149,8 @@ class RecomputeAll(_KeepInput):
                 with torch.enable_grad():
                     h_leaf = _input_leaf(h, l > 0 or ctx.needs_input_grad[1])
                     y = run_layers([layer], h_leaf, segment.stats, segment.start + l, recomputing=True)
+            last = l == len(segment.layers) - 1
+            segment.stats.intermediates += l + (0 if last else 1)  # h_1..h_l, and h_(l+1) unless the output
             grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], grad)
             for p, g in zip(params, grads):
                 if g is not None:

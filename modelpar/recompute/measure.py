@@ -45,6 +45,7 @@ class ChainReport:
     held_bytes: int
     forwards: int  # layer forwards in the forward pass
     extra_forwards: int  # layer forwards re-run during backward
+    intermediates: int  # re-run outputs the forward had not kept
 
 
 def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.Sequential, x: torch.Tensor,
@@ -60,7 +61,8 @@ def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.
     with meter:
         out = loss(chain(x))
         grads = list(torch.autograd.grad(out, inputs, allow_unused=True)) if inputs else []
-    report = ChainReport(chain.plan.label, meter.peak_count, meter.peak_bytes, chain.stats.forwards, chain.stats.recomputed)
+    report = ChainReport(chain.plan.label, meter.peak_count, meter.peak_bytes, chain.stats.forwards, chain.stats.recomputed,
+                         chain.stats.intermediates)
     return report, grads
 
 
@@ -70,7 +72,7 @@ def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn
     activation each, if ``model``), bytes, extra forwards, gradients bitwise equal to store-all's,
     and the median forward + backward time over ``repeats`` steps (none if 0)."""
     _, plain = measure_chain(layers, x, None)
-    head = f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>10} {'extra forwards':>15}  bitwise equal"
+    head = f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>10} {'extra forwards':>15} {'re-created':>10}  bitwise equal"
     head = head if model else head.replace(f" {'model':>6}", "")
     rows = [head + ("  fwd+bwd ms" if repeats else "")]
     for recompute in strategies:
@@ -78,7 +80,7 @@ def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn
         equal = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
         expected = f" {chain_cost(len(layers), recompute).held:6}" if model else ""
         row = (f"{report.label:14} {report.held:5}{expected} "
-               f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15}  {str(equal):13}")
+               f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15} {report.intermediates:10}  {str(equal):13}")
         if repeats:
             chain = Recompute(layers, recompute)
             seconds = []

@@ -97,6 +97,7 @@ class ChainCost:
 
     held: int  # activations held at the peak of forward + backward
     extra_forwards: int  # layer forwards re-run during backward
+    intermediates: int  # re-run outputs the forward had not kept (n − n/k for every-k)
 
 
 def chain_cost(n: int, recompute: Strategy) -> ChainCost:
@@ -110,10 +111,11 @@ def chain_cost(n: int, recompute: Strategy) -> ChainCost:
     """
     plan = plan_recompute(n, recompute)
     if plan.kind == "store-all":
-        return ChainCost(held=n, extra_forwards=0)
+        return ChainCost(held=n, extra_forwards=0, intermediates=0)
     if plan.kind == "recompute-all":
-        return ChainCost(held=2, extra_forwards=n * (n + 1) // 2)
-    return ChainCost(held=_every_k_held(n, plan.k), extra_forwards=n)
+        return ChainCost(held=2, extra_forwards=n * (n + 1) // 2, intermediates=n * (n + 1) // 2 - 1)
+    segments = -(-n // plan.k)
+    return ChainCost(held=_every_k_held(n, plan.k), extra_forwards=n, intermediates=n - segments)
 
 
 def gpipe_activation_memory(batch: int, layers: int, stages: int, microbatches: int, recompute: bool) -> int:
