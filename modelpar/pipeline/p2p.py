@@ -29,14 +29,14 @@ __all__ = ["P2P", "act_tag", "comm_device", "grad_tag", "matches_by_tag"]
 
 def comm_device(group: Any) -> torch.device:
     """Where this rank's communication buffers live: its current GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    if "nccl" in str(dist.get_backend(group)):  # "nccl", or a mixed "cpu:gloo,cuda:nccl"
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def matches_by_tag(group: Any) -> bool:
     """Gloo matches point-to-point messages by tag; NCCL only by the order they are posted."""
-    return dist.get_backend(group) != "nccl"
+    return "nccl" not in str(dist.get_backend(group))
 
 
 def act_tag(stage: int, microbatch: int, num_microbatches: int) -> int:
