@@ -42,6 +42,7 @@ class Assumptions:
     sharded_state_bytes: float = 12.0  # of those, bytes a distributed optimizer (ZeRO-1) splits over d
     distributed_optimizer: bool = False  # shard the optimizer state over the data-parallel group
     memory_reserve_gb: float = 0.0  # per-GPU headroom for NCCL buffers, workspace, fragmentation
+    memory_gib: bool = False  # read the GPU's memory_gb as GiB (2^30 B, what an "80 GB" card has); False: 1e9 B as the text
     # --- pipeline layout --------------------------------------------------------------------
     uniform_stages: bool = False  # spread embedding and output layer evenly over stages (the text's model)
     uneven_layers: bool = False  # allow p·v not dividing L: the busiest chunk gets ⌈L/(p·v)⌉ layers (DeepSpeed, Llama 3)
@@ -62,6 +63,10 @@ class Assumptions:
                 f"sharded_state_bytes must be <= state_bytes ({self.state_bytes}), got {self.sharded_state_bytes}"
             )
 
+    def memory_limit(self, memory_gb: float) -> float:
+        """Bytes a GPU of ``memory_gb`` (its data-sheet number) offers."""
+        return memory_gb * (2**30 if self.memory_gib else 1e9)
+
     def with_(self, **changes: object) -> Assumptions:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
@@ -81,8 +86,12 @@ REFERENCE = Assumptions(
 )
 
 # The software H100/H200 clusters run (Megatron-Core, Llama 3's stack): fused (flash) attention,
-# the distributed optimizer (ZeRO-1), and the gradient all-reduce overlapped with backward.
-MODERN = DEFAULT.with_(flash_attention=True, distributed_optimizer=True, dp_overlap=0.8)
+# the distributed optimizer (ZeRO-1), and the gradient all-reduce overlapped with backward. BF16
+# training keeps an FP32 gradient buffer (Megatron's --bf16 default), so the state is 2 + 4 + 12 = 18
+# bytes per parameter, 6 + 12/d with the distributed optimizer (Megatron-Core's distrib_optimizer
+# table). Capacity is the real one (80 GiB on an "80 GB" H100) less 1 GB for the CUDA context and NCCL.
+MODERN = DEFAULT.with_(flash_attention=True, distributed_optimizer=True, dp_overlap=0.8,
+                       state_bytes=18.0, sharded_state_bytes=12.0, memory_gib=True, memory_reserve_gb=1.0)
 
 
 def assumptions_for(gpu_name: str) -> Assumptions:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.formulas import allgather_bytes, allreduce_bytes, bubble_fraction
-from modelpar.costmodel.memory import activation_bytes_per_layer, memory_breakdown, params_on_gpu, stage_layers
+from modelpar.costmodel.memory import activation_bytes_per_layer, memory_breakdown, params_on_gpu, stage_loads
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
 
 __all__ = ["Estimate", "check_config", "estimate", "matmul_efficiency"]
@@ -68,7 +68,8 @@ def check_config(
         return f"t·p·d = {cfg.t}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
     if model.heads % cfg.t or (model.kv_heads or model.heads) % cfg.t:
         return f"heads ({model.heads}, kv {model.kv_heads or model.heads}) not divisible by t = {cfg.t}"
-    if cfg.p * cfg.v > model.layers or (model.layers % (cfg.p * cfg.v) and not uneven_layers):
+    # uneven stages may leave the first and last chunk with only the embedding / output layer (Llama 3 §3.3.2)
+    if cfg.p * cfg.v > model.layers + 2 * uneven_layers or (model.layers % (cfg.p * cfg.v) and not uneven_layers):
         return f"layers ({model.layers}) not divisible by p·v = {cfg.p * cfg.v}"
     if batch % (cfg.d * cfg.micro_batch):
         return f"batch ({batch}) not divisible by d·micro_batch = {cfg.d * cfg.micro_batch}"
@@ -116,7 +117,8 @@ def estimate(
     if cfg.recompute == "selective":  # QKᵀ and attention·V again (Korthikanti §5)
         layer_exec += tokens * 4 * s * h / t
     stream = activation_bytes_per_layer(
-        s, b, h, model.heads, t, cfg.sequence_parallel, "none", model.act_sharded_coeff, a.flash_attention
+        s, b, h, model.heads, t, cfg.sequence_parallel, "none", model.act_sharded_coeff, a.flash_attention,
+        model.act_replicated_coeff,
     )
     layer_compute = (layer_exec / (peak * eff)
                      + a.elementwise_passes * stream * (2 + fwd_passes) / (gpu.hbm_tb_s * 1e12)
@@ -142,15 +144,19 @@ def estimate(
         q = 2 * v * transfer * (1 - a.pp_overlap)  # exposed per microbatch in the steady state
     fill = 2 * (p - 1) * transfer  # the first activation and the last gradient cross every boundary
 
-    layers, busiest = model.layers / p, stage_layers(model.layers, p, v)
+    layers = model.layers / p
+    first, middle, last = stage_loads(model.layers, p, v)
     layer_total = layer_compute + layer_tp
     t_avg = layers * layer_total + q + logits_time / p
-    t_max = busiest * layer_total + q + (logits_time / p if a.uniform_stages or p == 1 else logits_time)
+    if a.uniform_stages or p == 1:
+        t_max = max(first, middle) * layer_total + q + logits_time / p
+    else:  # the slowest device: a full middle one, or the last with the output layer
+        t_max = max(max(first, middle) * layer_total, last * layer_total + logits_time) + q
     pipe = m * t_max + (p - 1) / v * t_avg + fill
 
     # --- data-parallel gradient all-reduce ------------------------------------------------------
     dp_link = cluster.link_gbps(t * d)
-    grads = params_on_gpu(model, cfg, a.uniform_stages) * a.grad_bytes
+    grads = max(params_on_gpu(model, cfg, a.uniform_stages, r) for r in (0, 1)) * a.grad_bytes
     dp = 0.0 if d == 1 else (1 - a.dp_overlap) * _collective(allreduce_bytes(grads, d), dp_link, a)
 
     step = pipe + dp
@@ -166,7 +172,7 @@ def estimate(
     names = {cluster.intra_node_gbps: "nvlink", cluster.inter_node_gbps: "network"}
     return Estimate(
         config=cfg, batch=batch, microbatches=m, step_time_s=step, time=time,
-        memory=memory_breakdown(model, cfg, m, a), memory_limit=gpu.memory_gb * 1e9,
+        memory=memory_breakdown(model, cfg, m, a), memory_limit=a.memory_limit(gpu.memory_gb),
         tflops_per_gpu=executed / (n * step) / 1e12,
         mfu=model.model_flops(batch * s) / (n * step * peak),
         bubble=bubble_fraction(p, m, v), efficiency=eff,

@@ -14,7 +14,7 @@ from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
 
 __all__ = ["GPUS", "MODELS", "NodePreset", "gpu_preset", "make_cluster", "model_preset"]
 
-_LLAMA = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False)
+_LLAMA = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False, dropout=False)
 
 MODELS: dict[str, ModelSpec] = {
     "gpt3-175b": ModelSpec(96, 12288, 96, 2048, 51200, name="gpt3-175b"),

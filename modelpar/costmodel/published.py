@@ -68,7 +68,9 @@ PUBLISHED: list[PublishedRun] = [
       for g, tf in ((2240, 126), (2800, 121), (3360, 113))),
     *(PublishedRun(f"Llama 3 405B, {g} GPUs", "Dubey et al. 2024 Table 4", model_preset("llama3-405b"), "h100-sxm",
                    g, 2048, mfu, "mfu", pins=dict(t=8, p=16),
-                   framework=dict(uneven_layers=True))
+                   # §3.3.2: one layer fewer on the first and last stage; FSDP shards the optimizer state and
+                   # the FP32 gradients over d, the BF16 weights stay whole (2 + 16/d bytes per parameter)
+                   framework=dict(uneven_layers=True, sharded_state_bytes=16.0))
       for g, mfu in ((8192, 0.43), (16384, 0.41))),
 ]
 

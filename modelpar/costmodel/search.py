@@ -57,7 +57,7 @@ def fitting_gpu_counts(
             for d in divisors(batch):
                 need = _leanest(model, t, p, d, batch, a)
                 least = min(least, need)
-                if need <= memory_gb * 1e9:
+                if need <= a.memory_limit(memory_gb):
                     found.add(t * p * d)
     return sorted(found), least / 1e9
 
@@ -87,7 +87,7 @@ def search(
 ) -> SearchResult:
     """Estimate every layout of ``model`` on ``cluster`` for global batch ``batch``; pinned arguments fix a dimension."""
     a, n, res = assumptions, cluster.gpus, SearchResult([])
-    limit = cluster.gpu.memory_gb * 1e9
+    limit = a.memory_limit(cluster.gpu.memory_gb)
     kv = model.kv_heads or model.heads
     recomputes = list(RECOMPUTE) if recompute is None else [recompute]
     for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
@@ -118,9 +118,12 @@ def search(
 
 
 def _search_chunks(model, cluster, batch, a, res, dims, m, v, limit) -> bool:
-    """Try each chunk count v for one (t, p, d, b, recompute, sp); True if even v = 1 ran out of memory."""
+    """Try each chunk count v for one (t, p, d, b, recompute, sp); True if even v = 1 ran out of memory.
+
+    With uneven stages a chunk may hold only the embedding or the output layer, so p·v ≤ L + 2.
+    """
     tt, pp, dd, b, rc, sp = dims
-    chunks = range(1, model.layers // pp + 1) if a.uneven_layers else divisors(model.layers // pp)
+    chunks = range(1, (model.layers + 2) // pp + 1) if a.uneven_layers else divisors(model.layers // pp)
     for vv in _pinned("v", v, list(chunks)):
         if vv > 1 and (pp == 1 or m % pp):
             res.reject("interleave", f"v = {vv} needs p > 1 and microbatches ({m}) divisible by p = {pp}")
@@ -131,7 +134,9 @@ def _search_chunks(model, cluster, batch, a, res, dims, m, v, limit) -> bool:
             res.reject("memory", f"{_short(cfg)} needs {mem / 1e9:.1f} GB > {limit / 1e9:.0f} GB")
             if res.leanest is None or mem < res.leanest.memory_gb * 1e9:
                 res.leanest = estimate(model, cluster, cfg, batch, a)
-            return vv == 1 or v is not None
+            if vv == 1 or v is not None or not a.uneven_layers:
+                return vv == 1 or v is not None
+            continue  # uneven: ⌈L/(p·v)⌉·v is not monotone in v, a larger v may fit
         res.ranked.append(estimate(model, cluster, cfg, batch, a))
     return False
 

@@ -32,6 +32,7 @@ class ModelSpec:
     tied_embeddings: bool = True  # output layer shares the input embedding
     learned_positions: bool = True  # s×h position embedding (GPT); False for RoPE / ALiBi
     bias: bool = True  # biases and LayerNorm β (GPT); False for Llama-style RMSNorm, no biases
+    dropout: bool = True  # dropout after attention and MLP (GPT, 1-byte masks); False for Llama-style models
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -98,10 +99,21 @@ class ModelSpec:
     def act_sharded_coeff(self) -> float:
         """Korthikanti (2022) §4.1: bytes/(s·b·h) of a layer's activations that tensor parallelism splits (24 for a GPT).
 
-        Q 2, K and V 2r each, attention output 2 (sum 8 for a GPT) plus the MLP: 2·ffn/h for the activation
-        input, 2·ffn/h for the second matrix's input, and 2·ffn/h more for the gate of a SwiGLU (16 for a GPT).
+        Q 2, K and V 2r each (r = kv_fraction), attention output 2 (the output projection's input; sum 8 for
+        a GPT) plus the MLP: 2·ffn/h for the activation input, 2·ffn/h for the second matrix's input, and
+        2·ffn/h more for the gate of a SwiGLU (16 for a GPT). The s² attention terms are separate
+        (``activation_bytes_per_layer``). Derivation: docs/costmodel.md, "Activation memory".
         """
         return 4 + 4 * self.kv_fraction + (6 if self.gated_mlp else 4) * self.ffn_size / self.hidden
+
+    @property
+    def act_replicated_coeff(self) -> float:
+        """Korthikanti (2022) §4.1: bytes/(s·b·h) tensor parallelism leaves whole (sequence parallelism splits them).
+
+        The two norm inputs 2 + 2, the QKV and first MLP matrix inputs 2 + 2, and with dropout the two
+        1-byte masks 1 + 1: 10 for a GPT, 8 for Llama (RMSNorm keeps its input too; no dropout).
+        """
+        return 8.0 + (2.0 if self.dropout else 0.0)
 
 
 @dataclass(frozen=True)
