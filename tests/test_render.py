@@ -7,6 +7,7 @@ import pytest
 from modelpar.schedules import gpipe, interleaved_1f1b, naive, one_f_one_b, zb_h1
 from modelpar.simulate import Costs, Timeline, simulate
 from modelpar.simulate.ascii import ascii_chart, auto_unit
+from modelpar.simulate.report import headline, metrics_table
 from modelpar.simulate.plot import plot_timelines
 from modelpar.simulate.trace import chrome_trace, write_trace
 
@@ -88,3 +89,44 @@ def test_measured_timeline_renders():
                    (1, s.actions[1][1], 7.0, 9.0), (0, s.actions[0][1], 9.0, 11.0)], 2)
     assert ascii_chart(tl) == "Device 0 |F0······B0B0|\nDevice 1 |··F0B0B0····|"
     assert chrome_trace([tl])["traceEvents"][-1]["ph"] == "X"  # no schedule: no flow arrows
+
+
+# --- measured timelines: their time unit -------------------------------------------------------
+
+def _measured(unit: str = "s") -> Timeline:
+    """1F1B K=2, M=2 as a run might record it: uneven action times in seconds, clock not at 0."""
+    s = one_f_one_b(2, 2)
+    t = {  # device -> (start, end) per action, in the schedule's order: F0 F1 B0 B1 / F0 B0 F1 B1
+        0: [(10.000, 10.002), (10.002, 10.0023), (10.006, 10.010), (10.011, 10.015)],
+        1: [(10.003, 10.004), (10.004, 10.006), (10.006, 10.0064), (10.0064, 10.0104)],
+    }
+    return Timeline([(d, a, *t[d][i]) for d in (0, 1) for i, a in enumerate(s.actions[d])], 2, s, unit=unit)
+
+
+def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_clock_unit(tmp_path):
+    sim, measured = simulate(gpipe(4, 8)), _measured()
+    assert sim.unit == "forward" == Timeline([], 1).unit
+    assert headline(sim).startswith("gpipe (K = 4, M = 8): step 33 units, bubble 27.3%")
+    assert measured.unit == "s" and "step 0.015 s, bubble" in headline(measured)
+    assert "0.015 s" in metrics_table([measured]) and " 33 " in metrics_table([sim])
+    svg = plot_timelines([measured], tmp_path / "m.svg").read_text()
+    assert "time (s)" in svg and "units of one" not in svg and "step 0.015 s" in svg
+    assert "time (units of one microbatch" in plot_timelines([sim], tmp_path / "s.svg").read_text()
+    with pytest.raises(ValueError, match=r"must share a unit, got units \['forward', 's'\]"):
+        plot_timelines([sim, measured], tmp_path / "mixed.png")
+    # Chrome trace: real durations in µs by default; simulated keeps 1 forward unit = 1 ms
+    f0 = next(e for e in chrome_trace([measured])["traceEvents"] if e["ph"] == "X")
+    assert f0["name"] == "F0" and f0["dur"] == pytest.approx(2000.0)
+    ms = Timeline([(0, naive(1).actions[0][0], 0.0, 2.5)], 1, unit="ms")
+    assert chrome_trace([ms])["traceEvents"][-1]["dur"] == 2500.0
+    assert chrome_trace([sim])["traceEvents"][2]["dur"] == 1000.0
+    with pytest.raises(ValueError, match=r"unit must be one of \{forward, s, ms, us\}, got 'sec'"):
+        Timeline([], 1, unit="sec")
+
+
+def test_pipeline_measure_builds_timelines_in_seconds():
+    pytest.importorskip("torch")
+    from modelpar.pipeline.measure import measured_durations, predict
+
+    measured = _measured()
+    assert predict(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"

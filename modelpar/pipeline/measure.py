@@ -33,6 +33,7 @@ def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Sch
         [Event(d, Action.parse(a), s, e) for d, rows in enumerate(everyone) for a, s, e in rows],
         schedule.num_devices,
         schedule,
+        unit="s",
     )
 
 
@@ -58,4 +59,4 @@ def predict(schedule: Schedule, durations: dict[Kind, list[float]], transfer: fl
     dev = schedule.stage_to_device
     transfer_in = [0.0] + [transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]
     starts, ends = execute(schedule, durations, transfer_in)
-    return Timeline.from_columns(schedule, starts, ends)
+    return Timeline.from_columns(schedule, starts, ends, unit="s")

@@ -2,8 +2,9 @@
 
 Colour = microbatch; F solid, B hatched ``//``, I hatched ``\\\\``, W hatched ``xx`` and paler;
 the grey band behind each row is the step, so what shows through is the bubble. Labels in lower
-case are a device's second chunk (interleaved). Panels share one time axis; each title carries
-the metrics. matplotlib is imported here only, never by the simulator.
+case are a device's second chunk (interleaved). Panels share one time axis, labelled in the
+timelines' unit (forward units when simulated, s/ms/µs when measured; mixing them is an error);
+each title carries the metrics. matplotlib is imported here only, never by the simulator.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = ["plot_timelines"]
 _HATCH = {Kind.F: "", Kind.B: "//", Kind.I: "\\\\", Kind.W: "xx"}
 _ALPHA = {Kind.F: 1.0, Kind.B: 0.85, Kind.I: 0.85, Kind.W: 0.55}
 _MAX_LABELS = 600  # write "F3" inside bars only when there are few enough to read
+_LABEL_INCHES = 0.16  # ... and only in bars at least this wide on the page
 
 
 def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str = "") -> Path:
@@ -29,6 +31,9 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
         raise ValueError(f"plot path must end in .png or .svg, got {str(path)!r}")
     if not timelines:
         raise ValueError("timelines must not be empty")
+    units = sorted({t.unit for t in timelines})
+    if len(units) > 1:
+        raise ValueError(f"timelines on one time axis must share a unit, got units {units}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,8 +49,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     cmap = plt.get_cmap("tab10")
     span = max(t.step_time for t in timelines) or 1.0  # one time axis for all, to compare lengths
     for ax, tl in zip(axes[:, 0], timelines):
-        _draw(ax, tl, cmap, span)
-    axes[-1, 0].set_xlabel("time (units of one microbatch's forward through one stage)")
+        _draw(ax, tl, cmap, span, min_label=_LABEL_INCHES * span / width)
+    axes[-1, 0].set_xlabel(f"time ({timelines[0].unit_name})")
     kinds = [k for k in Kind if any(a.kind is k for t in timelines for acts in t.actions for a in acts)]
     handles = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_kind_name(k)) for k in kinds]
     handles.append(Patch(facecolor="#e6e6e6", edgecolor="none", label="idle (bubble)"))
@@ -58,7 +63,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     return path
 
 
-def _draw(ax, tl: Timeline, cmap, span: float) -> None:
+def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
     n = tl.num_devices
     few = sum(len(a) for a in tl.actions) <= _MAX_LABELS
     for d in range(n):
@@ -69,14 +74,14 @@ def _draw(ax, tl: Timeline, cmap, span: float) -> None:
                 [(s, e - s)], (y - 0.4, 0.8), facecolors=cmap(a.microbatch % 10),
                 edgecolors="black", linewidth=0.4, hatch=_HATCH[a.kind], alpha=_ALPHA[a.kind],
             )
-            if few and e - s >= 0.45:
+            if few and e - s >= min_label:
                 ax.text((s + e) / 2, y, tl.token(a), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(n), [f"Device {d}" for d in reversed(range(n))])
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, n - 0.4)
     peaks = ", ".join(f"{p:g}" for p in tl.peak_activations)
     ax.set_title(
-        f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.step_time:.4g}, "
+        f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.format_time(tl.step_time, '.4g')}, "
         f"bubble {tl.bubble:.1%}, peak held [{peaks}], {tl.transfers} transfers",
         fontsize=10, loc="left",
     )

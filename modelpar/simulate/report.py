@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from modelpar.schedules.generators import get_schedule
 from modelpar.simulate.costs import Costs
 from modelpar.simulate.simulator import simulate
-from modelpar.simulate.timeline import Timeline
+from modelpar.simulate.timeline import FORWARD, Timeline
 
 __all__ = ["headline", "label", "metrics_table", "sweep", "sweep_table"]
 
@@ -23,7 +23,7 @@ def headline(timeline: Timeline) -> str:
     v = f", v = {timeline.chunks}" if timeline.chunks > 1 else ""
     return (
         f"{timeline.name or 'schedule'} (K = {timeline.num_devices}, "
-        f"M = {timeline.num_microbatches}{v}): step {timeline.step_time:g} units, bubble "
+        f"M = {timeline.num_microbatches}{v}): step {timeline.format_time(timeline.step_time)}, bubble "
         f"{timeline.bubble:.1%}, peak held microbatches per device [{peaks}]"
     )
 
@@ -38,7 +38,7 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
             str(t.num_devices),
             str(t.num_microbatches),
             str(t.chunks),
-            f"{t.step_time:.4g}",
+            f"{t.step_time:.4g}" if t.unit == FORWARD else t.format_time(t.step_time, ".4g"),
             f"{t.bubble:.1%}",
             "[" + ", ".join(f"{p:g}" for p in t.peak_activations) + "]",
             str(t.transfers),

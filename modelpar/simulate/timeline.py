@@ -8,6 +8,10 @@ Metrics (all derived, nothing stored twice):
   zero-bubble paper's in-flight count; ``peak_until_w`` also keeps it until W;
 - transfers: cross-device dependencies (one activation forward, one gradient back per boundary);
 - speed-up: the same work done back to back on one device, divided by the step time.
+
+Every time is in the timeline's ``unit``: ``"forward"`` (the simulator's: one microbatch's
+forward through one whole stage) or a clock unit, ``"s"``, ``"ms"`` or ``"us"``, for measured
+runs. The renderers label axes, headlines and traces from it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from collections.abc import Iterable
 from functools import cached_property
 from typing import NamedTuple
 
-from modelpar._validate import check_int
+from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["Event", "Timeline"]
+__all__ = ["Event", "FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "Timeline"]
+
+FORWARD = "forward"  # the simulator's unit: one microbatch's forward through one whole stage
+SECONDS_PER_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # clock units of measured timelines
+TIME_UNITS = (FORWARD, *SECONDS_PER_UNIT)
+_UNIT_NAMES = {FORWARD: "units of one microbatch's forward through one stage", "s": "s", "ms": "ms", "us": "µs"}
 
 
 class Event(NamedTuple):
@@ -35,10 +44,17 @@ class Event(NamedTuple):
 class Timeline:
     """Events per device plus metrics; build it from simulated or measured events.
 
-    Times are shifted so that the earliest start is 0 (measured clocks start anywhere).
+    Times are shifted so that the earliest start is 0 (measured clocks start anywhere). ``unit``
+    says what they are in: ``"forward"`` (simulated, the default) or ``"s"``/``"ms"``/``"us"``.
     """
 
-    def __init__(self, events: Iterable[Event | tuple], num_devices: int, schedule: Schedule | None = None):
+    def __init__(
+        self,
+        events: Iterable[Event | tuple],
+        num_devices: int,
+        schedule: Schedule | None = None,
+        unit: str = FORWARD,
+    ):
         d_count = check_int("num_devices", num_devices, minimum=1)
         rows: list[list[Event]] = [[] for _ in range(d_count)]
         for raw in events:
@@ -55,22 +71,40 @@ class Timeline:
             [[e.start - t0 for e in r] for r in rows],
             [[e.end - t0 for e in r] for r in rows],
             schedule,
+            unit,
         )
 
-    def _init(self, actions, starts, ends, schedule) -> None:
+    def _init(self, actions, starts, ends, schedule, unit) -> None:
+        check_choice("unit", unit, TIME_UNITS)
         self.actions: list[list[Action]] = [list(a) for a in actions]
         self.starts: list[list[float]] = starts
         self.ends: list[list[float]] = ends
         self.schedule = schedule
+        self.unit: str = unit
 
     @classmethod
     def from_columns(
-        cls, schedule: Schedule, starts: list[list[float]], ends: list[list[float]]
+        cls, schedule: Schedule, starts: list[list[float]], ends: list[list[float]], unit: str = FORWARD
     ) -> Timeline:
         """Fast path for the simulator: times aligned with ``schedule.actions``, already from 0."""
         self = cls.__new__(cls)
-        self._init(schedule.actions, starts, ends, schedule)
+        self._init(schedule.actions, starts, ends, schedule, unit)
         return self
+
+    # --- time unit -----------------------------------------------------------------------------
+    @property
+    def unit_name(self) -> str:
+        """What one time unit is, for axis labels: "units of one microbatch's forward ..." or "ms"."""
+        return _UNIT_NAMES[self.unit]
+
+    def format_time(self, t: float, spec: str = "g") -> str:
+        """``t`` with its unit: "33 units" (simulated), "12.5 ms" (measured)."""
+        return f"{t:{spec}} {'units' if self.unit == FORWARD else _UNIT_NAMES[self.unit]}"
+
+    @property
+    def us_per_unit(self) -> float:
+        """Microseconds per time unit for traces: exact for clock units; 1 forward drawn as 1 ms."""
+        return 1000.0 if self.unit == FORWARD else SECONDS_PER_UNIT[self.unit] * 1e6
 
     # --- shape ---------------------------------------------------------------------------------
     @property

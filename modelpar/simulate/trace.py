@@ -17,17 +17,19 @@ from modelpar.simulate.timeline import Timeline
 __all__ = ["chrome_trace", "write_trace"]
 
 
-def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float = 1000.0) -> dict:
+def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float | None = None) -> dict:
     """The trace as a dict with ``traceEvents``; one time unit becomes ``us_per_unit`` µs.
 
-    Simulated times are in forward units (default: 1 unit = 1 ms); pass 1e6 for a measured
-    timeline in seconds.
+    By default each timeline's own unit decides (``Timeline.us_per_unit``): measured times in
+    s/ms/µs keep their real length, a simulated forward unit is drawn as 1 ms. A number given
+    here applies to every timeline.
     """
-    if not us_per_unit > 0:
+    if us_per_unit is not None and not us_per_unit > 0:
         raise ValueError(f"us_per_unit must be > 0, got {us_per_unit}")
     events: list[dict] = []
     flow_id = 0
     for pid, tl in enumerate(timelines):
+        scale = tl.us_per_unit if us_per_unit is None else us_per_unit
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label(tl.name or f"timeline {pid}", tl.chunks)}})
         where: dict = {}
         for d in range(tl.num_devices):
@@ -36,7 +38,7 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float = 1000.0) -> 
                 where[a] = (d, s, e)
                 events.append({
                     "name": tl.token(a), "cat": a.kind.value, "ph": "X", "pid": pid, "tid": d,
-                    "ts": s * us_per_unit, "dur": (e - s) * us_per_unit,
+                    "ts": s * scale, "dur": (e - s) * scale,
                     "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
                 })
         if tl.schedule is None:
@@ -48,12 +50,12 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float = 1000.0) -> 
                         flow_id += 1
                         src_d, _, src_end = where[dep]
                         common = {"name": "transfer", "cat": "transfer", "id": flow_id, "pid": pid}
-                        events.append({**common, "ph": "s", "tid": src_d, "ts": src_end * us_per_unit})
-                        events.append({**common, "ph": "f", "bp": "e", "tid": d, "ts": s * us_per_unit})
+                        events.append({**common, "ph": "s", "tid": src_d, "ts": src_end * scale})
+                        events.append({**common, "ph": "f", "bp": "e", "tid": d, "ts": s * scale})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(timelines: Sequence[Timeline], path: str | Path, us_per_unit: float = 1000.0) -> Path:
+def write_trace(timelines: Sequence[Timeline], path: str | Path, us_per_unit: float | None = None) -> Path:
     """Write ``chrome_trace(timelines)`` as JSON to ``path``; return the path."""
     path = Path(path)
     path.write_text(json.dumps(chrome_trace(timelines, us_per_unit)))
