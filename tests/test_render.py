@@ -3,10 +3,13 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from modelpar.schedules import gpipe, interleaved_1f1b, naive, one_f_one_b, zb_h1
+from modelpar.schedules import Kind, get_schedule, gpipe, interleaved_1f1b, naive, one_f_one_b, zb_h1
+from modelpar.schedules.execute import execute
 from modelpar.simulate import Costs, Timeline, simulate
-from modelpar.simulate.ascii import ascii_chart, auto_unit
+from modelpar.simulate.ascii import IDLE, ascii_chart, auto_unit
 from modelpar.simulate.report import headline, metrics_table
 from modelpar.simulate.plot import plot_timelines
 from modelpar.simulate.trace import chrome_trace, write_trace
@@ -91,7 +94,7 @@ def test_measured_timeline_renders():
     assert chrome_trace([tl])["traceEvents"][-1]["ph"] == "X"  # no schedule: no flow arrows
 
 
-# --- measured timelines: their time unit -------------------------------------------------------
+# --- measured timelines: their time unit, and every action visible in the ASCII chart ---------
 
 def _measured(unit: str = "s") -> Timeline:
     """1F1B K=2, M=2 as a run might record it: uneven action times in seconds, clock not at 0."""
@@ -130,3 +133,37 @@ def test_pipeline_measure_builds_timelines_in_seconds():
 
     measured = _measured()
     assert predict(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"
+
+
+def _runs(row: str, width: int = 2) -> list[str]:
+    """The tokens of one chart row, each run of equal cells once, idle cells dropped."""
+    cells = [row[i:i + width] for i in range(0, len(row), width)]
+    return [c for i, c in enumerate(cells) if IDLE not in c and (i == 0 or cells[i - 1] != c)]
+
+
+def test_ascii_chart_shows_an_action_shorter_than_a_cell():
+    # device 1's F1 lasts 0.4 ms and shares its 1 ms cell with B1: it used to vanish under B1
+    chart = ascii_chart(_measured(), unit=0.001)
+    assert chart == "Device 0 |F0F0F1······B0B0B0B0··B1B1B1B1|\nDevice 1 |······F0B0B0F1B1B1B1··········|"
+    # cells much longer than the actions: one cell each, in order, the chart wider than 1.5 cells
+    assert ascii_chart(_measured(), unit=0.01) == "Device 0 |F0F1B0B1|\nDevice 1 |F0B0F1B1|"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]),
+    k=st.integers(1, 4),
+    m=st.integers(1, 6),
+    times=st.lists(st.floats(1e-4, 5e-3), min_size=16, max_size=16),
+    cell=st.floats(1e-4, 1e-2),
+)
+def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cell):
+    s = get_schedule(name, k, m)
+    durations = {kind: times[4 * i:4 * i + k] for i, kind in enumerate(Kind)}
+    starts, ends = execute(s, durations, [0.0] + [times[-1] / 3] * (k - 1))
+    tl = Timeline([(d, a, starts[d][i], ends[d][i]) for d in range(k) for i, a in enumerate(s.actions[d])],
+                  k, s, unit="s")
+    rows = [line.split("|")[1] for line in ascii_chart(tl, unit=cell).splitlines()]
+    assert len({len(r) for r in rows}) == 1
+    for d, row in enumerate(rows):
+        assert _runs(row) == [tl.token(a) for a in s.actions[d]]

@@ -6,6 +6,14 @@
 a split backward, ``··`` idle. A cell is ``unit`` time long; an action of length 2 fills two
 cells. With interleaving, odd chunks are drawn in lower case (``f3``, ``b3``). With more than
 ten microbatches, cells widen so that every microbatch number fits (``F07``).
+
+Cells are given out along each row in start order: an action covers the cells from its rounded
+start to its rounded end, but always at least one, and never one already taken by the action
+before it (it starts at the next free cell instead). So every action of non-zero length shows,
+even one much shorter than a cell (measured runs); a row squeezed that way runs late by a cell
+or so until the next idle gap absorbs it, and the chart widens if it cannot. Timelines whose
+times fall on cells (simulated ones with ``auto_unit``) are drawn exactly as before.
+Zero-length actions take no time and get no cell.
 """
 
 from __future__ import annotations
@@ -34,17 +42,20 @@ def ascii_chart(timeline: Timeline, unit: float | None = None, label: str = "Dev
         raise ValueError(f"unit must be > 0, got {unit}")
     digits = len(str(max(timeline.num_microbatches - 1, 0)))
     width = 1 + digits
-    n_cells = round(timeline.step_time / u)
     name_w = len(str(timeline.num_devices - 1))
-    lines = []
+    idle = IDLE * width
+    rows = []
     for d in range(timeline.num_devices):
-        cells = [IDLE * width] * n_cells
+        row: list[str] = []
         for a, s, e in zip(timeline.actions[d], timeline.starts[d], timeline.ends[d]):
-            token = timeline.token(a, digits)
-            c0, c1 = round(s / u), round(e / u)
-            for c in range(c0, max(c1, c0 + (e > s))):
-                if c < n_cells:
-                    cells[c] = token
-        lines.append(f"{label} {d:<{name_w}} |{''.join(cells)}|")
-    return "\n".join(lines)
-
+            if not e > s:
+                continue
+            c0 = max(round(s / u), len(row))
+            c1 = max(round(e / u), c0 + 1)
+            row += [idle] * (c0 - len(row))
+            row += [timeline.token(a, digits)] * (c1 - c0)
+        rows.append(row)
+    n_cells = max([round(timeline.step_time / u), *map(len, rows)])
+    return "\n".join(
+        f"{label} {d:<{name_w}} |{''.join(row)}{idle * (n_cells - len(row))}|" for d, row in enumerate(rows)
+    )
