@@ -35,6 +35,7 @@ class Assumptions:
     collective_latency_s: float = 20e-6  # fixed cost of each collective / transfer
     pp_scatter_gather: bool = True  # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
     pp_overlap: float = 0.0  # fraction of steady-state point-to-point time hidden under compute (fill and drain always pay)
+    pp_engine_overhead_s: float = 0.0  # fixed cost per microbatch per pipeline chunk of the pipeline engine (DeepSpeed: see published.py)
     dp_overlap: float = 0.0  # fraction of the gradient all-reduce hidden under backward (0: Megatron 2021, after backward)
     grad_bytes: int = 2  # bytes per gradient element in the data-parallel all-reduce (16-bit)
     # --- memory -----------------------------------------------------------------------------
@@ -50,7 +51,7 @@ class Assumptions:
     def __post_init__(self) -> None:
         if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"matmul_efficiency must be in (0, 1] or None, got {self.matmul_efficiency}")
-        for name in ("gemm_tokens_half", "gemm_width_half", "elementwise_passes", "layer_latency_s",
+        for name in ("gemm_tokens_half", "gemm_width_half", "elementwise_passes", "layer_latency_s", "pp_engine_overhead_s",
                      "collective_latency_s", "state_bytes", "sharded_state_bytes", "memory_reserve_gb"):
             check_number(name, getattr(self, name))
         if not 0 < check_number("link_efficiency", self.link_efficiency, strict=True) <= 1:

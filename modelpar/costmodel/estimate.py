@@ -141,7 +141,7 @@ def estimate(
             transfer = _collective(act / t, pp_link, a) + _collective(allgather_bytes(act, t), cluster.intra_node_gbps, a)
         else:
             transfer = _collective(act, pp_link, a)
-        q = 2 * v * transfer * (1 - a.pp_overlap)  # exposed per microbatch in the steady state
+        q = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s  # exposed per microbatch, steady state
     fill = 2 * (p - 1) * transfer  # the first activation and the last gradient cross every boundary
 
     layers = model.layers / p

@@ -53,6 +53,12 @@ _KORTHIKANTI = [  # Korthikanti et al. 2022 Table 5, sequence parallel + selecti
     ("530B", 105, 20480, 128, 8, 35, 280, 0.560), ("1T", 128, 25600, 160, 8, 64, 512, 0.563),
 ]
 
+# DeepSpeed's pipeline engine (MT-NLG, BLOOM): ZeRO-1, each TP rank sends the whole activation (no
+# scatter/gather), and a fixed cost per microbatch per stage, pp_engine_overhead_s = 30 ms, fitted once
+# to MT-NLG's three runs (blocking send/recv and per-instruction dispatch; Megatron-LM has none) and
+# checked on BLOOM, which was not used to fit it.
+_DEEPSPEED = dict(distributed_optimizer=True, pp_scatter_gather=False, pp_engine_overhead_s=0.03)
+
 PUBLISHED: list[PublishedRun] = [
     *(PublishedRun(f"Megatron {n}", _MEGATRON, _gpt(l, h, a, n), "a100-80gb", g, bs, tf,
                    pins=dict(t=t, p=p, recompute="full", sequence_parallel=False))
@@ -63,9 +69,17 @@ PUBLISHED: list[PublishedRun] = [
                    t * p, bs, mfu, "mfu", pins=dict(t=t, p=p, recompute="selective", sequence_parallel=True))
       for n, l, h, a, t, p, bs, mfu in _KORTHIKANTI),
     *(PublishedRun(f"MT-NLG 530B, {g} GPUs", "Smith et al. 2022 §3.2", _gpt(105, 20480, 128, "mt-nlg-530b"),
-                   "a100-80gb", g, 1920, tf, pins=dict(t=8, p=35, micro_batch=1, v=1, recompute="full"),
-                   framework=dict(distributed_optimizer=True, pp_scatter_gather=False))
+                   "a100-80gb", g, 1920, tf,
+                   pins=dict(t=8, p=35, micro_batch=1, v=1, recompute="full", sequence_parallel=False),
+                   framework=_DEEPSPEED)
       for g, tf in ((2240, 126), (2800, 121), (3360, 113))),
+    # BLOOM model card (BigScience 2022; Le Scao et al. 2022): 48 nodes of 8 A100-80GB, NVLink inside, 4 × 100 Gb/s
+    # Omni-Path per node (6.25 GB/s per GPU); t = 4, p = 12, d = 8, micro-batch 2, batch 2048 × 2048 tokens,
+    # full recomputation, no SP, 70 layers on 12 stages with the two embeddings counted as layers
+    # (72 = 12·6: first and last stage hold 5); "about 150 TFLOP/s per GPU" (Megatron's count, with recompute).
+    PublishedRun("BLOOM 176B, 384 GPUs", "BLOOM model card (BigScience 2022)", model_preset("bloom-176b"), "a100-80gb",
+                 384, 2048, 150, pins=dict(t=4, p=12, micro_batch=2, v=1, recompute="full", sequence_parallel=False),
+                 cluster=dict(inter_node_gbps=6.25), framework=dict(_DEEPSPEED, uneven_layers=True)),
     *(PublishedRun(f"Llama 3 405B, {g} GPUs", "Dubey et al. 2024 Table 4", model_preset("llama3-405b"), "h100-sxm",
                    g, 2048, mfu, "mfu", pins=dict(t=8, p=16),
                    # §3.3.2: one layer fewer on the first and last stage; FSDP shards the optimizer state and

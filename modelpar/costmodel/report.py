@@ -53,7 +53,7 @@ def explain(result: SearchResult, cluster: ClusterSpec) -> str:
     if c.d > 1:
         text.append(f"The {c.d}-way data-parallel gradient all-reduce ({best.links['dp']}) takes {share['dp']:.1%}.")
     mem = best.memory
-    text.append(f"Memory: {best.memory_gb:.1f} of {cluster.gpu.memory_gb:.0f} GB on the first stage "
+    text.append(f"Memory: {best.memory_gb:.1f} of {_gb(best.memory_limit / 1e9)} GB on the most loaded stage "
                 f"(training state {mem['state'] / 1e9:.1f} GB, activations "
                 f"{(mem['activations'] + mem['working']) / 1e9:.1f} GB).")
     crossing = [e for e in result.ranked if e.config.t > cluster.gpus_per_node]
@@ -71,6 +71,11 @@ def explain(result: SearchResult, cluster: ClusterSpec) -> str:
     return " ".join(text)
 
 
+def _gb(x: float) -> str:
+    """80 → "80", 85.899… (80 GiB) → "85.9"."""
+    return f"{x:g}" if x == round(x) else f"{x:.1f}"
+
+
 def best_by_tp(result: SearchResult) -> dict[tuple[int, int], Estimate]:
     """The fastest feasible estimate for each (t, p)."""
     grid: dict[tuple[int, int], Estimate] = {}
@@ -82,7 +87,8 @@ def best_by_tp(result: SearchResult) -> dict[tuple[int, int], Estimate]:
 def no_fit_error(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, result: SearchResult,
                  pinned: bool) -> ValueError:
     """The one-line error for a search that found nothing: GPU count, memory shortfall or the pins."""
-    name, n, mem = model.name, cluster.gpus, cluster.gpu.memory_gb
+    name, n = model.name, cluster.gpus
+    mem = a.memory_limit(cluster.gpu.memory_gb) / 1e9
     counts, least = fitting_gpu_counts(model, mem, batch, a)
     above = [k for k in counts if k >= n]
     hint = (f"; the smallest GPU count that fits is {counts[0]}"
@@ -92,12 +98,12 @@ def no_fit_error(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumpti
         short = result.leanest.memory_gb - mem
         return ValueError(
             f"GPU memory too small: the leanest layout of {name} on {n} GPUs needs "
-            f"{result.leanest.memory_gb:.1f} GB per GPU, {short:.1f} GB more than the {mem:g} GB available{hint}"
+            f"{result.leanest.memory_gb:.1f} GB per GPU, {short:.1f} GB more than the {_gb(mem)} GB available{hint}"
         )
     if pinned:
         reasons = "; ".join(result.example.values()) or "no layout matches the pinned values"
         return ValueError(f"no layout of {name} on {n} GPUs satisfies the pinned values: {reasons}")
     if not counts:
         return ValueError(f"GPU memory too small: {name} needs at least {least:.1f} GB per GPU at any GPU count "
-                          f"(batch {batch}), {least - mem:.1f} GB more than the {mem:g} GB available")
+                          f"(batch {batch}), {least - mem:.1f} GB more than the {_gb(mem)} GB available")
     return ValueError(f"no layout (t | heads, p | layers, d | batch {batch}) splits {name} over {n} GPUs{hint}")
