@@ -159,5 +159,6 @@ def plan(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Assump
     if not uneven.ranked:
         return res
     uneven.note = (f"No layout splits the {model.layers} layers evenly over p·v chunks and fits, so stages are "
-                   f"uneven: the busiest device holds ⌈L/(p·v)⌉ layers per chunk.")
+                   f"uneven: the busiest device holds ⌈L/(p·v)⌉ layers per chunk, the first and last devices "
+                   f"(embedding, output layer) the fewer.")
     return uneven
