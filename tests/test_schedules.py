@@ -1,5 +1,7 @@
 """Generators, the text form and validation errors (no timing here: see test_simulator.py)."""
 
+import pickle
+
 import pytest
 
 from modelpar.schedules import (
@@ -53,6 +55,41 @@ def test_interleaved_loop_map_and_megatron_warmup():
     # device 0: 2(K - 1) + (v - 1)K = 10 warm-up chunk-forwards, groups of K per chunk
     assert line(s, 0).split()[:12] == "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0".split()
     assert interleaved_1f1b(4, 8, 1).actions == one_f_one_b(4, 8).actions
+
+
+def _megatron_interleaved(k, m, v):
+    """Interleaved 1F1B written step by step, as Megatron's schedule reads (the generator's spec)."""
+    def at(step, kind, d):
+        chunk = (step // k) % v
+        return Action((v - 1 - chunk if kind is Kind.B else chunk) * k + d, kind, (step // (k * v)) * k + step % k)
+
+    out = []
+    for d in range(k):
+        total, warm = m * v, min(2 * (k - d - 1) + (v - 1) * k, m * v)
+        acts = [at(j, Kind.F, d) for j in range(warm)]
+        for j in range(total - warm):
+            acts += [at(warm + j, Kind.F, d), at(j, Kind.B, d)]
+        out.append(tuple(acts + [at(j, Kind.B, d) for j in range(total - warm, total)]))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("k, v", [(1, 2), (2, 2), (3, 3), (4, 2), (4, 4), (5, 3)])
+def test_interleaved_matches_the_step_by_step_definition(k, v):
+    for m in (k, 2 * k, 5 * k):
+        assert interleaved_1f1b(k, m, v).actions == _megatron_interleaved(k, m, v)
+
+
+def test_action_is_a_cheap_immutable_named_tuple():
+    a = Action(2, Kind.B, 5)
+    assert isinstance(a, tuple) and a == (2, Kind.B, 5) and hash(a) == hash((2, Kind.B, 5))
+    stage, kind, microbatch = a
+    assert (stage, kind, microbatch) == (a.stage, a.kind, a.microbatch) == (2, Kind.B, 5)
+    assert str(a) == "2B5" and Action.parse(" 2B5 ") == a and repr(a) == "Action(stage=2, kind=<Kind.B: 'B'>, microbatch=5)"
+    assert sorted([Action(1, Kind.F, 0), Action(0, Kind.W, 3), Action(1, Kind.B, 1)]) == [
+        Action(0, Kind.W, 3), Action(1, Kind.B, 1), Action(1, Kind.F, 0)]
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(AttributeError):
+        a.stage = 3
 
 
 def test_zb_h1_splits_backward_and_defers_w_by_device_index():

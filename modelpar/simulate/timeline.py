@@ -89,6 +89,7 @@ class Timeline:
         """Fast path for the simulator: times aligned with ``schedule.actions``, already from 0."""
         self = cls.__new__(cls)
         self._init(schedule.actions, starts, ends, schedule, unit)
+        self.num_microbatches = schedule.num_microbatches  # same actions: reuse its cached count
         return self
 
     # --- time unit -----------------------------------------------------------------------------
@@ -203,8 +204,7 @@ class Timeline:
         peaks = []
         for acts in self.actions:
             held = peak = 0
-            for a in acts:
-                k = a.kind
+            for _, k, _ in acts:  # Action is a (stage, kind, microbatch) named tuple
                 if k is f:
                     held += 1
                     if held > peak:
