@@ -337,8 +337,8 @@ def test_bench_recompute_command(capsys):
 
     assert main(["bench", "recompute", "--layers", "16", "--repeats", "0", "--strategies", "none,4,recompute-all"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert rows == [["store-all", "16", "16", "32", "0", "True"], ["every-4", "8", "8", "16", "16", "True"],
-                    ["recompute-all", "2", "2", "4", "136", "True"]]  # 16 x 32 float32: 2 KiB each
+    assert rows == [["store-all", "16", "16", "32", "0", "0", "True"], ["every-4", "8", "8", "16", "16", "12", "True"],
+                    ["recompute-all", "2", "2", "4", "136", "135", "True"]]  # 16 x 32 float32: 2 KiB each
     assert main(["bench", "recompute", "--layers", "16", "--strategies", "none,17"]) == 2
     assert "recompute (k, layers per segment of a 16-layer chain) must be <= 16, got 17" in capsys.readouterr().err
     assert main(["bench", "recompute", "--strategies", ","]) == 2
