@@ -41,7 +41,7 @@ TIED_INIT_NAME = "embed.word.weight"  # the last stage's copy of a tied embeddin
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """GPT shape. Defaults: the `modelpar train` demo model (~0.8 M parameters, byte vocabulary)."""
+    """GPT shape. Defaults: the `modelpar train` demo model (867,072 parameters, byte vocabulary)."""
 
     vocab_size: int = 256  # V: tokens (bytes); divisible by t (vocabulary-parallel embedding and head)
     seq_len: int = 64  # s: context length, also the number of learned positions

@@ -66,6 +66,8 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["--gpu-mem-gb", "0.5"], "GPU memory too small"),
         (["--tp", "3"], "t = 3 does not divide the 1024 GPUs"),
         (["--tp", "8", "--pp", "64"], "p = 64 does not divide layers (96)"),
+        (["--plot", "/nonexistent-folder/plan.png"], "--plot: folder '/nonexistent-folder' does not exist"),
+        (["--plot", "plan.pdf"], "--plot must name a .png or .svg file, got 'plan.pdf'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, extra, message):

@@ -217,7 +217,9 @@ def test_checkpoint_of_another_model_or_split_is_refused_on_every_rank(c4, tmp_p
     c4.run(_train, cfg)
     bigger = dataclasses.replace(cfg, resume=True, model=dataclasses.replace(TINY, hidden=64))
     other = dataclasses.replace(cfg, resume=True, tp=1, pp=2, dp=2)
-    for bad, message in ((bigger, r"different model: hidden differ"), (other, r"written with tp=2, this run has tp=1")):
+    longer = dataclasses.replace(cfg, resume=True, steps=2)  # the lr schedule would change
+    for bad, message in ((bigger, r"different model: hidden differ"), (other, r"written with tp=2, this run has tp=1"),
+                         (longer, r"written with steps=1, this run has steps=2")):
         results = c4.run(_try_train, bad)
         assert all(kind == "error" and re.search(message, text) for kind, text in results), results
 

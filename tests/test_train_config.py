@@ -67,7 +67,7 @@ def test_world_size_and_round_trip():
 def test_checkpoint_metadata_rules():
     cfg = TrainConfig()
     meta = run_meta(cfg, 10, [5.0, 4.0])
-    check_meta(meta, replace(cfg, steps=999, lr=1e-4, schedule="gpipe", microbatches=8), "ck")  # may differ
+    check_meta(meta, replace(cfg, schedule="gpipe", microbatches=8), "ck")  # the same gradients: may differ
     with pytest.raises(ValueError, match=r"different model: heads, hidden differ \(checkpoint \[4, 128\], this run \[8, 256\]\)"):
         check_meta(meta, replace(cfg, model=GPTConfig(hidden=256, heads=8)), "ck")
     for key, value in (("dp", 2), ("seed", 1), ("batch_size", 32), ("dtype", "float64")):
@@ -89,3 +89,13 @@ def test_prefilled_adamw_state_steps_like_lazy_state():
             opt.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not math.isnan(float(next(iter(opt_b.state.values()))["step"]))
+
+
+@pytest.mark.parametrize("change", [{"lr": 1e-3}, {"warmup": 3}, {"clip": 0.5}, {"weight_decay": 0.0},
+                                    {"steps": 400}])
+def test_resume_refuses_changed_optimisation_settings(change):
+    cfg = TrainConfig()
+    check_meta(run_meta(cfg, 10, []), cfg, "ckpt")  # the same settings resume
+    (key, value), = change.items()
+    with pytest.raises(ValueError, match=rf"written with {key}=.*this run has {key}={value!r}"):
+        check_meta(run_meta(cfg, 10, []), replace(cfg, **change), "ckpt")

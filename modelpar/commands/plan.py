@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     batch = check_int("--batch", args.batch, minimum=1)
     top = check_int("--top", args.top, minimum=1)
     pins = _pins(args)
+    if args.plot:  # fail before the search, in one line, not deep inside matplotlib
+        _check_plot_path(args.plot)
     assumptions = assumptions_for(cluster.gpu.name)
     result = plan(model, cluster, batch, assumptions, **pins)
     if not result.ranked:
@@ -122,3 +124,14 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"plot: {args.plot}")
     return 0
+
+
+def _check_plot_path(path: str) -> None:
+    """Raise ValueError unless ``path`` ends in .png or .svg and its folder exists."""
+    from pathlib import Path
+
+    target = Path(path)
+    if target.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"--plot must name a .png or .svg file, got {path!r}")
+    if not target.parent.is_dir():
+        raise ValueError(f"--plot: folder {str(target.parent)!r} does not exist")

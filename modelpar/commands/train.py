@@ -53,6 +53,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("keep", int, "complete checkpoints kept (default 2)"),
         ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir"),
         ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
+        ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
+                           "(default 300: a hung rank ends the run with an error)"),
     ],
 }
 

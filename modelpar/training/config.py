@@ -49,6 +49,7 @@ class TrainConfig:
     resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
     exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
     #                      for jobs with a time limit, as Megatron's --exit-interval
+    timeout: float = 300.0  # seconds a collective or pipeline receive may wait before the run fails
 
     @property
     def dims(self) -> ParallelDims:
@@ -86,6 +87,7 @@ class TrainConfig:
         check_number("lr", self.lr, 0.0, strict=True)
         check_number("weight_decay", self.weight_decay)
         check_number("clip", self.clip)
+        check_number("timeout", self.timeout, 0.0, strict=True)
         if self.recompute not in RECOMPUTE_CHOICES:
             if not str(self.recompute).isdigit():
                 raise ValueError(f"recompute must be one of {{none, full}} or a positive integer k, "

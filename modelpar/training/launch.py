@@ -21,8 +21,6 @@ from modelpar.training.report import EventFile
 
 __all__ = ["run_in_process", "run_local"]
 
-_COLLECTIVE_TIMEOUT = 1800.0  # a collective waiting this long is a hang; dead ranks are seen at once
-
 
 def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
     import torch
@@ -41,7 +39,7 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
         def target() -> None:
             try:
                 outcome["result"] = launch(_rank_main, cfg.dims.world_size, cfg, str(events.path),
-                                           timeout=_COLLECTIVE_TIMEOUT, run_timeout=None)[0]
+                                           timeout=cfg.timeout, run_timeout=None)[0]
             except BaseException as err:  # noqa: BLE001  re-raised in the calling thread
                 outcome["error"] = err
 
@@ -67,7 +65,7 @@ def run_in_process(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] |
     """
     import torch.distributed as dist
 
-    init_from_env(backend)
+    init_from_env(backend, timeout=cfg.timeout)
     try:
         rank = dist.get_rank()
         result = train(cfg, report=display if rank == 0 else None)

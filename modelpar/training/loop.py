@@ -95,7 +95,7 @@ class _Run:
     """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
 
     def __init__(self, cfg: TrainConfig, report: Reporter | None) -> None:
-        self.cfg, self.rs = cfg, setup_rank(cfg)
+        self.cfg, self.rs = cfg, setup_rank(cfg, cfg.timeout)
         rs = self.rs
         self.dtype = getattr(torch, cfg.dtype)
         self.corpus = load_corpus()

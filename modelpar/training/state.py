@@ -18,8 +18,11 @@ from modelpar.training.config import TrainConfig
 
 __all__ = ["check_meta", "init_optimizer_state", "run_meta", "state_tensors"]
 
-# Settings a checkpoint must share with the run that resumes it (model shape, split, data stream).
-_MUST_MATCH = ("tp", "pp", "dp", "chunks_used", "seed", "batch_size", "dtype")
+# Settings a checkpoint must share with the run that resumes it: the model's split, the data
+# stream, and everything the optimisation depends on (the lr schedule depends on ``steps``). The
+# schedule and micro-batch count may change: they compute the same gradients (up to rounding).
+_MUST_MATCH = ("tp", "pp", "dp", "chunks_used", "seed", "batch_size", "dtype", "steps", "lr", "warmup",
+               "weight_decay", "clip")
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -52,7 +55,9 @@ def run_meta(cfg: TrainConfig, step: int, losses: list[float]) -> dict[str, Any]
     """JSON metadata stored with a checkpoint (rank 0 writes it)."""
     return {"model": cfg.model.__dict__, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
             "chunks_used": cfg.virtual_chunks, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "dtype": cfg.dtype, "schedule": cfg.schedule, "step": step, "losses": losses}
+            "dtype": cfg.dtype, "schedule": cfg.schedule, "microbatches": cfg.microbatches, "steps": cfg.steps,
+            "lr": cfg.lr, "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
+            "step": step, "losses": losses}
 
 
 def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
@@ -67,4 +72,5 @@ def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
         if meta.get(key) != mine[key]:
             raise ValueError(f"checkpoint {path!r} was written with {key}={meta.get(key)!r}, this run has "
                              f"{key}={mine[key]!r}; resume with the same model, split (tp, pp, dp, chunks), "
-                             "seed, batch size and dtype")
+                             "seed, batch size, dtype and optimisation settings "
+                             "(steps, lr, warmup, weight decay, clip) to continue exactly")
