@@ -41,8 +41,8 @@ def _hang_on(rank):
     return dist.get_rank()
 
 
-def _mesh_groups(pp, dp, tp):
-    mesh = ParallelDims(pp=pp, dp=dp, tp=tp).build_mesh("cpu")
+def _mesh_groups(pp, dp, tp, pipeline_backend=None):
+    mesh = ParallelDims(pp=pp, dp=dp, tp=tp).build_mesh("cpu", pipeline_backend=pipeline_backend)
     return {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in ("pp", "dp", "tp")}
 
 
@@ -72,9 +72,10 @@ def test_hung_rank_ends_the_group_within_timeout():
 
 def test_device_mesh_matches_the_pure_function(cluster):
     groups = rank_groups(pp=2, dp=1, tp=2)
-    for rank, got in enumerate(cluster.run(_mesh_groups, 2, 1, 2)):
-        for dim in ("pp", "dp", "tp"):
-            assert got[dim] in groups[dim] and rank in got[dim]
+    for backend in (None, "gloo"):  # "gloo": the pipeline groups an NCCL run uses
+        for rank, got in enumerate(cluster.run(_mesh_groups, 2, 1, 2, backend)):
+            for dim in ("pp", "dp", "tp"):
+                assert got[dim] in groups[dim] and rank in got[dim]
 
 
 def test_rank_groups_hand_checked():
@@ -116,3 +117,42 @@ def test_run_timeout_none_waits_but_a_dead_rank_is_still_seen():
 def test_background_start_then_run():
     with LocalCluster(2).start() as c:
         assert [r for r, _ in c.run(_rank_and_sum)] == [0, 1]
+
+
+_ORPHAN_SCRIPT = """
+import os, time
+from modelpar.distributed import LocalCluster
+def pid():
+    return os.getpid()
+if __name__ == "__main__":
+    cluster = LocalCluster(2)
+    print(*cluster.run(pid), flush=True)
+    time.sleep(120)
+"""
+
+
+def test_ranks_exit_when_the_launching_process_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    ranks = [int(p) for p in parent.stdout.readline().split()]
+    assert len(ranks) == 2
+    parent.send_signal(signal.SIGKILL)  # no chance to stop its ranks
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in ranks)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (forkserver) parent is gone too
+        return f.read().split()[2] != "Z"

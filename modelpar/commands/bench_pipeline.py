@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.distributed import launch
     from modelpar.pipeline.mlp_bench import bench_rank
 
-    result = launch(bench_rank, cfg.stages, cfg, timeout=cfg.timeout + 60)[0]
+    result = launch(bench_rank, cfg.stages, cfg, timeout=cfg.timeout, run_timeout=None)[0]
     s = summarize(cfg, result)
     if args.png:
         from modelpar.simulate.plot import plot_timelines

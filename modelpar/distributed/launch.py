@@ -86,8 +86,28 @@ def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseExcepti
     return err
 
 
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _next_task(tasks: Any, parent: int) -> Any:
+    """The next task, or None once told to stop or once the launching process is gone."""
+    while True:
+        try:
+            return tasks.get(timeout=1.0)
+        except queue.Empty:
+            if not _parent_alive(parent):  # killed without a chance to stop us: don't linger
+                return None
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
-            tasks: Any, results: Any) -> None:
+            tasks: Any, results: Any, parent: int) -> None:
     """A rank's main loop: join the group, then run tasks until told to stop (None)."""
     import torch
     import torch.distributed as dist
@@ -104,7 +124,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         results.put((rank, "error", _describe(exc)))
         return
     try:
-        while (task := tasks.get()) is not None:
+        while (task := _next_task(tasks, parent)) is not None:
             fn, args, kwargs = task
             try:
                 results.put((rank, "ok", fn(*args, **kwargs)))
@@ -201,7 +221,7 @@ class LocalCluster:
         self._procs = [
             ctx.Process(target=_worker, daemon=True, name=f"modelpar-rank{r}",
                         args=(r, self.world_size, port, self.backend, self.timeout,
-                              self._tasks[r], self._results))
+                              self._tasks[r], self._results, os.getpid()))
             for r in range(self.world_size)
         ]
         try:

@@ -72,10 +72,16 @@ class ParallelDims:
     def coordinates(self, rank: int) -> dict[str, int]:
         return coordinates(rank, self.pp, self.dp, self.tp)
 
-    def build_mesh(self, device_type: str = "cpu") -> Any:
-        """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named."""
+    def build_mesh(self, device_type: str = "cpu", pipeline_backend: str | None = None) -> Any:
+        """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named.
+
+        ``pipeline_backend="gloo"`` gives the pp dimension its own gloo groups (NCCL runs keep NCCL
+        for tp and dp): the pipeline runtime matches messages by tag, which NCCL does not honour.
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_world(dist.get_world_size())
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES)
+        override = {"pp": pipeline_backend} if pipeline_backend else None
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES,
+                                backend_override=override)

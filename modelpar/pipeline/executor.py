@@ -92,7 +92,6 @@ class _Step:
         self.dev, self.me, self.last = schedule.stage_to_device, p2p.device, schedule.num_stages - 1
         self.local: dict[tuple[str, int, int], torch.Tensor | None] = {}
         self.rec = StepRecord()
-        self.held = 0
 
     def run(self, specs: dict[tuple[int, int], TensorSpec], lookahead: int) -> StepRecord:
         actions = self.schedule.actions[self.me]
@@ -115,7 +114,7 @@ class _Step:
                 err.add_note(f"while running action {a} on rank {self.p2p.rank} (pipeline device {self.me})")
                 raise
             rec.events.append((a, start, end))
-            rec.peak_held = max(rec.peak_held, self.held)
+            rec.peak_held = max(rec.peak_held, sum(st.held_graphs for st in self.stages.values()))
             rec.peak_held_until_w = max(rec.peak_held_until_w, sum(st.held for st in self.stages.values()))
         return rec
 
@@ -136,7 +135,6 @@ class _Step:
                 self.local["act", s + 1, m] = y
             else:
                 self.p2p.send(y, dev[s + 1], act_tag(s + 1, m, len(self.rows)), f"the send of action {a}")
-            self.held += 1
             return start, end
         if kind is Kind.W:
             start = time.perf_counter()
@@ -150,5 +148,4 @@ class _Step:
             self.local["grad", s - 1, m] = gx
         elif s > 0:
             self.p2p.send(gx, dev[s - 1], grad_tag(s, m, len(self.rows)), f"the send of action {a}")
-        self.held -= 1
         return start, end

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from modelpar._validate import check_choice, check_divisible, check_int
+from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.recompute.plan import Strategy
 from modelpar.schedules.generators import SCHEDULES, get_schedule
 from modelpar.schedules.schedule import Schedule
@@ -46,6 +46,9 @@ class MLPBench:
             check_int(name, getattr(self, name), minimum=1)
         check_int("rows", self.rows, minimum=self.microbatches)
         check_divisible("blocks", self.blocks, "chunks", check_int("chunks", self.chunks, minimum=1))
+        check_number("timeout", self.timeout, 0.0, strict=True)
+        if self.timeout > 86400:
+            raise ValueError(f"timeout must be <= 86400 seconds, got {self.timeout:g}")
 
     def build_schedule(self) -> Schedule:
         return get_schedule(self.schedule, self.stages, self.microbatches, self.chunks)

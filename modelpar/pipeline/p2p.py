@@ -35,7 +35,7 @@ def comm_device(group: Any) -> torch.device:
 
 
 def matches_by_tag(group: Any) -> bool:
-    """Gloo matches point-to-point messages by tag; NCCL only by the order they are posted."""
+    """Gloo matches point-to-point messages by tag; NCCL ignores tags and pairs them by order."""
     return "nccl" not in str(dist.get_backend(group))
 
 
@@ -52,18 +52,19 @@ def grad_tag(stage: int, microbatch: int, num_microbatches: int) -> int:
 class P2P:
     """Sends and receives between the devices (group ranks) of one pipeline group."""
 
-    def __init__(self, group: Any, timeout: float) -> None:
+    def __init__(self, group: Any, timeout: float, compute_device: torch.device | None = None) -> None:
         self.group = group
         self.ranks: list[int] = dist.get_process_group_ranks(group)  # device -> global rank
         self.device = dist.get_rank(group)
         self.rank = dist.get_rank()
-        self.buffer_device = comm_device(group)
+        self.buffer_device = comm_device(group)  # the CPU for gloo: GPU tensors are staged through it
+        self.compute_device = compute_device or self.buffer_device  # where received tensors are used
         self.timeout = datetime.timedelta(seconds=timeout)
         self._sends: list[tuple[Any, torch.Tensor, str]] = []
 
     def send(self, tensor: torch.Tensor, device: int, tag: int, what: str) -> None:
         """Start sending ``tensor`` to ``device``; it is kept alive until the send completes."""
-        tensor = tensor.contiguous()
+        tensor = tensor.to(self.buffer_device).contiguous()
         work = dist.isend(tensor, dst=self.ranks[device], group=self.group, tag=tag)
         self._sends.append((work, tensor, what))
         if len(self._sends) > 8:  # drop finished sends so their tensors can be freed
@@ -78,7 +79,7 @@ class P2P:
         """Block until a posted receive completes, or raise TimeoutError naming ``what``."""
         work, buf = posted
         self._wait(work, f"{what} from rank {self.ranks[device]}")
-        return buf
+        return buf.to(self.compute_device)
 
     def finish(self) -> None:
         """Wait for every send still in flight (end of a step)."""

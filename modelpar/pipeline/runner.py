@@ -29,7 +29,6 @@ from modelpar.pipeline.executor import StepRecord, run_actions
 from modelpar.pipeline.p2p import P2P, matches_by_tag
 from modelpar.pipeline.shapes import BatchSpec, dry_run, exchange_batch, microbatch_sizes
 from modelpar.pipeline.stage import LossFn, PipelineStage
-from modelpar.schedules.messages import check_fifo_order
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["PipelineRunner"]
@@ -69,13 +68,18 @@ class PipelineRunner:
         if self.device < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline group")
         self._check_modules(stage_modules)
+        if not matches_by_tag(self.group):
+            raise ValueError(
+                "the pipeline group must use gloo (tags match messages; NCCL ignores tags and orders "
+                "point-to-point operations per communicator, which receives posted ahead can deadlock): "
+                "give the pp dimension a gloo group, e.g. ParallelDims.build_mesh('cuda', "
+                "pipeline_backend='gloo'); activations are then staged through host memory"
+            )
         last = schedule.num_stages - 1
         self.stages = {s: PipelineStage(s, m, schedule.num_stages, loss_fn if s == last else None)
                        for s, m in sorted(stage_modules.items())}
         self.loss_fn = loss_fn
-        self.p2p = P2P(self.group, self.timeout)
-        if not matches_by_tag(self.group):
-            check_fifo_order(schedule)  # NCCL pairs sends and receives by posting order
+        self.p2p = P2P(self.group, self.timeout, compute_device=_device_of(stage_modules.values()))
         ranks = self.p2p.ranks
         self._owners = (ranks[schedule.device_of(0)], ranks[schedule.device_of(last)])
         self._batch: BatchSpec | None = None
@@ -151,3 +155,10 @@ def _same(name: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype) -> 
             "call reset_shapes() on every rank before a step with a new batch shape"
         )
 
+
+def _device_of(modules: Any) -> torch.device:
+    """The device of the stages' first parameter or buffer (where received activations must go)."""
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            return t.device
+    return torch.device("cpu")

@@ -33,6 +33,11 @@ class PipelineStage:
         self._weight: dict[int, Callable[[], None]] = {}  # mb -> deferred W (zero bubble)
 
     @property
+    def held_graphs(self) -> int:
+        """Microbatches whose forward graph (activations) this stage keeps: F done, B or I not yet."""
+        return len(self._saved)
+
+    @property
     def held(self) -> int:
         """Microbatches whose activations this stage still keeps (forward done, backward not)."""
         return len(self._saved) + len(self._weight)

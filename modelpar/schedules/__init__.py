@@ -10,10 +10,8 @@ from modelpar.schedules.generators import (
     interleaved_1f1b,
     naive,
     one_f_one_b,
-    single_device,
     zb_h1,
 )
-from modelpar.schedules.messages import check_fifo_order, pair_messages
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
 from modelpar.schedules.validate import validate_schedule
@@ -23,7 +21,6 @@ __all__ = [
     "Action",
     "Kind",
     "Schedule",
-    "check_fifo_order",
     "clock_cycles",
     "contiguous_map",
     "execute",
@@ -33,9 +30,7 @@ __all__ = [
     "loop_map",
     "naive",
     "one_f_one_b",
-    "pair_messages",
     "schedule_table",
-    "single_device",
     "v_map",
     "validate_schedule",
     "zb_h1",

@@ -74,7 +74,7 @@ def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept i
         i = n
         for j in range(ptr[d], n):
             s, k, m = acts[j]  # an Action is a (stage, kind, microbatch) named tuple
-            if s < 0 or m < 0 or dev[s] != d:
+            if not 0 <= s < S or m < 0 or dev[s] != d:
                 raise _Invalid
             base = s * M + m
             r = t

@@ -19,7 +19,6 @@ __all__ = [
     "interleaved_1f1b",
     "naive",
     "one_f_one_b",
-    "single_device",
     "zb_h1",
 ]
 
@@ -42,15 +41,6 @@ def naive(num_stages: int, num_microbatches: int = 1) -> Schedule:
     per_device = [[a for j in range(m) for a in (Action(d, _F, j), Action(d, _B, j))] for d in range(k)]
     return Schedule(contiguous_map(k), per_device, "naive")
 
-
-def single_device(num_stages: int, num_microbatches: int = 1) -> Schedule:
-    """All K stages on one device, microbatch after microbatch: the baseline for speed-ups."""
-    k, m = _counts(num_stages, num_microbatches)
-    acts = []
-    for j in range(m):
-        acts += [Action(s, _F, j) for s in range(k)]
-        acts += [Action(s, _B, j) for s in reversed(range(k))]
-    return Schedule((0,) * k, [acts], "single-device")
 
 
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modelpar.model import GPTLoss
+from modelpar.pipeline.p2p import comm_device
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["evaluate"]
@@ -28,6 +29,7 @@ def evaluate(modules: Mapping[int, nn.Module], schedule: Schedule, rs: Any, inpu
     ``act_shape``: the activation between stages, [b, s, h] ([b, s/t, h] with sequence parallelism).
     """
     ranks = dist.get_process_group_ranks(rs.pp_group)
+    comm = comm_device(rs.pp_group)  # the CPU when the pipeline group is gloo (also under NCCL)
     dev, last = schedule.stage_to_device, schedule.num_stages - 1
     modes = [(m, m.training) for m in modules.values()]
     for m, _ in modes:
@@ -36,11 +38,12 @@ def evaluate(modules: Mapping[int, nn.Module], schedule: Schedule, rs: Any, inpu
         x = inputs.to(rs.device) if inputs is not None else None
         for s in schedule.stages_on(rs.pp_rank):
             if s > 0 and dev[s - 1] != rs.pp_rank:
-                x = torch.empty(act_shape, dtype=dtype, device=rs.device)
+                x = torch.empty(act_shape, dtype=dtype, device=comm)
                 dist.recv(x, src=ranks[dev[s - 1]], group=rs.pp_group)
+                x = x.to(rs.device)
             x = modules[s](x)
             if s < last and dev[s + 1] != rs.pp_rank:
-                dist.send(x.contiguous(), dst=ranks[dev[s + 1]], group=rs.pp_group)
+                dist.send(x.to(comm).contiguous(), dst=ranks[dev[s + 1]], group=rs.pp_group)
         if dev[last] != rs.pp_rank:
             return None
         assert targets is not None and x is not None
