@@ -47,3 +47,19 @@ def check_divisible(name: str, value: int, divisor_name: str, divisor: int) -> N
     """Raise ValueError unless ``divisor`` divides ``value``."""
     if divisor <= 0 or value % divisor:
         raise ValueError(f"{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+def check_output_path(name: str, path: str, suffixes: Iterable[str]) -> str:
+    """Return ``path`` if it ends in one of ``suffixes`` and its folder exists; else raise ValueError.
+
+    Checked before the work that produces the file, so a typo costs nothing.
+    """
+    import os
+
+    allowed = [s.lower() for s in suffixes]
+    if os.path.splitext(path)[1].lower() not in allowed:
+        raise ValueError(f"{name} must name a {' or '.join(allowed)} file, got {path!r}")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"{name}: folder {folder!r} does not exist")
+    return path

@@ -107,3 +107,17 @@ def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "modelpar", "simulate", "--schedule", "naive", "--stages", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Device 1 |··F0B0B0····|" in done.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--png", "/no-such-folder/x.png"], "--png: folder '/no-such-folder' does not exist"),
+    (["--trace", "trace.txt"], "--trace must name a .json file, got 'trace.txt'"),
+    (["--svg", "chart.png"], "--svg must name a .svg file"),
+    (["--unit", "-1"], "--unit must be > 0.0, got -1.0"),
+])
+def test_output_and_unit_checked_before_any_work(capsys, args, message):
+    from modelpar.cli import main
+
+    assert main(["simulate", *args]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""  # nothing printed before the error

@@ -39,7 +39,7 @@ def test_m_star_is_where_the_integer_step_time_is_smallest(alpha, beta, batch, s
 
 
 def test_one_stage_wants_one_microbatch():
-    assert optimal_microbatches(1.0, 1.0, 100, 1) == 0.0
+    assert optimal_microbatches(1.0, 1.0, 100, 1) == 1.0  # no bubble to fill: the fewest microbatches
 
 
 @pytest.mark.parametrize("relative", [True, False])

@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import Any
 
+from modelpar._validate import check_output_path
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
                    chunks=args.chunks, width=args.width, blocks=args.blocks, rows=args.rows,
                    steps=args.steps, recompute=_recompute(args.recompute), timeout=args.timeout)
     cfg.build_schedule()  # bad schedule arguments fail here, before any process starts
+    if args.png:
+        check_output_path("--png", args.png, (".png", ".svg"))
+    if args.trace:
+        check_output_path("--trace", args.trace, (".json",))
     if cfg.recompute is not None:
         from modelpar.recompute.plan import plan_recompute
 

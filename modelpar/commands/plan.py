@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 
-from modelpar._validate import check_choice, check_int, check_number
+from modelpar._validate import check_choice, check_int, check_number, check_output_path
 
 _MODEL_FLAGS = (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("seq_len", "seq"),
                 ("vocab", "vocab"), ("ffn", "ffn"))
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     top = check_int("--top", args.top, minimum=1)
     pins = _pins(args)
     if args.plot:  # fail before the search, in one line, not deep inside matplotlib
-        _check_plot_path(args.plot)
+        check_output_path("--plot", args.plot, (".png", ".svg"))
     assumptions = assumptions_for(cluster.gpu.name)
     result = plan(model, cluster, batch, assumptions, **pins)
     if not result.ranked:
@@ -125,13 +125,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"plot: {args.plot}")
     return 0
 
-
-def _check_plot_path(path: str) -> None:
-    """Raise ValueError unless ``path`` ends in .png or .svg and its folder exists."""
-    from pathlib import Path
-
-    target = Path(path)
-    if target.suffix.lower() not in (".png", ".svg"):
-        raise ValueError(f"--plot must name a .png or .svg file, got {path!r}")
-    if not target.parent.is_dir():
-        raise ValueError(f"--plot: folder {str(target.parent)!r} does not exist")

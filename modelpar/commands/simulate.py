@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from modelpar._validate import check_int, check_number
+from modelpar._validate import check_int, check_number, check_output_path
 
 DEFAULT_COMPARE = ("gpipe", "1f1b", "interleaved", "zb-h1")
 MAX_CHART_CELLS = 160  # wider charts are skipped in the terminal (use --png/--svg)
@@ -55,12 +55,12 @@ def _int(name: str, text: str, minimum: int) -> int:
     return check_int(name, value, minimum=minimum)
 
 
-def _float(name: str, text: str) -> float:
+def _float(name: str, text: str, strict: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
-    return check_number(name, value)
+    return check_number(name, value, strict=strict)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.schedules.schedule import Schedule
     from modelpar.simulate import Costs, simulate
 
+    for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
+                                 ("--trace", args.trace, (".json",))):
+        if path:
+            check_output_path(flag, path, suffixes)
+    if args.unit:
+        _float("--unit", args.unit, strict=True)
     k = _int("--stages", args.stages, 1)
     m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)

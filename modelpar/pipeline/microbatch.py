@@ -75,12 +75,15 @@ def fit_linear(rows: Sequence[float], times: Sequence[float], relative: bool = T
 
 
 def optimal_microbatches(alpha: float, beta: float, batch: int, stages: int) -> float:
-    """M* = √((K − 1)·β·N/α), the minimum of 3(M + K − 1)(α + βN/M) over real M (§2.4)."""
+    """M* = √((K − 1)·β·N/α), the minimum of 3(M + K − 1)(α + βN/M) over real M ≥ 1 (§2.4).
+
+    At least 1: with K = 1 there is no bubble to fill and one microbatch is best.
+    """
     alpha = check_number("alpha", alpha, 0.0, strict=True)
     beta = check_number("beta", beta, 0.0)
     n = check_int("batch", batch, minimum=1)
     k = check_int("stages", stages, minimum=1)
-    return math.sqrt((k - 1) * beta * n / alpha)
+    return max(1.0, math.sqrt((k - 1) * beta * n / alpha))
 
 
 def predicted_step_time(
