@@ -104,3 +104,14 @@ def test_split_sequential_keeps_the_layers_and_their_order():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_layer_times_leaves_the_model_untouched():
+    from modelpar.pipeline.partition import layer_times
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layer_times(model, torch.randn(8, 4), repeats=2)
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))  # not wiped
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # BN stats unchanged

@@ -8,6 +8,8 @@ programming), not a heuristic; among equally good cuts it keeps the stages' laye
 
 from __future__ import annotations
 
+import copy
+
 import time
 from collections.abc import Sequence
 
@@ -70,8 +72,11 @@ def balance_by_size(module: nn.Sequential, partitions: int) -> list[int]:
 
 
 def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Each layer's forward + backward time in seconds on ``sample`` (the fastest of ``repeats``)."""
-    layers = list(_check_sequential(module))
+    """Each layer's forward + backward time in seconds on ``sample`` (the fastest of ``repeats``).
+
+    Measured on a copy, so the model's gradients and running statistics (BatchNorm) are untouched.
+    """
+    layers = list(copy.deepcopy(_check_sequential(module)))
     repeats = check_int("repeats", repeats, minimum=1)
     if not isinstance(sample, torch.Tensor):
         raise ValueError(f"sample must be a tensor, got {type(sample).__name__}")
@@ -87,7 +92,6 @@ def layer_times(module: nn.Sequential, sample: torch.Tensor, repeats: int = 3) -
             best = min(best, time.perf_counter() - start)
         times.append(best)
         x = out.detach()
-    module.zero_grad(set_to_none=True)
     return times
 
 
