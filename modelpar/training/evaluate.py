@@ -27,7 +27,20 @@ def evaluate(modules: Mapping[int, nn.Module], schedule: Schedule, rs: Any, inpu
     """Mean loss of this replica's batch on the last stage's rank; None on the other ranks.
 
     ``act_shape``: the activation between stages, [b, s, h] ([b, s/t, h] with sequence parallelism).
+    The batch goes through in the schedule's micro-batches (equal sizes), so evaluation holds no
+    more activations than a training step.
     """
+    m = schedule.num_microbatches
+    rows = act_shape[0] // m
+    xs = inputs.split(rows) if inputs is not None else [None] * m
+    ys = targets.split(rows) if targets is not None else [None] * m
+    losses = [_forward(modules, schedule, rs, x, y, (rows, *act_shape[1:]), dtype) for x, y in zip(xs, ys)]
+    return None if losses[0] is None else sum(losses) / m  # type: ignore[arg-type]
+
+
+def _forward(modules: Mapping[int, nn.Module], schedule: Schedule, rs: Any, inputs: torch.Tensor | None,
+             targets: torch.Tensor | None, act_shape: tuple[int, ...], dtype: torch.dtype) -> float | None:
+    """One micro-batch through every stage in model order; its mean loss on the last stage's rank."""
     ranks = dist.get_process_group_ranks(rs.pp_group)
     comm = comm_device(rs.pp_group)  # the CPU when the pipeline group is gloo (also under NCCL)
     dev, last = schedule.stage_to_device, schedule.num_stages - 1
