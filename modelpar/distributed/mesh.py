@@ -82,6 +82,5 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_world(dist.get_world_size())
-        override = {"pp": pipeline_backend} if pipeline_backend else None
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES,
-                                backend_override=override)
+        extra = {"backend_override": {"pp": pipeline_backend}} if pipeline_backend else {}  # torch >= 2.6
+        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES, **extra)
