@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -342,3 +343,52 @@ def test_bench_recompute_command(capsys):
     assert main(["bench", "recompute", "--layers", "16", "--strategies", "none,17"]) == 2
     assert "recompute (k, layers per segment of a 16-layer chain) must be <= 16, got 17" in capsys.readouterr().err
     assert main(["bench", "recompute", "--strategies", ","]) == 2
+
+
+# -- corner cases found in review -----------------------------------------------------------------
+
+
+class _DoubleInPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("recompute", [2, "full", "recompute-all"])
+def test_a_segment_that_modifies_its_input_in_place_is_refused(recompute):
+    torch.manual_seed(0)
+    layers = [_DoubleInPlace(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)]
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"layers\[0\] \(_DoubleInPlace\) modified its input in place"):
+        Recompute(layers, recompute)(x)
+
+
+@pytest.mark.parametrize("recompute", [1, 2, "full", "recompute-all"])
+def test_batchnorm_running_statistics_updated_once_as_in_plain_autograd(recompute):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ours = copy.deepcopy(plain)
+    x = torch.randn(8, 4)
+    plain(x).sum().backward()
+    Recompute(ours, recompute)(x).sum().backward()
+    for a, b in zip(plain.buffers(), ours.buffers()):
+        assert torch.equal(a, b)  # running_mean, running_var, num_batches_tracked
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("recompute", [2, "recompute-all"])
+def test_double_backward_is_a_clear_error(recompute):
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = Recompute([nn.Linear(4, 4).double(), nn.Tanh(), nn.Linear(4, 1).double()], recompute)(x).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(g.sum(), x)
+
+
+def test_recompute_all_sums_a_parameter_shared_by_several_layers():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4).double()
+    layers = [shared, nn.Tanh(), shared, nn.Tanh(), shared]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    plain = torch.autograd.grad(nn.Sequential(*layers)(x).sum(), [x, shared.weight])
+    ours = torch.autograd.grad(Recompute(layers, "recompute-all")(x).sum(), [x, shared.weight])
+    assert all(torch.allclose(a, b, rtol=1e-13, atol=1e-13) for a, b in zip(plain, ours))

@@ -84,7 +84,7 @@ def in_flight(p: int, v: int, m: int, rank: int) -> float:
     """
     if v == 1:
         return float(min(p - rank, m))
-    return (2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v  # m = p: all warm-up, m·v chunk passes
 
 
 def params_on_gpu(model: ModelSpec, cfg: ParallelConfig, uniform: bool, rank: int = 0) -> float:

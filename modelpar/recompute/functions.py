@@ -18,11 +18,13 @@ need grad: only ``nn.Module`` parameters are given gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from modelpar.recompute.rng import ForwardState, capture_state, replay
 
@@ -88,6 +90,17 @@ class Segment:
         return run_layers(self.layers[:stop], x, self.stats, self.start, recomputing=recomputing)
 
 
+@contextmanager
+def _running_stats_kept(layers: Sequence[Layer]) -> Iterator[None]:
+    """A re-run must not update BatchNorm's running statistics a second time: restore them after."""
+    saved = [(b, b.clone()) for layer in layers if isinstance(layer, nn.Module) for m in layer.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for b in m.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def _grads(y: torch.Tensor, inputs: list[torch.Tensor | None], grad_y: torch.Tensor) -> list[torch.Tensor | None]:
@@ -110,7 +123,13 @@ class _KeepInput(torch.autograd.Function):
     def forward(ctx, segment: Segment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.segment, ctx.state = segment, capture_state(x)  # parameters are inputs only to get gradients
         ctx.save_for_backward(x)
+        version = x._version
         y = segment.run(x)  # autograd.Function.forward runs with grad mode off
+        if x._version != version:  # the re-run would start from the modified input: wrong gradients
+            raise ValueError(
+                f"layers[{segment.start}] ({_name(segment.layers[0])}) modified its input in place; a "
+                "recomputed segment must start from the input it saw (use inplace=False, e.g. nn.Dropout)"
+            )
         return y.view_as(y) if y is x else y  # an identity chain must not return its input as-is
 
 
@@ -118,46 +137,50 @@ class Checkpoint(_KeepInput):
     """Keep a segment's input only; in backward re-run the segment once and back-propagate through it."""
 
     @staticmethod
+    @once_differentiable  # a double backward gets a clear error, not a silently detached gradient
     def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         segment: Segment = ctx.segment
-        with replay(ctx.state), torch.enable_grad():
-            x_leaf = _input_leaf(x, ctx.needs_input_grad[1])
-            y = segment.run(x_leaf, recomputing=True)
-        segment.stats.intermediates += len(segment.layers) - 1  # the last output was kept
-        needs = ctx.needs_input_grad[1:]
-        inputs = [t if need else None for t, need in zip([x_leaf, *segment.params], needs)]
-        return (None, *_grads(y, inputs, grad_y))
+        with _running_stats_kept(segment.layers):  # restored once the gradients are computed
+            with replay(ctx.state), torch.enable_grad():
+                x_leaf = _input_leaf(x, ctx.needs_input_grad[1])
+                y = segment.run(x_leaf, recomputing=True)
+            segment.stats.intermediates += len(segment.layers) - 1  # the last output was kept
+            needs = ctx.needs_input_grad[1:]
+            inputs = [t if need else None for t, need in zip([x_leaf, *segment.params], needs)]
+            return (None, *_grads(y, inputs, grad_y))
 
 
 class RecomputeAll(_KeepInput):
     """Keep the chain's input only; for each layer, last to first, re-run the chain up to it."""
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         segment: Segment = ctx.segment
         needs = dict(zip(map(id, segment.params), ctx.needs_input_grad[2:]))
         param_grads: dict[int, torch.Tensor] = {}
-        grad = grad_y
-        for l in reversed(range(len(segment.layers))):
-            layer = segment.layers[l]
-            params = [p for p in chain_parameters([layer]) if needs.get(id(p))]
-            with replay(ctx.state):  # same generator as the forward: layers 0..l-1 redraw their masks
-                with torch.no_grad():
-                    h = segment.run(x, stop=l, recomputing=True)  # h_l from h_0: l forwards
-                with torch.enable_grad():
-                    h_leaf = _input_leaf(h, l > 0 or ctx.needs_input_grad[1])
-                    y = run_layers([layer], h_leaf, segment.stats, segment.start + l, recomputing=True)
-            last = l == len(segment.layers) - 1
-            segment.stats.intermediates += l + (0 if last else 1)  # h_1..h_l, and h_(l+1) unless the output
-            grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], grad)
-            for p, g in zip(params, grads):
-                if g is not None:
-                    param_grads[id(p)] = g if id(p) not in param_grads else param_grads[id(p)] + g
-            if grad is None:  # nothing below layer l needs a gradient
-                break
-        return (None, grad if ctx.needs_input_grad[1] else None, *(param_grads.get(id(p)) for p in segment.params))
+        with _running_stats_kept(segment.layers):  # every re-run updates BatchNorm stats: restore at the end
+            grad = grad_y
+            for l in reversed(range(len(segment.layers))):
+                layer = segment.layers[l]
+                params = [p for p in chain_parameters([layer]) if needs.get(id(p))]
+                with replay(ctx.state):  # same generator as the forward: layers 0..l-1 redraw their masks
+                    with torch.no_grad():
+                        h = segment.run(x, stop=l, recomputing=True)  # h_l from h_0: l forwards
+                    with torch.enable_grad():
+                        h_leaf = _input_leaf(h, l > 0 or ctx.needs_input_grad[1])
+                        y = run_layers([layer], h_leaf, segment.stats, segment.start + l, recomputing=True)
+                last = l == len(segment.layers) - 1
+                segment.stats.intermediates += l + (0 if last else 1)  # h_1..h_l, and h_(l+1) unless the output
+                grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], grad)
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        param_grads[id(p)] = g if id(p) not in param_grads else param_grads[id(p)] + g
+                if grad is None:  # nothing below layer l needs a gradient
+                    break
+            return (None, grad if ctx.needs_input_grad[1] else None, *(param_grads.get(id(p)) for p in segment.params))
 
 
 def _name(layer: Layer) -> str:
