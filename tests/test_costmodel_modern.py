@@ -69,6 +69,7 @@ def test_uneven_stages_lighten_first_and_last():
     assert stage_loads(126, 2) == (63, 63, 63) and stage_loads(7, 2) == (3, 4, 4)
     assert in_flight(8, 4, 96, 0) == pytest.approx(8 * (1 + 7 / 32))  # Korthikanti's interleaved factor
     assert in_flight(8, 1, 96, 1) == 7 and in_flight(8, 1, 4, 0) == 4
+    assert in_flight(8, 2, 8, 0) == 8  # m = p: everything is warm-up, m·v chunk passes, not 11.5
 
 
 def test_distributed_optimizer_and_fsdp_state_bytes():
