@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
 import socket
@@ -125,7 +126,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         return
     try:
         while (task := _next_task(tasks, parent)) is not None:
-            fn, args, kwargs = task
+            fn, args, kwargs = pickle.loads(task)
             try:
                 results.put((rank, "ok", fn(*args, **kwargs)))
             except BaseException as exc:  # noqa: BLE001  every failure goes back to the parent
@@ -137,8 +138,6 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
 def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
     exc_type: Any = type(exc)
     try:  # only send the type if the parent can unpickle it
-        import pickle
-
         pickle.loads(pickle.dumps(exc_type))
     except Exception:
         exc_type = None
@@ -233,9 +232,8 @@ class LocalCluster:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
-        task = (fn, args, kwargs)
-        try:  # fail here, not silently in the queue's feeder thread
-            ForkingPickler.dumps(task)
+        try:  # pickle once, here: a failure is raised now, not lost in the queue's feeder thread
+            task = bytes(ForkingPickler.dumps((fn, args, kwargs)))
         except Exception as err:
             raise ValueError(
                 f"fn and its arguments must be picklable (a module-level function, importable by the "

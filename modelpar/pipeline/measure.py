@@ -17,6 +17,7 @@ from typing import Any
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.costs import Costs
 from modelpar.simulate.timeline import Event, Timeline
 
 __all__ = ["gather_timeline", "measured_durations", "predict"]
@@ -56,7 +57,5 @@ def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]
 
 def predict(schedule: Schedule, durations: dict[Kind, list[float]], transfer: float = 0.0) -> Timeline:
     """Simulate ``schedule`` with measured per-(kind, stage) ``durations`` and a cross-device ``transfer``."""
-    dev = schedule.stage_to_device
-    transfer_in = [0.0] + [transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]
-    starts, ends = execute(schedule, durations, transfer_in)
+    starts, ends = execute(schedule, durations, Costs(transfer=transfer).transfer_in(schedule))
     return Timeline.from_columns(schedule, starts, ends, unit="s")

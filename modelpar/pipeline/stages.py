@@ -15,6 +15,7 @@ from torch import nn
 from modelpar._validate import check_int
 from modelpar.pipeline.microbatch import mlp_stage
 from modelpar.pipeline.partition import split_sequential
+from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.recompute.plan import Strategy
 from modelpar.schedules.schedule import Schedule
 
@@ -22,9 +23,8 @@ __all__ = ["even_balance", "mlp_model", "split_stages"]
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage, as equal as possible (the first stages take one more)."""
-    q, r = divmod(layers, stages)
-    return [q + 1] * r + [q] * (stages - r)
+    """Layers per stage, as equal as possible (the first stages take one more): the microbatch split."""
+    return microbatch_sizes(layers, stages)
 
 
 def split_stages(
