@@ -14,7 +14,8 @@ from modelpar.tensor_parallel.accounting import CommRecord
 # --- §5.1 / §5.2: the reference's numbers ---------------------------------------------------
 def test_matmul_splits_exact_but_gelu_does_not_distribute():
     facts = tp.matmul_splits()  # seed 0, X 2×8, A 8×64
-    assert facts["column_error"] <= 1e-15 and facts["row_error"] <= 1e-15  # reference: 8.9e-16
+    # a few ulps of values ~1: the exact figure depends on the BLAS summation order (reference: 8.9e-16)
+    assert facts["column_error"] <= 4e-15 and facts["row_error"] <= 4e-15
     assert facts["gelu_gap"] == pytest.approx(3.3, abs=0.05)  # reference: "差 3.3"
 
 
