@@ -61,7 +61,7 @@ class CollectiveBytes(TorchDispatchMode):
         super().__init__()
         self.n, self.count, self.sent = n, 0, 0.0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         if func.namespace == "_c10d_functional" and name.startswith(("all_reduce", "all_gather", "reduce_scatter")):
             size = args[0].numel() * args[0].element_size()

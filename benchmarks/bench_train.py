@@ -74,7 +74,7 @@ def main() -> None:
         t, p, d = split
         pred = f"{predicted[split]:.2f}" if predicted else "-"
         ratio = res.tokens_per_s / ref.tokens_per_s
-        print(f"{str(split):>10} {t * p * d:>5} {res.tokens_per_s:>9,.0f} {ratio:>6.2f} {pred:>10} "
+        print(f"{split!s:>10} {t * p * d:>5} {res.tokens_per_s:>9,.0f} {ratio:>6.2f} {pred:>10} "
               f"{pct(res.bubble_measured) if p > 1 else '-':>12} {pct(res.bubble_simulated) if p > 1 else '-':>18} "
               f"{pct(res.bubble_ideal):>6}")
 

@@ -17,9 +17,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import modelpar.tensor_parallel as tp
-from modelpar.costmodel import (activation_bytes_per_layer, fused_cross_entropy_bytes, gpu_preset,
-                                logits_allgather_bytes, model_preset, tp_comm_compute_ratio, tp_layer_comm_bytes,
-                                tp_layer_flops)
+from modelpar.costmodel import (
+    activation_bytes_per_layer,
+    fused_cross_entropy_bytes,
+    gpu_preset,
+    logits_allgather_bytes,
+    model_preset,
+    tp_comm_compute_ratio,
+    tp_layer_comm_bytes,
+    tp_layer_flops,
+)
 from modelpar.distributed import LocalCluster
 
 B, S, H, HEADS, VOCAB = 2, 16, 32, 8, 64

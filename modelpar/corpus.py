@@ -25,7 +25,7 @@ import torch
 
 from modelpar._validate import check_choice, check_int
 
-__all__ = ["Corpus", "VOCAB_SIZE", "load_corpus", "rank_batch"]
+__all__ = ["VOCAB_SIZE", "Corpus", "load_corpus", "rank_batch"]
 
 VOCAB_SIZE = 256  # byte-level: every byte value is a token
 _DATA_FILE = "pydoc_topics.txt.xz"

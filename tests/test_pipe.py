@@ -204,7 +204,7 @@ def test_late_binding_lambda_is_wrong_and_pipe_is_right():
                 if bind_early:
                     workers.submit(j, lambda m=stages[j], x=batches[i]: m(x))
                 else:
-                    workers.submit(j, lambda: stages[j](batches[i]))  # noqa: B023 - the bug on purpose
+                    workers.submit(j, lambda: stages[j](batches[i]))
             gate.set()
             for stage in range(3):  # the gates' results (not j: the lazy lambdas read j)
                 workers.receive(stage)

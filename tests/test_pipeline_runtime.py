@@ -278,7 +278,7 @@ def _raise_on_rank_1(catch):
     start = time.monotonic()
     try:
         runner.step(*_batch())
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         if not catch:
             raise
         return type(err).__name__, str(err), "\n".join(getattr(err, "__notes__", [])), time.monotonic() - start

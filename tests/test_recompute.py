@@ -208,7 +208,8 @@ def test_functional_form_and_stage_helper(blocks, block_reference):
 def test_inside_threaded_pipe():
     pipeline = pytest.importorskip("modelpar.pipeline")
     torch.manual_seed(0)
-    stages = [nn.Sequential(*[nn.Sequential(nn.Linear(8, 8, dtype=torch.float64), nn.Tanh()) for _ in range(3)]) for _ in range(2)]
+    block = lambda: nn.Sequential(nn.Linear(8, 8, dtype=torch.float64), nn.Tanh())  # noqa: E731
+    stages = [nn.Sequential(*[block() for _ in range(3)]) for _ in range(2)]
     x = torch.randn(12, 8, dtype=torch.float64)
 
     def grads(wrapped):

@@ -69,5 +69,6 @@ def test_bad_pipeline_shapes():
 
 
 def test_memory_model_imports_no_torch():
-    code = "import sys, modelpar.recompute as r; r.gpipe_activation_memory(256, 48, 4, 32, True); assert 'torch' not in sys.modules"
+    code = ("import sys, modelpar.recompute as r; r.gpipe_activation_memory(256, 48, 4, 32, True); "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -110,7 +110,8 @@ def test_get_schedule_names(name):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: get_schedule("pipedream", 4, 8), r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
+        (lambda: get_schedule("pipedream", 4, 8),
+         r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
         (lambda: get_schedule("gpipe", 0, 8), r"num_stages must be >= 1, got 0"),
         (lambda: get_schedule("1f1b", 4, -2), r"num_microbatches must be >= 1, got -2"),
         (lambda: get_schedule("gpipe", 2.5, 8), r"num_stages must be an integer, got 2.5"),

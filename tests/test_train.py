@@ -7,7 +7,6 @@ the whole model in this process (torch's own cross entropy and ``clip_grad_norm_
 import dataclasses
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -62,7 +62,7 @@ def _model(args: argparse.Namespace):
 
 
 def _cluster(args: argparse.Namespace):
-    from modelpar.costmodel import GPUS, GPUSpec, NodePreset, gpu_preset, make_cluster
+    from modelpar.costmodel import GPUS, NodePreset, gpu_preset, make_cluster
 
     n = check_int("--gpus", args.gpus, minimum=1)
     node = gpu_preset(args.gpu) if args.gpu else GPUS["a100-80gb"]

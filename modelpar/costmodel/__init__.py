@@ -7,7 +7,7 @@ named ``assumptions``; ``search`` ranks every layout; ``published`` checks it ag
 
 from modelpar.costmodel.assumptions import DEFAULT, MODERN, REFERENCE, Assumptions, assumptions_for
 from modelpar.costmodel.estimate import Estimate, check_config, estimate, matmul_efficiency
-from modelpar.costmodel.formulas import *  # noqa: F401,F403
+from modelpar.costmodel.formulas import *  # noqa: F403
 from modelpar.costmodel.formulas import __all__ as _formulas_all
 from modelpar.costmodel.memory import (
     activation_bytes_per_layer,

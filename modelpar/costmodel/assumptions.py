@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from modelpar._validate import check_number
 
-__all__ = ["Assumptions", "DEFAULT", "MODERN", "REFERENCE", "assumptions_for"]
+__all__ = ["DEFAULT", "MODERN", "REFERENCE", "Assumptions", "assumptions_for"]
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,18 @@ class Assumptions:
     matmul_efficiency: float | None = None  # flat fraction of peak for all matmuls; None = the curve below
     gemm_tokens_half: float = 256.0  # curve: tokens per microbatch (b·s) at which GEMMs reach half the GPU's ceiling
     gemm_width_half: float = 256.0  # curve: per-GPU width h/t at which GEMMs reach half the ceiling
-    elementwise_passes: float = 2.0  # HBM bytes moved per activation byte (Korthikanti's count) by LayerNorm, softmax, GeLU, dropout
+    # HBM bytes moved per activation byte (Korthikanti's count) by LayerNorm, softmax, GeLU, dropout
+    elementwise_passes: float = 2.0
     layer_latency_s: float = 60e-6  # fixed cost per layer per microbatch pass: kernel launches (§2.4's α)
     flash_attention: bool = False  # fused attention: no s² scores stored or streamed through HBM
     # --- communication ----------------------------------------------------------------------
     link_efficiency: float = 0.85  # fraction of nominal per-GPU bandwidth a collective reaches (NCCL bus bandwidth)
     collective_latency_s: float = 20e-6  # fixed cost of each collective / transfer
-    pp_scatter_gather: bool = True  # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
+    # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
+    pp_scatter_gather: bool = True
     pp_overlap: float = 0.0  # fraction of steady-state point-to-point time hidden under compute (fill and drain always pay)
-    pp_engine_overhead_s: float = 0.0  # fixed cost per microbatch per pipeline chunk of the pipeline engine (DeepSpeed: see published.py)
+    # fixed cost per microbatch per pipeline chunk of the pipeline engine (DeepSpeed: see published.py)
+    pp_engine_overhead_s: float = 0.0
     dp_overlap: float = 0.0  # fraction of the gradient all-reduce hidden under backward (0: Megatron 2021, after backward)
     grad_bytes: int = 2  # bytes per gradient element in the data-parallel all-reduce (16-bit)
     # --- memory -----------------------------------------------------------------------------

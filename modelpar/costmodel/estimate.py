@@ -4,7 +4,8 @@ Per microbatch, each pipeline device runs its L/p layers (matmuls at the efficie
 memory-bound element-wise work and per-kernel latency), the tensor-parallel all-reduces of those
 layers (4 per layer, 6 with full recomputation, §6.2; NVLink when t fits in a node, else the
 network) and its point-to-point transfers (2·v per microbatch). The 1F1B step is then
-m·T_slowest + (p − 1)/v·T_average (Megatron SC'21 §2.2 with uneven stages) plus the transfers of the fill and drain, plus the exposed
+m·T_slowest + (p − 1)/v·T_average (Megatron SC'21 §2.2 with uneven stages) plus the transfers of the fill
+and drain, plus the exposed
 data-parallel gradient all-reduce (ring, 2(d − 1)/d). Ranks are ordered tensor, data, pipeline
 (Megatron's default), which decides which link each collective crosses.
 """

@@ -62,13 +62,19 @@ def tp_layer_flops(b: int, s: int, h: int, t: int) -> float:
 
 
 def tp_layer_comm_bytes(b: int, s: int, h: int, t: int, allreduces: int = 4, dtype_bytes: int = 2) -> float:
-    """§5.6: bytes one GPU sends per layer: ``allreduces`` ring all-reduces of a b·s·h activation (4: f and g, forward and backward)."""
+    """§5.6: bytes one GPU sends per layer: ``allreduces`` ring all-reduces of a b·s·h activation.
+
+    Four by default: f and g, forward and backward.
+    """
     size = check_int("b", b, minimum=1) * check_int("s", s, minimum=1) * check_int("h", h, minimum=1) * dtype_bytes
     return check_int("allreduces", allreduces, minimum=0) * allreduce_bytes(size, t)
 
 
 def tp_comm_compute_ratio(h: int, t: int, peak_flops: float, link_bytes_per_s: float) -> float:
-    """§5.6: all-reduce time over compute time for one layer; b and s cancel, leaving 2(t − 1)/(9h) bytes/FLOP × peak/bandwidth."""
+    """§5.6: all-reduce time over compute time for one layer.
+
+    b and s cancel, leaving 2(t − 1)/(9h) bytes/FLOP × peak/bandwidth.
+    """
     peak = check_number("peak_flops", peak_flops, strict=True)
     bw = check_number("link_bytes_per_s", link_bytes_per_s, strict=True)
     return (tp_layer_comm_bytes(1, 1, h, t) / bw) / (tp_layer_flops(1, 1, h, t) / peak)

@@ -13,8 +13,17 @@ from __future__ import annotations
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 
-__all__ = ["activation_bytes_per_layer", "in_flight", "layerwise_stage_gb", "memory_breakdown", "params_on_gpu",
-           "stage_layers", "stage_loads", "state_bytes_per_param", "stages_needed"]
+__all__ = [
+    "activation_bytes_per_layer",
+    "in_flight",
+    "layerwise_stage_gb",
+    "memory_breakdown",
+    "params_on_gpu",
+    "stage_layers",
+    "stage_loads",
+    "stages_needed",
+    "state_bytes_per_param",
+]
 
 REPLICATED_COEFF = 10.0  # Korthikanti §4.1: LayerNorm inputs 4, QKV and MLP inputs 2 + 2, two dropout masks 1 + 1 (× s·b·h bytes)
 

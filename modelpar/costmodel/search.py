@@ -49,7 +49,10 @@ def _leanest(model: ModelSpec, t: int, p: int, d: int, batch: int, a: Assumption
 def fitting_gpu_counts(
     model: ModelSpec, memory_gb: float, batch: int, a: Assumptions = DEFAULT
 ) -> tuple[list[int], float]:
-    """GPU counts t·p·d (t | heads, p | layers, d | batch) whose leanest layout fits ``memory_gb``, and the least GB any layout needs."""
+    """GPU counts t·p·d (t | heads, p | layers, d | batch) whose leanest layout fits ``memory_gb``.
+
+    Also the least GB any layout needs.
+    """
     kv = model.kv_heads or model.heads
     found, least = set(), float("inf")
     for t in (t for t in divisors(model.heads) if kv % t == 0):

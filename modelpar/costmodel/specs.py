@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 
-__all__ = ["ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RECOMPUTE"]
+__all__ = ["RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
 
 RECOMPUTE = ("none", "selective", "full")
 

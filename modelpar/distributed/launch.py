@@ -9,13 +9,14 @@ dies or hangs ends the whole group within ``timeout`` seconds with a clear error
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import threading
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
 
-__all__ = ["LocalCluster", "RankError", "launch", "free_port", "init_from_env", "is_torchrun"]
+__all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -129,7 +130,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
             fn, args, kwargs = pickle.loads(task)
             try:
                 results.put((rank, "ok", fn(*args, **kwargs)))
-            except BaseException as exc:  # noqa: BLE001  every failure goes back to the parent
+            except BaseException as exc:
                 results.put((rank, "error", _describe(exc)))
     finally:
         dist.destroy_process_group()
@@ -170,7 +171,7 @@ class LocalCluster:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 60.0,
-                 run_timeout: float | None | str = "timeout") -> None:
+                 run_timeout: float | str | None = "timeout") -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.backend = check_choice("backend", backend, ["gloo", "nccl"])
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
@@ -195,7 +196,7 @@ class LocalCluster:
     def _start_in_background(self) -> None:
         try:
             self._start()
-        except BaseException as err:  # noqa: BLE001  re-raised by the next run()
+        except BaseException as err:
             self._start_error = err
 
     def _wait_started(self) -> None:
@@ -286,10 +287,8 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and wait for them."""
-        try:
+        with contextlib.suppress(BaseException):  # a failed start leaves nothing to stop
             self._wait_started()
-        except BaseException:  # noqa: BLE001  nothing left to stop
-            pass
         if not self._procs:
             return
         for q in self._tasks:
@@ -301,7 +300,7 @@ class LocalCluster:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-           timeout: float = 60.0, run_timeout: float | None | str = "timeout", **kwargs: Any) -> list[Any]:
+           timeout: float = 60.0, run_timeout: float | str | None = "timeout", **kwargs: Any) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh local processes; return each rank's result."""
     with LocalCluster(world_size, backend=backend, timeout=timeout, run_timeout=run_timeout) as cluster:
         return cluster.run(fn, *args, **kwargs)

@@ -13,7 +13,7 @@ from typing import Any
 
 from modelpar._validate import check_int
 
-__all__ = ["ParallelDims", "rank_groups", "coordinates"]
+__all__ = ["ParallelDims", "coordinates", "rank_groups"]
 
 DIM_NAMES = ("pp", "dp", "tp")
 

@@ -14,9 +14,9 @@ T(4) = 58.0 ms, T(64) = 72.4 ms, M* ≈ 12.4.
 from __future__ import annotations
 
 import math
-from time import perf_counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 import torch
 from torch import nn

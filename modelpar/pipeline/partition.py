@@ -9,7 +9,6 @@ programming), not a heuristic; among equally good cuts it keeps the stages' laye
 from __future__ import annotations
 
 import copy
-
 import time
 from collections.abc import Sequence
 

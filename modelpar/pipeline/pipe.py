@@ -99,7 +99,7 @@ class Pipe(nn.Module):
             for i, j in wave:  # receive the whole wave even if one fails: no result is left queued
                 try:
                     batches[i] = self.workers.receive(j)
-                except BaseException as exc:  # noqa: BLE001 - re-raised unchanged below
+                except BaseException as exc:
                     error = error or exc
             if error is not None:
                 raise error

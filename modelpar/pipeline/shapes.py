@@ -155,7 +155,7 @@ def _try_stage(module: nn.Module, spec: TensorSpec, target: TensorSpec | None,
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 return "error", "loss_fn must return a scalar tensor (the mean loss of a microbatch)"
             return "ok", None
-    except Exception as err:  # noqa: BLE001  reported on every rank as a ValueError
+    except Exception as err:
         return "error", f"{type(err).__name__}: {err}"
     finally:
         for m, training in modes:

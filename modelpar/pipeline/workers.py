@@ -71,7 +71,7 @@ def _worker_loop(device: torch.device, num_threads: int | None, tasks: queue.Que
                 for device_type, dtype in autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 result = (True, fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller by receive()
+        except BaseException as exc:
             result = (False, exc)
         fn = None  # keep no reference to the last batch once it is handed over
         results.put(result)

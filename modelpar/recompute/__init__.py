@@ -12,12 +12,27 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from modelpar.recompute.plan import ChainCost, RecomputePlan, Strategy, best_k, chain_cost, gpipe_activation_memory, plan_recompute
+from modelpar.recompute.plan import (
+    ChainCost,
+    RecomputePlan,
+    Strategy,
+    best_k,
+    chain_cost,
+    gpipe_activation_memory,
+    plan_recompute,
+)
 
 if TYPE_CHECKING:
     from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats
-    from modelpar.recompute.measure import (ChainReport, GPipeReport, ScaledTanh, measure_chain, measure_gpipe,
-                                            scaled_tanh_stages, strategy_table)
+    from modelpar.recompute.measure import (
+        ChainReport,
+        GPipeReport,
+        ScaledTanh,
+        measure_chain,
+        measure_gpipe,
+        scaled_tanh_stages,
+        strategy_table,
+    )
     from modelpar.recompute.meter import ActivationMeter, HeldActivations
     from modelpar.recompute.module import Recompute, recompute_sequential, recompute_stage
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from modelpar.recompute.rng import ForwardState, capture_state, replay
+from modelpar.recompute.rng import capture_state, replay
 
 __all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "run_layers"]
 
@@ -51,7 +51,8 @@ class RecomputeStats:
         self.forwards = self.recomputed = self.intermediates = 0
 
 
-def run_layers(layers: Sequence[Layer], x: torch.Tensor, stats: RecomputeStats, start: int = 0, *, recomputing: bool = False) -> torch.Tensor:
+def run_layers(layers: Sequence[Layer], x: torch.Tensor, stats: RecomputeStats, start: int = 0, *,
+               recomputing: bool = False) -> torch.Tensor:
     """Apply ``layers`` in order, counting each call; a layer must return one tensor."""
     for i, layer in enumerate(layers):
         y = layer(x)

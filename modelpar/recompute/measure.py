@@ -49,7 +49,8 @@ class ChainReport:
 
 
 def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.Sequential, x: torch.Tensor,
-                  recompute: Strategy, loss: Callable[[torch.Tensor], torch.Tensor] = torch.sum) -> tuple[ChainReport, list[torch.Tensor | None]]:
+                  recompute: Strategy, loss: Callable[[torch.Tensor], torch.Tensor] = torch.sum,
+                  ) -> tuple[ChainReport, list[torch.Tensor | None]]:
     """Forward + backward of ``Recompute(layers, recompute)`` on ``x``; the gradients of ``loss``.
 
     Gradients are returned for ``x`` (when it needs grad) then every parameter needing grad, in
@@ -80,7 +81,7 @@ def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn
         equal = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
         expected = f" {chain_cost(len(layers), recompute).held:6}" if model else ""
         row = (f"{report.label:14} {report.held:5}{expected} "
-               f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15} {report.intermediates:10}  {str(equal):13}")
+               f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15} {report.intermediates:10}  {equal!s:13}")
         if repeats:
             chain = Recompute(layers, recompute)
             seconds = []

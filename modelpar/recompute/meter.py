@@ -31,7 +31,7 @@ class HeldActivations:
 class _Saved:
     """What the pack hook hands autograd instead of the tensor; its death means 'released'."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor

@@ -15,7 +15,7 @@ class Kind(str, Enum):
 
     F = "F"  # forward
     B = "B"  # full backward: input gradient and weight gradient together
-    I = "I"  # noqa: E741  backward for the input gradient only (split backward)
+    I = "I"
     W = "W"  # backward for the weight gradient only (split backward), deferred in zero-bubble
 
     def __str__(self) -> str:
@@ -51,17 +51,17 @@ class Action(NamedTuple):
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 
-def F(stage: int, microbatch: int) -> Action:  # noqa: N802  (reads like the notation)
+def F(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.F, microbatch)
 
 
-def B(stage: int, microbatch: int) -> Action:  # noqa: N802
+def B(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.B, microbatch)
 
 
-def I(stage: int, microbatch: int) -> Action:  # noqa: N802, E743
+def I(stage: int, microbatch: int) -> Action:  # noqa: E743
     return Action(stage, Kind.I, microbatch)
 
 
-def W(stage: int, microbatch: int) -> Action:  # noqa: N802
+def W(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.W, microbatch)

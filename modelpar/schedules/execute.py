@@ -45,7 +45,7 @@ def execute(
         raise diagnose(schedule) from None
 
 
-def _run(schedule, durations, transfer_in):  # noqa: C901  (one hot loop, kept in one place)
+def _run(schedule, durations, transfer_in):
     S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     split = schedule.split_backward
     dev = schedule.stage_to_device

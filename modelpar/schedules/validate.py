@@ -10,7 +10,7 @@ from __future__ import annotations
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["validate_schedule", "diagnose"]
+__all__ = ["diagnose", "validate_schedule"]
 
 
 def validate_schedule(schedule: Schedule) -> None:

@@ -11,8 +11,7 @@ import math
 
 from modelpar._validate import check_int, check_number
 from modelpar.costmodel.formulas import bubble_fraction as interleaved_bubble_ratio
-from modelpar.costmodel.formulas import gpipe_bubble
-from modelpar.costmodel.formulas import pipeline_speedup
+from modelpar.costmodel.formulas import gpipe_bubble, pipeline_speedup
 
 __all__ = [
     "gpipe_bubble",

@@ -24,7 +24,7 @@ from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["Event", "FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "Timeline"]
+__all__ = ["FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "Event", "Timeline"]
 
 FORWARD = "forward"  # the simulator's unit: one microbatch's forward through one whole stage
 SECONDS_PER_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # clock units of measured timelines

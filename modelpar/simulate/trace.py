@@ -30,7 +30,8 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float | None = None
     flow_id = 0
     for pid, tl in enumerate(timelines):
         scale = tl.us_per_unit if us_per_unit is None else us_per_unit
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label(tl.name or f"timeline {pid}", tl.chunks)}})
+        name = label(tl.name or f"timeline {pid}", tl.chunks)
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         where: dict = {}
         for d in range(tl.num_devices):
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": d, "args": {"name": f"Device {d}"}})

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from modelpar.tensor_parallel._comm import (all_gather, all_reduce, check_same_shape, group_size,
-                                            reduce_scatter, split)
+from modelpar.tensor_parallel._comm import all_gather, all_reduce, check_same_shape, group_size, reduce_scatter, split
 
 __all__ = [
     "SEQUENCE_DIM",

@@ -40,7 +40,7 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
             try:
                 outcome["result"] = launch(_rank_main, cfg.dims.world_size, cfg, str(events.path),
                                            timeout=cfg.timeout, run_timeout=None)[0]
-            except BaseException as err:  # noqa: BLE001  re-raised in the calling thread
+            except BaseException as err:
                 outcome["error"] = err
 
         worker = threading.Thread(target=target, name="modelpar-train", daemon=True)
