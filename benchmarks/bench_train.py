@@ -17,7 +17,7 @@ import argparse
 import os
 from dataclasses import replace
 
-from modelpar.model import GPTConfig
+from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
 from modelpar.training.launch import run_local
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
     args = ap.parse_args()
-    base = TrainConfig(model=GPTConfig(hidden=args.hidden, layers=args.layers), steps=args.steps, schedule=args.schedule,
+    base = TrainConfig(model=ModelConfig(hidden=args.hidden, layers=args.layers), steps=args.steps, schedule=args.schedule,
                        eval_every=0, eval_batches=1, warmup=5)
     cores = os.cpu_count() or 1
     rows = []

@@ -34,13 +34,13 @@ from modelpar.tensor_parallel import (
 )
 from modelpar.tensor_parallel.sharding import TensorParallelModule
 
-__all__ = ["GPT", "GPTConfig", "GPTLoss", "build_stage", "init_parameters", "split_stage", "stage_layers"]
+__all__ = ["GPT", "ModelConfig", "GPTLoss", "build_stage", "init_parameters", "split_stage", "stage_layers"]
 
 TIED_INIT_NAME = "embed.word.weight"  # the last stage's copy of a tied embedding is seeded like the first's
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class ModelConfig:
     """GPT shape. Defaults: the `modelpar train` demo model (867,072 parameters, byte vocabulary)."""
 
     vocab_size: int = 256  # V: tokens (bytes); divisible by t (vocabulary-parallel embedding and head)
@@ -62,7 +62,7 @@ class GPTConfig:
         layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         return v * h + s * h + n * layer + 2 * h + (0 if self.tie_embeddings else v * h)
 
-    def check(self, tp: int = 1, stages: int = 1, sequence_parallel: bool = False) -> GPTConfig:
+    def check(self, tp: int = 1, stages: int = 1, sequence_parallel: bool = False) -> ModelConfig:
         """Raise ValueError unless the shape splits across t ranks and ``stages`` (p·v) stages."""
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "ffn_mult"):
             check_int(name, getattr(self, name), minimum=1)
@@ -83,7 +83,7 @@ class GPTEmbedding(nn.Module):
     positions are added to the full sequence, then each rank keeps its s/t tokens).
     """
 
-    def __init__(self, cfg: GPTConfig, group: Any, sequence_parallel: bool, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, group: Any, sequence_parallel: bool, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, group=group, dtype=dtype)
         self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype))
@@ -104,7 +104,7 @@ class GPT(nn.Module):
     activation recomputation over this module's layers (``modelpar.recompute``).
     """
 
-    def __init__(self, cfg: GPTConfig, group: Any = None, sequence_parallel: bool = False,
+    def __init__(self, cfg: ModelConfig, group: Any = None, sequence_parallel: bool = False,
                  recompute: str | int | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cfg, self.recompute = cfg, recompute
@@ -146,7 +146,7 @@ class GPTLoss:
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def stage_layers(cfg: GPTConfig, stage: int, num_stages: int) -> range:
+def stage_layers(cfg: ModelConfig, stage: int, num_stages: int) -> range:
     """Global indices of the layers of (virtual) stage ``stage``: L / num_stages consecutive ones."""
     check_divisible("layers", cfg.layers, "the number of pipeline stages (pp * chunks)", num_stages)
     check_int("stage", stage, minimum=0, maximum=num_stages - 1)
@@ -175,7 +175,7 @@ def _seed_for(seed: int, name: str) -> int:
     return (check_int("seed", seed, minimum=0) * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def _full_init(cfg: GPTConfig, name: str, module: nn.Module, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def _full_init(cfg: ModelConfig, name: str, module: nn.Module, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The single-process value of parameter ``name`` (float64), GPT-2's scheme."""
     leaf = name.rsplit(".", 1)[-1]
     if isinstance(module, nn.LayerNorm):
@@ -209,7 +209,7 @@ def init_parameters(model: GPT, seed: int) -> GPT:
     return model
 
 
-def build_stage(cfg: GPTConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0, group: Any = None,
+def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0, group: Any = None,
                 sequence_parallel: bool = False, recompute: str | int | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> GPT:
     """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised."""

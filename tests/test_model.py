@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelpar.model import GPT, GPTConfig, GPTLoss, build_stage, init_parameters, split_stage, stage_layers
+from modelpar.model import GPT, ModelConfig, GPTLoss, build_stage, init_parameters, split_stage, stage_layers
 
-CFG = GPTConfig(vocab_size=64, seq_len=12, hidden=16, heads=4, layers=4)
+CFG = ModelConfig(vocab_size=64, seq_len=12, hidden=16, heads=4, layers=4)
 
 
-def _reference_logits(sd: dict, cfg: GPTConfig, ids: torch.Tensor) -> torch.Tensor:
+def _reference_logits(sd: dict, cfg: ModelConfig, ids: torch.Tensor) -> torch.Tensor:
     """nanoGPT-style forward written from the definition: pre-LN, causal attention, learned positions."""
     b, s = ids.shape
     h, a = cfg.hidden, cfg.heads
@@ -35,7 +35,7 @@ def _reference_logits(sd: dict, cfg: GPTConfig, ids: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_forward_equals_the_definition(tie):
-    cfg = GPTConfig(**{**CFG.__dict__, "tie_embeddings": tie})
+    cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": tie})
     model = build_stage(cfg, seed=3, dtype=torch.float64)
     ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     sd = dict(model.named_parameters())
@@ -55,7 +55,7 @@ def test_attention_is_causal():
 
 
 def test_initial_loss_is_log_vocab_and_init_follows_gpt2():
-    model = build_stage(GPTConfig(), seed=0, dtype=torch.float64)
+    model = build_stage(ModelConfig(), seed=0, dtype=torch.float64)
     ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
     loss = GPTLoss()(model(ids), ids).item()
     assert abs(loss - math.log(256)) < 0.1  # near-uniform predictions at init
@@ -80,7 +80,7 @@ def test_stages_hold_their_parts_and_the_same_weights_as_the_whole():
 
 
 def test_tied_head_on_a_later_stage_starts_as_the_embedding():
-    cfg = GPTConfig(**{**CFG.__dict__, "tie_embeddings": True})
+    cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": True})
     first, last = build_stage(cfg, 0, 2, seed=1), build_stage(cfg, 1, 2, seed=1)
     whole = build_stage(cfg, seed=1)
     assert whole.head.weight is whole.embed.word.weight
@@ -91,7 +91,7 @@ def test_tied_head_on_a_later_stage_starts_as_the_embedding():
 
 def test_split_is_done_on_meta_without_memory():
     with torch.device("meta"):
-        model = GPT(GPTConfig(hidden=4096, heads=32, layers=48, vocab_size=50304, seq_len=2048))
+        model = GPT(ModelConfig(hidden=4096, heads=32, layers=48, vocab_size=50304, seq_len=2048))
     stage = split_stage(model, 1, 4)
     assert list(stage.layers) == [str(i) for i in range(12, 24)]
     assert all(p.is_meta for p in stage.parameters())
@@ -116,7 +116,7 @@ def test_init_does_not_depend_on_dtype_beyond_rounding():
 ])
 def test_bad_shapes_are_named(change, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        GPTConfig(**{**CFG.__dict__, **change}).check(**kwargs)
+        ModelConfig(**{**CFG.__dict__, **change}).check(**kwargs)
 
 
 def test_stage_layers_and_bad_stage():

@@ -222,7 +222,7 @@ def test_inside_threaded_pipe():
 @pytest.mark.parametrize("recompute", [1, "full", "recompute-all"])
 def test_inside_the_gpt_block_stack(recompute):
     model = pytest.importorskip("modelpar.model")
-    cfg = model.GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=4)
+    cfg = model.ModelConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=4)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
 
     def run(option):

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.corpus import load_corpus
 from modelpar.distributed import LocalCluster
-from modelpar.model import GPTConfig, build_stage
+from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, lr_at, param_groups, train
 
-TINY = GPTConfig(hidden=32, heads=4, layers=4, seq_len=16)
+TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, dtype="float64", warmup=1, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9

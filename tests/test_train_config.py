@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modelpar.corpus import rank_batch
-from modelpar.model import GPTConfig
+from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, lr_at
 from modelpar.training.state import check_meta, init_optimizer_state, run_meta
 
@@ -57,7 +57,7 @@ def test_bad_settings_are_named(changes, message):
 
 
 def test_world_size_and_round_trip():
-    cfg = TrainConfig(tp=2, pp=2, dp=2, model=GPTConfig(hidden=64, tie_embeddings=True))
+    cfg = TrainConfig(tp=2, pp=2, dp=2, model=ModelConfig(hidden=64, tie_embeddings=True))
     assert cfg.check(8) is cfg and cfg.tokens_per_step == 16 * 64
     with pytest.raises(ValueError, match=r"= 8 must equal the number of processes \(world size 4\)"):
         cfg.check(4)
@@ -69,7 +69,7 @@ def test_checkpoint_metadata_rules():
     meta = run_meta(cfg, 10, [5.0, 4.0])
     check_meta(meta, replace(cfg, schedule="gpipe", microbatches=8), "ck")  # the same gradients: may differ
     with pytest.raises(ValueError, match=r"different model: heads, hidden differ \(checkpoint \[4, 128\], this run \[8, 256\]\)"):
-        check_meta(meta, replace(cfg, model=GPTConfig(hidden=256, heads=8)), "ck")
+        check_meta(meta, replace(cfg, model=ModelConfig(hidden=256, heads=8)), "ck")
     for key, value in (("dp", 2), ("seed", 1), ("batch_size", 32), ("dtype", "float64")):
         with pytest.raises(ValueError, match=f"written with {key}="):
             check_meta(meta, replace(cfg, **{key: value}), "ck")

@@ -2,7 +2,7 @@
 
 With no flags: t = 2, p = 2, d = 1 on 4 local processes (gloo), a few minutes on a 2-core CPU.
 Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). Settings
-left out keep ``TrainConfig`` / ``GPTConfig``'s defaults (imported only when the command runs,
+left out keep ``TrainConfig`` / ``ModelConfig``'s defaults (imported only when the command runs,
 so other commands start without torch).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 _MODEL = "model (defaults: h=128, L=4, a=4, s=64, byte vocabulary 256)"
 # Flags by help group: (name, int | float | str, or bool for a switch, help). A flag sets the
-# GPTConfig field of its name in the model group and the TrainConfig field of its name elsewhere.
+# ModelConfig field of its name in the model group and the TrainConfig field of its name elsewhere.
 _FLAGS: dict[str, list[tuple[str, type, str]]] = {
     _MODEL: [
         ("hidden", int, "model width h"),

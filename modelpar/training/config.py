@@ -11,7 +11,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
-from modelpar.model import GPTConfig
+from modelpar.model import ModelConfig
 
 __all__ = ["RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
 
@@ -24,7 +24,7 @@ DTYPES = ("float32", "float64")
 class TrainConfig:
     """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
 
-    model: GPTConfig = field(default_factory=GPTConfig)  # the GPT to train
+    model: ModelConfig = field(default_factory=ModelConfig)  # the GPT to train
     tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
     pp: int = 2  # p: pipeline stages
     dp: int = 1  # d: data-parallel replicas
@@ -110,5 +110,5 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
         if isinstance(values.get("model"), dict):
-            values["model"] = GPTConfig(**values["model"])
+            values["model"] = ModelConfig(**values["model"])
         return cls(**values)
