@@ -34,7 +34,7 @@ from modelpar.tensor_parallel import (
 )
 from modelpar.tensor_parallel.sharding import TensorParallelModule
 
-__all__ = ["GPT", "ModelConfig", "GPTLoss", "build_stage", "init_parameters", "split_stage", "stage_layers"]
+__all__ = ["GPT", "GPTLoss", "ModelConfig", "build_stage", "init_parameters", "split_stage", "stage_layers"]
 
 TIED_INIT_NAME = "embed.word.weight"  # the last stage's copy of a tied embedding is seeded like the first's
 

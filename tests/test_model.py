@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelpar.model import GPT, ModelConfig, GPTLoss, build_stage, init_parameters, split_stage, stage_layers
+from modelpar.model import GPT, GPTLoss, ModelConfig, build_stage, init_parameters, split_stage, stage_layers
 
 CFG = ModelConfig(vocab_size=64, seq_len=12, hidden=16, heads=4, layers=4)
 
