@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 from modelpar._validate import check_int, check_number
-from modelpar.costmodel.formulas import bubble_fraction as interleaved_bubble_ratio
-from modelpar.costmodel.formulas import gpipe_bubble, pipeline_speedup
+from modelpar.formulas import bubble_fraction_of_step as gpipe_bubble
+from modelpar.formulas import bubble_over_ideal_compute as interleaved_bubble_ratio
+from modelpar.formulas import pipeline_speedup
 
 __all__ = [
     "gpipe_bubble",

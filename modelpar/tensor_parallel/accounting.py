@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from modelpar.costmodel.formulas import allgather_bytes, allreduce_bytes
+from modelpar.formulas import allgather_bytes, allreduce_bytes
 
 __all__ = ["CommLog", "CommRecord", "comm_log"]
 

@@ -1,7 +1,8 @@
 """Closed-form formulas of the reference text, each a small pure function with its source.
 
-These are the numbers other parts of ``modelpar`` quote (example 05 reuses the §5.5 and §5.6
-ones), so they take plain numbers, not specs. Pure Python: no torch.
+A leaf shared by the simulator's closed forms, the tensor-parallel communication accounting and
+the cost model (which re-exports them): plain numbers in, and nothing imported but the argument
+checks, so importing the simulator does not load the planner.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ __all__ = [
     "allgather_bytes",
     "allreduce_bytes",
     "bandwidth_demand",
-    "bubble_fraction",
+    "bubble_fraction_of_step",
+    "bubble_over_ideal_compute",
     "fused_cross_entropy_bytes",
-    "gpipe_bubble",
     "gpt_params",
     "logits_allgather_bytes",
     "megatron_flops",
@@ -102,15 +103,18 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, r
 
 
 # --- §2.3 / §4.2 / §6.3: pipeline bubble -------------------------------------------------------
-def gpipe_bubble(stages: int, microbatches: int) -> float:
-    """§2.3 (GPipe): idle fraction of a step, (K − 1)/(M + K − 1)."""
+def bubble_fraction_of_step(stages: int, microbatches: int) -> float:
+    """§2.3 (GPipe, 1F1B): idle time as a fraction of the step, (K − 1)/(M + K − 1)."""
     k = check_int("stages", stages, minimum=1)
     m = check_int("microbatches", microbatches, minimum=1)
     return (k - 1) / (m + k - 1)
 
 
-def bubble_fraction(p: int, m: int, v: int = 1) -> float:
-    """Megatron (SC'21 §2.2): bubble time relative to ideal compute, (1/v)·(p − 1)/m; §6.3: = (n/t − d)/B when m = B/d."""
+def bubble_over_ideal_compute(p: int, m: int, v: int = 1) -> float:
+    """Megatron (SC'21 §2.2): idle time over the ideal (bubble-free) compute time, (1/v)·(p − 1)/m.
+
+    §6.3: = (n/t − d)/B when m = B/d. It is (K − 1)/M where ``bubble_fraction_of_step`` is (K − 1)/(M + K − 1).
+    """
     p = check_int("p", p, minimum=1)
     m = check_int("m", m, minimum=1)
     return (p - 1) / (check_int("v", v, minimum=1) * m)
