@@ -29,8 +29,8 @@ def test_json_keys_and_order(capsys):
     code, out, _ = run(capsys, *BASE, "--json", "--top", "7")
     rows = json.loads(out)
     assert code == 0 and len(rows) == 7
-    keys = {"t", "p", "d", "micro_batch", "v", "recompute", "sequence_parallel", "step_time_s",
-            "tflops_per_gpu", "mfu", "memory_gb", "bubble"}
+    keys = {"t", "p", "d", "micro_batch", "v", "recompute", "sequence_parallel", "zero", "device_layers",
+            "step_time_s", "tflops_per_gpu", "mfu", "memory_gb", "bubble_over_ideal_compute"}
     assert all(keys <= set(r) for r in rows)
     assert [r["step_time_s"] for r in rows] == sorted(r["step_time_s"] for r in rows)
     assert all(r["memory_gb"] <= 80 and r["t"] * r["p"] * r["d"] == 1024 for r in rows)
@@ -39,10 +39,12 @@ def test_json_keys_and_order(capsys):
 def test_pins_and_numbers_instead_of_presets(capsys):
     args = ["plan", "--layers", "96", "--hidden", "12288", "--heads", "96", "--seq-len", "2048", "--vocab", "51200",
             "--peak-tflops", "312", "--gpu-mem-gb", "80", "--gpus", "1024", "--batch", "1536", "--tp", "8",
-            "--micro-batch", "1", "--chunks", "1", "--recompute", "full", "--sequence-parallel", "off", "--json"]
+            "--micro-batch", "1", "--chunks", "1", "--recompute", "full", "--sequence-parallel", "off", "--zero", "0",
+            "--json"]
     code, out, _ = run(capsys, *args)
     rows = json.loads(out)
-    assert code == 0 and {(r["p"], r["d"]) for r in rows} == {(8, 16), (16, 8), (32, 4)}
+    # p = 64 splits the 96 layers unevenly (1 or 2 per stage, the first and last 1)
+    assert code == 0 and {(r["p"], r["d"]) for r in rows} == {(8, 16), (16, 8), (32, 4), (64, 2)}
     assert all(r["t"] == 8 and r["recompute"] == "full" and not r["sequence_parallel"] for r in rows)
 
 
@@ -65,7 +67,16 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["--gpus", "1021"], "nearest at or above 1021 is 1024"),
         (["--gpu-mem-gb", "0.5"], "GPU memory too small"),
         (["--tp", "3"], "t = 3 does not divide the 1024 GPUs"),
-        (["--tp", "8", "--pp", "64"], "p = 64 does not divide layers (96)"),
+        (["--stage-layers", "5,6"], "--stage-layers sums to 11, but the model has 96 layers"),
+        (["--pp", "8", "--stage-layers", "12,12,12,12,12,12,24"], "--stage-layers has 7 entries, expected p·v = 8·1 = 8"),
+        (["--chunks", "2", "--pp", "4", "--stage-layers", "24,24,24,24"],
+         "--stage-layers has 4 entries, expected p·v = 4·2 = 8"),
+        (["--stage-layers", "48,0,48"], "only the first and last chunk may be empty"),
+        (["--stage-layers", "12,x"], "--stage-layers must be comma-separated whole numbers, got '12,x'"),
+        (["--engine", "nemo"], "unknown engine 'nemo'; known: megatron, megatron-2021, deepspeed, pytorch"),
+        (["--zero", "4"], "--zero must be one of {0, 1, 2, 3}, got 4"),
+        (["--gpus", "64", "--batch", "64", "--tp", "1", "--pp", "1", "--zero", "3", "--recompute", "none"],
+         "GPU memory too small: the leanest layout with the pinned values of gpt3-175b on 64 GPUs"),
         (["--plot", "/nonexistent-folder/plan.png"], "--plot: folder '/nonexistent-folder' does not exist"),
         (["--plot", "plan.pdf"], "--plot must name a .png or .svg file, got 'plan.pdf'"),
     ],
@@ -74,6 +85,35 @@ def test_bad_input_is_one_line_exit_2(capsys, extra, message):
     code = main([*BASE, *extra])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_bloom_real_layout_uneven_stages_and_its_engine(capsys):
+    # 70 layers on 12 stages: the middle ten get 6, the first and last (embedding, output layer) 5
+    bloom = ["plan", "--model", "bloom-176b", "--gpus", "384", "--batch", "2048", "--tp", "4", "--pp", "12", "--dp", "8",
+             "--micro-batch", "2", "--recompute", "full", "--sequence-parallel", "off", "--engine", "deepspeed"]
+    code, out, _ = run(capsys, *bloom, "--json", "--top", "1")
+    row = json.loads(out)[0]
+    assert code == 0 and (row["t"], row["p"], row["d"], row["v"]) == (4, 12, 8, 1)
+    assert row["device_layers"] == [5] + [6] * 10 + [5]
+    code, pinned, _ = run(capsys, *bloom, "--stage-layers", "6,6,6,6,6,6,6,6,6,6,6,4", "--json", "--top", "1")
+    assert json.loads(pinned)[0]["device_layers"] == [6] * 11 + [4]
+    assert json.loads(pinned)[0]["step_time_s"] > row["step_time_s"]  # the output layer now beside 4 layers,
+    code, out, _ = run(capsys, *bloom, "--top", "1")  # but a middle stage's 6 + ... set the pace either way
+    assert "Engine: DeepSpeed pipeline engine: plain 1F1B" in out and "layers per device 5/6×10/5" in out
+
+
+def test_zero_pinned_or_searched_and_an_opt_style_run(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "opt-175b", "--gpus", "992", "--batch", "992", "--tp", "8", "--pp", "1",
+                       "--zero", "3", "--engine", "pytorch", "--json", "--top", "3")
+    rows = json.loads(out)
+    assert code == 0 and all((r["t"], r["p"], r["d"], r["zero"]) == (8, 1, 124, 3) for r in rows)
+    code, out, _ = run(capsys, *BASE, "--json", "--top", "40")
+    rows = json.loads(out)  # searched: ZeRO-1 updates only a 1/d shard, so it beats ZeRO-0 on the same layout
+    key = [(r["t"], r["p"], r["micro_batch"], r["v"], r["recompute"], r["sequence_parallel"]) for r in rows]
+    assert {r["zero"] for r in rows} == {0, 1} and rows[0]["zero"] == 1
+    for i, r in enumerate(rows):
+        if r["zero"] == 0 and (key[i], 1) in {(k, x["zero"]) for k, x in zip(key, rows)}:
+            assert key.index(key[i]) < i  # its ZeRO-1 twin ranks first
 
 
 def test_memory_error_says_by_how_much(capsys):

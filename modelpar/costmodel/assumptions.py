@@ -13,8 +13,9 @@ distributed optimizer, overlapped gradient all-reduce); ``assumptions_for`` pick
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
-from modelpar._validate import check_number
+from modelpar._validate import check_int, check_number
 
 __all__ = ["DEFAULT", "MODERN", "REFERENCE", "Assumptions", "assumptions_for"]
 
@@ -34,44 +35,49 @@ class Assumptions:
     # --- communication ----------------------------------------------------------------------
     link_efficiency: float = 0.85  # fraction of nominal per-GPU bandwidth a collective reaches (NCCL bus bandwidth)
     collective_latency_s: float = 20e-6  # fixed cost of each collective / transfer
+    # fraction of the backward's hideable tensor-parallel collectives hidden under the weight-gradient GEMMs
+    tp_overlap: float = 1.0
     # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
     pp_scatter_gather: bool = True
     pp_overlap: float = 0.0  # fraction of steady-state point-to-point time hidden under compute (fill and drain always pay)
-    # fixed cost per microbatch per pipeline chunk of the pipeline engine (DeepSpeed: see published.py)
+    # fixed cost per microbatch per pipeline chunk of the pipeline engine (DeepSpeed: see engines.py)
     pp_engine_overhead_s: float = 0.0
-    dp_overlap: float = 0.0  # fraction of the gradient all-reduce hidden under backward (0: Megatron 2021, after backward)
-    grad_bytes: int = 2  # bytes per gradient element in the data-parallel all-reduce (16-bit)
+    interleaving: bool = True  # the engine has Megatron's interleaved 1F1B (v > 1 chunks per device)
+    # fraction of data-parallel traffic hidden under compute: the end-of-step gradient reduction under the
+    # last backward, ZeRO-2/3's per-microbatch collectives under that microbatch (0: Megatron 2021, after backward)
+    dp_overlap: float = 0.0
+    optimizer_step: bool = True  # time the optimizer step: one memory-bound pass over this rank's state
+    # add each microbatch's weight gradients into the accumulated ones in a separate memory-bound pass
+    # (Megatron-LM 2021's main_grad hook, autograd's +=); False: fused into the weight-gradient GEMM
+    grad_accumulation_pass: bool = False
     # --- memory -----------------------------------------------------------------------------
-    state_bytes: float = 16.0  # mixed-precision Adam: 2 weight + 2 grad + 4 master + 4 + 4 moments (§1.1, ZeRO paper)
-    sharded_state_bytes: float = 12.0  # of those, bytes a distributed optimizer (ZeRO-1) splits over d
-    distributed_optimizer: bool = False  # shard the optimizer state over the data-parallel group
+    param_bytes: int = 2  # bytes per parameter as the layers use it (16-bit)
+    grad_bytes: int = 2  # bytes per gradient element, kept and reduced over d (16-bit; Megatron's BF16 path: 4)
     memory_reserve_gb: float = 0.0  # per-GPU headroom for NCCL buffers, workspace, fragmentation
     memory_gib: bool = False  # read the GPU's memory_gb as GiB (2^30 B, what an "80 GB" card has); False: 1e9 B as the text
     # --- pipeline layout --------------------------------------------------------------------
     uniform_stages: bool = False  # spread embedding and output layer evenly over stages (the text's model)
-    uneven_layers: bool = False  # allow p·v not dividing L: the busiest chunk gets ⌈L/(p·v)⌉ layers (DeepSpeed, Llama 3)
+    engine: str = "megatron"  # the training engine these assumptions describe (``modelpar.costmodel.engines``)
 
     def __post_init__(self) -> None:
         if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"matmul_efficiency must be in (0, 1] or None, got {self.matmul_efficiency}")
         for name in ("gemm_tokens_half", "gemm_width_half", "elementwise_passes", "layer_latency_s", "pp_engine_overhead_s",
-                     "collective_latency_s", "state_bytes", "sharded_state_bytes", "memory_reserve_gb"):
+                     "collective_latency_s", "memory_reserve_gb"):
             check_number(name, getattr(self, name))
         if not 0 < check_number("link_efficiency", self.link_efficiency, strict=True) <= 1:
             raise ValueError(f"link_efficiency must be in (0, 1], got {self.link_efficiency}")
-        for name in ("pp_overlap", "dp_overlap"):
+        for name in ("tp_overlap", "pp_overlap", "dp_overlap"):
             if not 0 <= check_number(name, getattr(self, name)) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.sharded_state_bytes > self.state_bytes:
-            raise ValueError(
-                f"sharded_state_bytes must be <= state_bytes ({self.state_bytes}), got {self.sharded_state_bytes}"
-            )
+        check_int("param_bytes", self.param_bytes, minimum=1)
+        check_int("grad_bytes", self.grad_bytes, minimum=1)
 
     def memory_limit(self, memory_gb: float) -> float:
         """Bytes a GPU of ``memory_gb`` (its data-sheet number) offers."""
         return memory_gb * (2**30 if self.memory_gib else 1e9)
 
-    def with_(self, **changes: object) -> Assumptions:
+    def with_(self, **changes: Any) -> Assumptions:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
@@ -86,16 +92,18 @@ REFERENCE = Assumptions(
     collective_latency_s=0.0,
     pp_overlap=1.0,  # transfers hide under other microbatches' compute except in fill and drain (§2.3)
     dp_overlap=0.5,  # the text counts (d − 1)/d·S per all-reduce, half of the ring's 2(d − 1)/d·S
+    optimizer_step=False,  # nothing but matmuls is timed
+    tp_overlap=0.0,  # 4 all-reduces per layer, 6 with recomputation (§5.4, §6.2)
     uniform_stages=True,
+    engine="reference",
 )
 
-# The software H100/H200 clusters run (Megatron-Core, Llama 3's stack): fused (flash) attention,
-# the distributed optimizer (ZeRO-1), and the gradient all-reduce overlapped with backward. BF16
-# training keeps an FP32 gradient buffer (Megatron's --bf16 default), so the state is 2 + 4 + 12 = 18
-# bytes per parameter, 6 + 12/d with the distributed optimizer (Megatron-Core's distrib_optimizer
-# table). Capacity is the real one (80 GiB on an "80 GB" H100) less 1 GB for the CUDA context and NCCL.
-MODERN = DEFAULT.with_(flash_attention=True, distributed_optimizer=True, dp_overlap=0.8,
-                       state_bytes=18.0, sharded_state_bytes=12.0, memory_gib=True, memory_reserve_gb=1.0)
+# The software H100/H200 clusters run (Megatron-Core, Llama 3's stack): fused (flash) attention and
+# the gradient reduction overlapped with backward. BF16 training keeps and reduces FP32 gradients
+# (Megatron's --bf16 default, Llama 3 §3.3.4), so the state is 2 + 4 + 12 = 18 bytes per parameter,
+# 6 + 12/d with the distributed optimizer (ZeRO-1, Megatron-Core's distrib_optimizer table). Capacity
+# is the real one (80 GiB on an "80 GB" H100) less 1 GB for the CUDA context and NCCL.
+MODERN = DEFAULT.with_(flash_attention=True, dp_overlap=0.8, grad_bytes=4, memory_gib=True, memory_reserve_gb=1.0)
 
 
 def assumptions_for(gpu_name: str) -> Assumptions:

@@ -1,13 +1,13 @@
 """Step time, memory and throughput of one 3D-parallel configuration.
 
-Per microbatch, each pipeline device runs its L/p layers (matmuls at the efficiency curve, plus
-memory-bound element-wise work and per-kernel latency), the tensor-parallel all-reduces of those
-layers (4 per layer, 6 with full recomputation, §6.2; NVLink when t fits in a node, else the
-network) and its point-to-point transfers (2·v per microbatch). The 1F1B step is then
-m·T_slowest + (p − 1)/v·T_average (Megatron SC'21 §2.2 with uneven stages) plus the transfers of the fill
-and drain, plus the exposed
-data-parallel gradient all-reduce (ring, 2(d − 1)/d). Ranks are ordered tensor, data, pipeline
-(Megatron's default), which decides which link each collective crosses.
+Per microbatch, each pipeline device runs its layers (matmuls at the efficiency curve, plus
+memory-bound element-wise work and per-kernel latency) and their tensor-parallel collectives
+(NVLink when t fits in a node, else the network), the last device also the output layer, and
+every device its point-to-point transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average
+(Megatron SC'21 §2.2, the busiest device setting the pace) plus the transfers of the fill and the
+drain; then the exposed data-parallel reduction (``zero.py``'s traffic) and the optimizer step.
+Ranks are ordered tensor, data, pipeline (Megatron's default), which decides which link each
+collective crosses. docs/costmodel.md derives each term and gives its source.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
-from modelpar.costmodel.formulas import allgather_bytes, allreduce_bytes, bubble_fraction
-from modelpar.costmodel.memory import activation_bytes_per_layer, memory_breakdown, params_on_gpu, stage_loads
+from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
+from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
+from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
-__all__ = ["Estimate", "check_config", "estimate", "matmul_efficiency"]
+__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "matmul_efficiency"]
+
+PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,15 @@ class Estimate:
     batch: int
     microbatches: int  # m = B/(d·b), per pipeline
     step_time_s: float
-    time: dict[str, float]  # compute, bubble, tp, pp, dp: they add up to step_time_s
-    memory: dict[str, float]  # state, activations, working, reserve (first stage)
+    time: dict[str, float]  # PARTS: they add up to step_time_s; "bubble" includes the stage imbalance
+    memory: dict[str, float]  # state, activations, working, reserve (most loaded device)
     memory_limit: float  # bytes available on the GPU
     tflops_per_gpu: float  # executed FLOPs (recomputation included) per second per GPU, / 1e12
     mfu: float  # model FLOPs (3 × forward, no recomputation) / (peak × time)
-    bubble: float  # (p − 1)/(v·m), Megatron's closed form (relative to ideal compute)
+    bubble_over_ideal_compute: float  # (p − 1)/(v·m), Megatron's closed form
     efficiency: float  # matmul efficiency used
     links: dict[str, str]  # which link the tp, pp and dp traffic crosses
+    device_layers: tuple[int, ...]  # transformer layers on each pipeline device
 
     @property
     def memory_gb(self) -> float:
@@ -52,28 +57,32 @@ class Estimate:
         c = self.config
         return {
             "t": c.t, "p": c.p, "d": c.d, "micro_batch": c.micro_batch, "v": c.v,
-            "recompute": c.recompute, "sequence_parallel": c.sequence_parallel,
+            "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "zero": c.zero,
+            "device_layers": list(self.device_layers),
             "microbatches": self.microbatches, "step_time_s": self.step_time_s,
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "memory_gb": self.memory_gb,
-            "bubble": self.bubble,
+            "bubble_over_ideal_compute": self.bubble_over_ideal_compute,
             "time_s": dict(self.time), "memory_breakdown_gb": {k: v / 1e9 for k, v in self.memory.items()},
             "links": dict(self.links),
         }
 
 
-def check_config(
-    model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, uneven_layers: bool = False
-) -> str | None:
+def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int,
+                 a: Assumptions = DEFAULT) -> str | None:
     """Why ``cfg`` cannot run ``model`` on ``cluster`` with global batch ``batch``, or None if it can (memory aside)."""
     if cfg.gpus != cluster.gpus:
         return f"t·p·d = {cfg.t}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
     if model.heads % cfg.t or (model.kv_heads or model.heads) % cfg.t:
         return f"heads ({model.heads}, kv {model.kv_heads or model.heads}) not divisible by t = {cfg.t}"
-    # uneven stages may leave the first and last chunk with only the embedding / output layer (Llama 3 §3.3.2)
-    if cfg.p * cfg.v > model.layers + 2 * uneven_layers or (model.layers % (cfg.p * cfg.v) and not uneven_layers):
-        return f"layers ({model.layers}) not divisible by p·v = {cfg.p * cfg.v}"
+    split = check_split(model.layers, cfg.p, cfg.v, cfg.stage_layers)
+    if split:
+        return split
+    if a.uniform_stages and model.layers % (cfg.p * cfg.v):
+        return f"layers ({model.layers}) not divisible by p·v = {cfg.p * cfg.v} (the reference's equal stages)"
     if batch % (cfg.d * cfg.micro_batch):
         return f"batch ({batch}) not divisible by d·micro_batch = {cfg.d * cfg.micro_batch}"
+    if cfg.v > 1 and not a.interleaving:
+        return f"the {a.engine} engine has no interleaved schedule (v = {cfg.v})"
     if cfg.v > 1 and (cfg.p == 1 or (batch // (cfg.d * cfg.micro_batch)) % cfg.p):
         return f"interleaving (v = {cfg.v}) needs p > 1 and microbatches divisible by p = {cfg.p}"
     if cfg.sequence_parallel and cfg.t == 1:
@@ -95,88 +104,165 @@ def _collective(nbytes: float, gbps: float, a: Assumptions) -> float:
     return nbytes / (gbps * 1e9 * a.link_efficiency) + a.collective_latency_s
 
 
+def _hbm(nbytes: float, cluster: ClusterSpec) -> float:
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12)
+
+
+def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
+               ) -> tuple[float, float]:
+    """(compute, exposed tensor-parallel communication) of one transformer layer, one microbatch, one GPU.
+
+    Passes: forward, backward (2 × forward) and, with full recomputation, the forward again. Selective
+    recomputation re-runs QKᵀ, softmax, its dropout and attention·V (Korthikanti §5): their FLOPs and
+    the element-wise passes over the s² scores. Collectives, in all-reduces of b·s·h: ``tp_collectives``.
+    """
+    s, h, b, t = model.seq, model.hidden, cfg.micro_batch, cfg.t
+    tokens = b * s
+    full = cfg.recompute == "full"
+    passes = 3 + full
+    flops = tokens * model.layer_flops_per_token / t * passes
+    stream = activation_bytes_per_layer(s, b, h, model.heads, t, cfg.sequence_parallel, "none",
+                                        model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
+    hbm = a.elementwise_passes * stream * passes
+    if cfg.recompute == "selective":
+        flops += tokens * 4 * s * h / t
+        if not a.flash_attention:
+            hbm += a.elementwise_passes * 5.0 * model.heads * s * tokens / t  # scores, mask, dropout output
+    compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
+    if t == 1:
+        return compute, 0.0
+    one = _collective(allreduce_bytes(tokens * h * 2, t), cluster.link_gbps(t), a)
+    return compute, tp_collectives(cfg, a) * one
+
+
+def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
+    """Exposed tensor-parallel collectives of one layer and microbatch, in all-reduces of b·s·h (Megatron).
+
+    Forward: the all-reduce after the attention block and after the MLP (g, §5.4), again in a full
+    recomputation. Backward: the all-reduce of the input gradient of each block's first linear layer
+    (f), which ``tp_overlap`` hides under the weight-gradient GEMM (Megatron-LM's asynchronous
+    all-reduce). Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the
+    same volume (Korthikanti §4.2.2) and re-gathers the saved input of each first linear for its weight
+    gradient in the backward; the all-gather of each block's output gradient cannot hide (the next GEMM
+    needs it), the re-gather and the input-gradient reduce-scatter can.
+    """
+    forward = 2.0 * (2 if cfg.recompute == "full" else 1)
+    if cfg.sequence_parallel:
+        return forward + 1.0 + 2.0 * (1 - a.tp_overlap)
+    return forward + 2.0 * (1 - a.tp_overlap)
+
+
+def output_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
+                      ) -> float:
+    """The vocabulary-parallel output layer and fused cross entropy, forward and backward, one microbatch."""
+    tokens = cfg.micro_batch * model.seq
+    flops = 3 * tokens * model.logits_flops_per_token / cfg.t
+    fp32_logits = tokens * model.vocab / cfg.t * 4
+    return flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(a.elementwise_passes * 3 * fp32_logits, cluster)
+
+
+def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
+    """One activation (or its gradient) across a pipeline boundary, b·s·h 16-bit values.
+
+    Neighbouring stages are t·d ranks apart: the network unless the whole job is in one node. With
+    sequence parallelism each rank holds 1/t; without it Megatron's scatter/gather sends 1/t per
+    rank over the network and all-gathers it on NVLink (SC'21 §4.1); otherwise all of it.
+    """
+    if cfg.p == 1:
+        return 0.0
+    act = cfg.micro_batch * model.seq * model.hidden * 2.0
+    span = cluster.gpus
+    if cfg.sequence_parallel:
+        return _collective(act / cfg.t, cluster.link_gbps(span), a)
+    if a.pp_scatter_gather and cfg.t > 1 and cluster.link_name(span) == "network":
+        return (_collective(act / cfg.t, cluster.link_gbps(span), a)
+                + _collective(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a))
+    return _collective(act, cluster.link_gbps(span), a)
+
+
+def _optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
+    """One memory-bound pass over this rank's share of the update: AdamW state read and written,
+    the gradient read, the 16-bit weight written."""
+    if not a.optimizer_step:
+        return 0.0
+    elements = shard_elements(params, cfg.d, cfg.zero >= 1)
+    return _hbm(elements * (2 * optimizer_state_bytes_per_param(a.param_bytes) + a.grad_bytes + a.param_bytes), cluster)
+
+
 def estimate(
     model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, assumptions: Assumptions = DEFAULT
 ) -> Estimate:
     """Predict one training step of ``model`` with global batch ``batch`` (sequences) under ``cfg``."""
-    reason = check_config(model, cluster, cfg, batch, assumptions.uneven_layers)
+    reason = check_config(model, cluster, cfg, batch, assumptions)
     if reason:
         raise ValueError(f"config {cfg}: {reason}")
-    a, gpu = assumptions, cluster.gpu
-    t, p, d, b, v = cfg.t, cfg.p, cfg.d, cfg.micro_batch, cfg.v
-    s, h = model.seq, model.hidden
-    m = batch // (d * b)
-    peak = gpu.peak_tflops * 1e12
+    return estimate_checked(model, cluster, cfg, batch, assumptions)
+
+
+def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions
+                     ) -> Estimate:
+    """``estimate`` for a configuration ``check_config`` has accepted (the search checks each once)."""
+    p, v, d, m = cfg.p, cfg.v, cfg.d, batch // (cfg.d * cfg.micro_batch)
     eff = matmul_efficiency(model, cluster, cfg, a)
-    full = cfg.recompute == "full"
-    fwd_passes = 2 if full else 1  # forward, and the forward again before backward
-    tokens = b * s
+    layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
+    logits = output_layer_time(model, cluster, cfg, a, eff)
+    transfer = transfer_time(model, cluster, cfg, a)
+    loads = device_loads(model.layers, cfg)
 
-    # --- one layer, one microbatch, one GPU ---------------------------------------------------
-    layer_fwd = tokens * model.layer_flops_per_token / t
-    layer_exec = layer_fwd * (2 + fwd_passes)
-    if cfg.recompute == "selective":  # QKᵀ and attention·V again (Korthikanti §5)
-        layer_exec += tokens * 4 * s * h / t
-    stream = activation_bytes_per_layer(
-        s, b, h, model.heads, t, cfg.sequence_parallel, "none", model.act_sharded_coeff, a.flash_attention,
-        model.act_replicated_coeff,
-    )
-    layer_compute = (layer_exec / (peak * eff)
-                     + a.elementwise_passes * stream * (2 + fwd_passes) / (gpu.hbm_tb_s * 1e12)
-                     + a.layer_latency_s * (2 + fwd_passes))
-    tp_link = cluster.link_gbps(t)
-    layer_tp = 0.0 if t == 1 else (4 + 2 * full) * _collective(allreduce_bytes(tokens * h * 2, t), tp_link, a)
+    # --- per device and microbatch: its layers, the output layer on the last, sharded DP traffic ---
+    # devices with the same layers differ only in the embeddings the first and the last one hold
+    dp_link = cluster.link_gbps(cfg.t * d)
+    last = p - 1
+    ranks = busiest_candidates(loads)
+    params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
+    per_layer = layer_compute + layer_tp
+    if a.uniform_stages or p == 1:
+        work = dict.fromkeys(ranks, model.layers / p * per_layer + logits / p)
+    else:
+        work = {r: loads[r] * per_layer + (logits if r == last else 0.0) for r in ranks}
+    if a.grad_accumulation_pass:  # read the new 16-bit gradient, read and write the accumulated one
+        work = {r: w + _hbm(params[r] * (a.param_bytes + 2 * a.grad_bytes), cluster) for r, w in work.items()}
+    # ZeRO-2/3 collectives of every microbatch run beside its compute; dp_overlap of what fits under it hides
+    sharded = {r: _collective(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a)
+               if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
+    exposed = {r: sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
+    busiest = max(work[r] + exposed[r] for r in ranks)
+    average = model.layers / p * per_layer + logits / p
 
-    # --- output layer (vocabulary-parallel, fused cross entropy) ---------------------------------
-    logits_exec = 3 * tokens * model.logits_flops_per_token / t
-    logits_time = logits_exec / (peak * eff) + a.elementwise_passes * 3 * 4 * tokens * model.vocab / t / (gpu.hbm_tb_s * 1e12)
-
-    # --- pipeline point-to-point ---------------------------------------------------------------
-    pp_link = cluster.link_gbps(cluster.gpus)  # neighbours are t·d ranks apart: the network unless all in one node
-    q = transfer = 0.0
-    if p > 1:
-        act = tokens * h * 2.0
-        if cfg.sequence_parallel:
-            transfer = _collective(act / t, pp_link, a)
-        elif a.pp_scatter_gather and t > 1 and pp_link != cluster.intra_node_gbps:
-            transfer = _collective(act / t, pp_link, a) + _collective(allgather_bytes(act, t), cluster.intra_node_gbps, a)
-        else:
-            transfer = _collective(act, pp_link, a)
-        q = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s  # exposed per microbatch, steady state
+    # --- the pipelined microbatches, then the end of the step ----------------------------------------
+    p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
     fill = 2 * (p - 1) * transfer  # the first activation and the last gradient cross every boundary
+    pipe = m * (busiest + p2p) + (p - 1) / v * average + fill
+    heaviest = max(params.values())
+    end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
+    dp_end = (1 - a.dp_overlap) * _collective(end_bytes, dp_link, a) if end_bytes else 0.0
+    optimizer = _optimizer_time(heaviest, cfg, cluster, a)
+    step = pipe + dp_end + optimizer
 
     layers = model.layers / p
-    first, middle, last = stage_loads(model.layers, p, v)
-    layer_total = layer_compute + layer_tp
-    t_avg = layers * layer_total + q + logits_time / p
-    if a.uniform_stages or p == 1:
-        t_max = max(first, middle) * layer_total + q + logits_time / p
-    else:  # the slowest device: a full middle one, or the last with the output layer
-        t_max = max(max(first, middle) * layer_total, last * layer_total + logits_time) + q
-    pipe = m * t_max + (p - 1) / v * t_avg + fill
-
-    # --- data-parallel gradient all-reduce ------------------------------------------------------
-    dp_link = cluster.link_gbps(t * d)
-    grads = max(params_on_gpu(model, cfg, a.uniform_stages, r) for r in (0, 1)) * a.grad_bytes
-    dp = 0.0 if d == 1 else (1 - a.dp_overlap) * _collective(allreduce_bytes(grads, d), dp_link, a)
-
-    step = pipe + dp
     time = {
-        "compute": m * (layers * layer_compute + logits_time / p),
+        "compute": m * (layers * layer_compute + logits / p),
         "tp": m * layers * layer_tp,
-        "pp": m * q + fill,
-        "dp": dp,
+        "pp": m * p2p + fill,
+        "dp": dp_end + m * (busiest - max(work.values())),
+        "optimizer": optimizer,
     }
-    time["bubble"] = pipe - time["compute"] - time["tp"] - time["pp"]
-    executed = batch * model.layers * layer_exec / b * t + batch * logits_exec / b * t  # per iteration, all GPUs
+    time["bubble"] = step - sum(time.values())
+    tokens_executed = batch * model.seq  # per iteration, all GPUs
+    full = cfg.recompute == "full"
+    executed = tokens_executed * (model.layers * model.layer_flops_per_token * (3 + full)
+                                  + (model.layers * 4 * model.seq * model.hidden if cfg.recompute == "selective" else 0)
+                                  + 3 * model.logits_flops_per_token)
     n = cluster.gpus
-    names = {cluster.intra_node_gbps: "nvlink", cluster.inter_node_gbps: "network"}
+    peak = cluster.gpu.peak_tflops * 1e12
     return Estimate(
-        config=cfg, batch=batch, microbatches=m, step_time_s=step, time=time,
-        memory=memory_breakdown(model, cfg, m, a), memory_limit=a.memory_limit(gpu.memory_gb),
+        config=cfg, batch=batch, microbatches=m, step_time_s=step, time={k: time[k] for k in PARTS},
+        memory=memory_breakdown(model, cfg, m, a), memory_limit=a.memory_limit(cluster.gpu.memory_gb),
         tflops_per_gpu=executed / (n * step) / 1e12,
-        mfu=model.model_flops(batch * s) / (n * step * peak),
-        bubble=bubble_fraction(p, m, v), efficiency=eff,
-        links={"tp": names[tp_link] if t > 1 else "-", "pp": names[pp_link] if p > 1 else "-",
-               "dp": names[dp_link] if d > 1 else "-"},
+        mfu=model.model_flops(tokens_executed) / (n * step * peak),
+        bubble_over_ideal_compute=bubble_over_ideal_compute(p, m, v), efficiency=eff,
+        links={"tp": cluster.link_name(cfg.t) if cfg.t > 1 else "-",
+               "pp": cluster.link_name(cluster.gpus) if p > 1 else "-",
+               "dp": cluster.link_name(cfg.t * d) if d > 1 else "-"},
+        device_layers=loads,
     )

@@ -1,28 +1,27 @@
-"""Memory per GPU: training state and activations (Korthikanti et al. 2022), for the most loaded GPU.
+"""Memory per GPU: training state (ZeRO stage 0–3) and activations (Korthikanti et al. 2022), most loaded GPU.
 
-The first pipeline stage is the most loaded: under 1F1B it holds the activations of p microbatches
-(min(p, m)) of its L/p layers, i.e. of all L layers, and the interleaved schedule multiplies that
-by 1 + (p − 1)/(p·v) (Korthikanti §4.2.3). It also holds the input embedding. When the stages are
-uneven the first (and last) device hold fewer layers (``stage_loads``), so the second device, with
-one (1F1B) or 2/v (interleaved) microbatch fewer in flight but a full share of layers, may be the
-most loaded; both are counted and the larger taken.
+Under 1F1B pipeline device r holds the activations of min(p − r, m) microbatches of its layers
+(the first: p microbatches of L/p layers, i.e. of all L layers), and the interleaved schedule
+multiplies that by 1 + (p − 1)/(p·v) (Korthikanti §4.2.3). The first device also holds the input
+embedding, the last the output layer; with uneven stages (``stages.split_layers``) those two hold
+fewer layers and a middle device may be the most loaded, so every candidate device is counted and
+the largest taken. The training state per GPU is ``zero.py``'s, the figures the trainer reports.
 """
 
 from __future__ import annotations
 
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
+from modelpar.costmodel.stages import busiest_candidates, device_loads
+from modelpar.costmodel.zero import training_state_bytes
 
 __all__ = [
     "activation_bytes_per_layer",
+    "device_params",
     "in_flight",
     "layerwise_stage_gb",
     "memory_breakdown",
-    "params_on_gpu",
-    "stage_layers",
-    "stage_loads",
     "stages_needed",
-    "state_bytes_per_param",
 ]
 
 REPLICATED_COEFF = 10.0  # Korthikanti §4.1: LayerNorm inputs 4, QKV and MLP inputs 2 + 2, two dropout masks 1 + 1 (× s·b·h bytes)
@@ -59,32 +58,6 @@ def activation_bytes_per_layer(
     return sbh * (replicated_coeff + (sharded_coeff + scores) / t)
 
 
-def stage_layers(layers: int, p: int, v: int = 1) -> int:
-    """Layers on the busiest device: v chunks of ⌈L/(p·v)⌉ (= L/p when p·v divides L)."""
-    return -(-layers // (p * v)) * v
-
-
-def stage_loads(layers: int, p: int, v: int = 1) -> tuple[int, int, int]:
-    """Layers on the (first, busiest middle, last) pipeline device.
-
-    Even split: L/p each. Otherwise every device gets v chunks of c = ⌈L/(p·v)⌉ and the p·v·c − L
-    missing layers are taken from the first device (half, rounded up) and the last (the rest), each
-    keeping at least one layer, before any middle device: those two also hold the embedding and the
-    output layer. Llama 3 (Dubey et al. 2024 §3.3.2: 126 layers, p = 16, one layer fewer on the first
-    and last stages), BLOOM (DeepSpeed counting the two embeddings as layers: 70 + 2 = 12·6) and
-    Megatron's ``--decoder-first/last-pipeline-num-layers`` place them so.
-    """
-    if p == 1:
-        return layers, layers, layers
-    full = stage_layers(layers, p, v)
-    missing = p * full - layers
-    first = min((missing + 1) // 2, full - 1)
-    last = min(missing - first, full - 1)
-    rest = missing - first - last  # spread over the p − 2 middle devices
-    middle = full - (rest // (p - 2) if p > 2 else 0)
-    return full - first, middle, full - last
-
-
 def in_flight(p: int, v: int, m: int, rank: int) -> float:
     """Microbatches whose activations pipeline device ``rank`` holds at its peak, in units of its whole layer share.
 
@@ -96,54 +69,47 @@ def in_flight(p: int, v: int, m: int, rank: int) -> float:
     return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v  # m = p: all warm-up, m·v chunk passes
 
 
-def params_on_gpu(model: ModelSpec, cfg: ParallelConfig, uniform: bool, rank: int = 0) -> float:
-    """Parameters held by a GPU of pipeline device ``rank`` (0 or a middle one), split t ways.
+def device_params(model: ModelSpec, cfg: ParallelConfig, layers: int, rank: int, uniform: bool = False) -> float:
+    """Parameters a GPU of pipeline device ``rank`` holds: its ``layers`` and embeddings, split t ways.
 
-    Rank 0 holds its layers (``stage_loads``) and the embedding; the output layer sits on the last
-    stage (with p = 1 on the same GPU). ``uniform`` spreads all P parameters evenly, P/(t·p), as the
-    reference text's §6.2 does.
+    The first device holds the input embedding (and learned positions), the last the output layer:
+    its own weight when untied, and with tied embeddings and p > 1 a copy of the word embedding whose
+    gradient it all-reduces with the first (Megatron). ``uniform`` spreads all P parameters evenly,
+    P/(t·p), as the reference text's §6.2 does.
     """
     if uniform:
         return model.params / (cfg.t * cfg.p)
-    first, middle, _ = stage_loads(model.layers, cfg.p, cfg.v)
-    if rank > 0:
-        return middle * model.layer_params / cfg.t
-    emb = model.embedding_params
-    if cfg.p > 1 and not model.tied_embeddings:  # an untied output layer lives on the last stage
-        emb -= model.vocab * model.hidden
-    return (first * model.layer_params + emb) / cfg.t
-
-
-def state_bytes_per_param(cfg: ParallelConfig, a: Assumptions) -> float:
-    """Training-state bytes per parameter: ``state_bytes``, of which ``sharded_state_bytes`` split over d when sharded.
-
-    Megatron's distributed optimizer (ZeRO-1) with BF16 weights and an FP32 gradient buffer: 18 → 6 + 12/d;
-    sharding the FP32 gradients too (ZeRO-2, Llama 3's FSDP without re-sharding weights): 18 → 2 + 16/d.
-    """
-    if not a.distributed_optimizer:
-        return a.state_bytes
-    return a.state_bytes - a.sharded_state_bytes * (1 - 1 / cfg.d)
+    word = model.vocab * model.hidden
+    params = layers * model.layer_params
+    if rank == 0:
+        params += model.embedding_params - (0 if model.tied_embeddings else word)
+    if rank == cfg.p - 1 and (cfg.p > 1 or not model.tied_embeddings):
+        params += word
+    return params / cfg.t
 
 
 def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a: Assumptions) -> dict[str, float]:
-    """Bytes per GPU on the most loaded device: training ``state``, ``activations``, ``working`` (one layer
-    recomputed) and ``reserve``. That is the first device, or with uneven stages possibly the second."""
-    kw = dict(
-        s=model.seq, b=cfg.micro_batch, h=model.hidden, a=model.heads, t=cfg.t,
-        sequence_parallel=cfg.sequence_parallel, sharded_coeff=model.act_sharded_coeff,
-        flash_attention=a.flash_attention, replicated_coeff=model.act_replicated_coeff,
-    )
-    per_layer = activation_bytes_per_layer(recompute=cfg.recompute, **kw)
-    working = activation_bytes_per_layer(recompute="none", **kw) if cfg.recompute == "full" else 0.0
-    state = state_bytes_per_param(cfg, a)
+    """Bytes per GPU on the most loaded pipeline device: training ``state``, ``activations``, ``working`` and ``reserve``.
+
+    ``working`` is one layer's activations while it is recomputed (full recomputation) and, under
+    ZeRO-3, the gathered 16-bit weights and gradients of two layers (the one running and the one
+    prefetched). Every device is a candidate: the first holds the embedding and the most
+    microbatches, the last the output layer, a middle one may hold more layers.
+    """
+    s, b, h, t, sp = model.seq, cfg.micro_batch, model.hidden, cfg.t, cfg.sequence_parallel
+    coeffs = (model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
+    per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, cfg.recompute, *coeffs)
+    working = activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none", *coeffs) if cfg.recompute == "full" else 0.0
+    if cfg.zero == 3:
+        working += 2 * model.layer_params / t * (a.param_bytes + a.grad_bytes)
     p, v = cfg.p, cfg.v
-    first, middle, _ = stage_loads(model.layers, p, v)
-    ranks = (0, 1) if first < middle and not a.uniform_stages else (0,)
+    loads = device_loads(model.layers, cfg)
     best: dict[str, float] = {}
-    for rank in ranks:
-        layers = first if rank == 0 else middle
+    for rank in busiest_candidates(loads):
+        layers = model.layers / p if a.uniform_stages else loads[rank]
         mem = {
-            "state": params_on_gpu(model, cfg, a.uniform_stages, rank) * state,
+            "state": training_state_bytes(device_params(model, cfg, loads[rank], rank, a.uniform_stages), cfg.d,
+                                          cfg.zero, a.param_bytes, a.grad_bytes),
             "activations": per_layer * layers * in_flight(p, v, microbatches, rank),
             "working": working,
             "reserve": a.memory_reserve_gb * 1e9,

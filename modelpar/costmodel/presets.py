@@ -9,12 +9,14 @@ one 200 Gb/s (A100) or 400 Gb/s (H100/H200) InfiniBand NIC per GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
 
 __all__ = ["GPUS", "MODELS", "NodePreset", "gpu_preset", "make_cluster", "model_preset"]
 
-_LLAMA = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False, dropout=False)
+_LLAMA: dict[str, Any] = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
+                              dropout=False)
 
 MODELS: dict[str, ModelSpec] = {
     "gpt3-175b": ModelSpec(96, 12288, 96, 2048, 51200, name="gpt3-175b"),
@@ -65,13 +67,13 @@ def gpu_preset(name: str) -> NodePreset:
     return _lookup("gpu", GPUS, name)
 
 
-def make_cluster(gpu: str | NodePreset, gpus: int, **overrides: float) -> ClusterSpec:
-    """A cluster of ``gpus`` GPUs in preset nodes; ``overrides`` replace gpus_per_node or the bandwidths."""
+def make_cluster(gpu: str | NodePreset, gpus: int, gpus_per_node: int | None = None,
+                 intra_node_gbps: float | None = None, inter_node_gbps: float | None = None) -> ClusterSpec:
+    """A cluster of ``gpus`` GPUs in preset nodes; the other arguments, when given, replace the node's numbers."""
     node = gpu_preset(gpu) if isinstance(gpu, str) else gpu
-    fields = dict(
-        gpus_per_node=node.gpus_per_node,
-        intra_node_gbps=node.intra_node_gbps,
-        inter_node_gbps=node.inter_node_gbps,
+    return ClusterSpec(
+        node.gpu, gpus,
+        node.gpus_per_node if gpus_per_node is None else gpus_per_node,
+        node.intra_node_gbps if intra_node_gbps is None else intra_node_gbps,
+        node.inter_node_gbps if inter_node_gbps is None else inter_node_gbps,
     )
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return ClusterSpec(node.gpu, gpus, **fields)

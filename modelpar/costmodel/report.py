@@ -1,30 +1,32 @@
-"""Text output of the planner: the ranked table, the paragraph on the winner, and the no-fit errors."""
+"""Text output of the planner: the ranked table, the paragraph on the winner, the accuracy table, the no-fit errors."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from modelpar.costmodel.assumptions import Assumptions
-from modelpar.costmodel.estimate import Estimate
+from modelpar.costmodel.engines import ENGINES
+from modelpar.costmodel.estimate import PARTS, Estimate
+from modelpar.costmodel.published import Validation, mean_abs_error
 from modelpar.costmodel.search import SearchResult, fitting_gpu_counts
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec
 
-__all__ = ["best_by_tp", "explain", "format_table", "no_fit_error"]
-
-PARTS = ("compute", "bubble", "tp", "pp", "dp")
+__all__ = ["accuracy_summary", "best_by_tp", "explain", "format_accuracy", "format_table", "no_fit_error"]
 
 
 def format_table(estimates: list[Estimate]) -> str:
     """One row per estimate: layout, step time, TFLOP/s per GPU, MFU, memory and the step's breakdown in %."""
-    head = (f"{'#':>3} {'t':>3} {'p':>4} {'d':>5} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} "
+    head = (f"{'#':>3} {'t':>3} {'p':>4} {'d':>5} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
             f"{'step s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} | "
-            + " ".join(f"{k:>7}" for k in PARTS))
+            + " ".join(f"{k[:7]:>7}" for k in PARTS))
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
         c = e.config
         parts = " ".join(f"{100 * e.time[k] / e.step_time_s:6.1f}%" for k in PARTS)
         lines.append(
             f"{i:>3} {c.t:>3} {c.p:>4} {c.d:>5} {c.micro_batch:>3} {c.v:>3} {c.recompute:>9} "
-            f"{'on' if c.sequence_parallel else 'off':>3} {e.step_time_s:>9.3f} {e.tflops_per_gpu:>8.1f} "
-            f"{e.mfu:>6.1%} {e.memory_gb:>7.1f} {e.bubble:>7.2%} | {parts}"
+            f"{'on' if c.sequence_parallel else 'off':>3} {c.zero:>4} {e.step_time_s:>9.3f} {e.tflops_per_gpu:>8.1f} "
+            f"{e.mfu:>6.1%} {e.memory_gb:>7.1f} {e.bubble_over_ideal_compute:>7.2%} | {parts}"
         )
     return "\n".join(lines)
 
@@ -34,24 +36,42 @@ def _layout(e: Estimate) -> str:
     sp = " with sequence parallelism" if c.sequence_parallel else ""
     v = f", v = {c.v} chunks per device" if c.v > 1 else ""
     rc = "no" if c.recompute == "none" else c.recompute
-    return f"t = {c.t}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}"
+    zero = f", ZeRO-{c.zero}" if c.zero else ""
+    return f"t = {c.t}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}{zero}"
 
 
-def explain(result: SearchResult, cluster: ClusterSpec) -> str:
-    """A paragraph on why the winner wins: where its time goes, which links it uses, what it holds."""
+def _stages(e: Estimate) -> str:
+    """"5/6×10/5" for the layers per device, run-length encoded."""
+    runs: list[list[int]] = []
+    for n in e.device_layers:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "/".join(f"{n}×{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def explain(result: SearchResult, cluster: ClusterSpec, a: Assumptions) -> str:
+    """A paragraph on why the winner wins: the engine assumed, where its time goes, the links, the memory."""
     best = result.ranked[0]
     c, share = best.config, {k: best.time[k] / best.step_time_s for k in PARTS}
-    text = [f"Best: {_layout(best)}: {best.step_time_s:.3g} s per step, {best.tflops_per_gpu:.0f} TFLOP/s per GPU "
+    text = [f"Engine: {ENGINES[a.engine].summary}." if a.engine in ENGINES else f"Engine: {a.engine}.",
+            f"Best: {_layout(best)}: {best.step_time_s:.3g} s per step, {best.tflops_per_gpu:.0f} TFLOP/s per GPU "
             f"(executed, recomputation included), MFU {best.mfu:.1%}."]
     if c.t > 1:
         where = "inside a node over NVLink" if best.links["tp"] == "nvlink" else "across nodes over the network"
         text.append(f"Tensor parallelism ({c.t}-way) runs its all-reduces {where}: {share['tp']:.1%} of the step.")
     if c.p > 1:
+        even = len(set(best.device_layers)) == 1
+        layers = "" if even else f" Its stages are uneven, layers per device {_stages(best)}."
         text.append(f"The {c.p}-stage pipeline with m = {best.microbatches} microbatches has a bubble of "
-                    f"(p - 1)/(v*m) = {best.bubble:.1%} of compute ({share['bubble']:.1%} of the step, stage "
-                    f"imbalance included); its point-to-point transfers take {share['pp']:.1%}.")
+                    f"(p - 1)/(v*m) = {best.bubble_over_ideal_compute:.1%} of compute ({share['bubble']:.1%} of the "
+                    f"step, stage imbalance included); its point-to-point transfers take {share['pp']:.1%}.{layers}")
     if c.d > 1:
-        text.append(f"The {c.d}-way data-parallel gradient all-reduce ({best.links['dp']}) takes {share['dp']:.1%}.")
+        what = ("gradient all-reduce", "gradient reduce-scatter and parameter all-gather (ZeRO-1)",
+                "per-microbatch gradient reduce-scatter (ZeRO-2)", "per-layer parameter gathers and gradient "
+                "reduce-scatters (ZeRO-3)")[c.zero]
+        text.append(f"The {c.d}-way data-parallel {what} ({best.links['dp']}) takes {share['dp']:.1%} exposed.")
     mem = best.memory
     text.append(f"Memory: {best.memory_gb:.1f} of {_gb(best.memory_limit / 1e9)} GB on the most loaded stage "
                 f"(training state {mem['state'] / 1e9:.1f} GB, activations "
@@ -63,8 +83,6 @@ def explain(result: SearchResult, cluster: ClusterSpec) -> str:
     if len(result.ranked) > 1:
         other = result.ranked[1]
         text.append(f"Runner-up: {_layout(other)}, {other.step_time_s / best.step_time_s - 1:+.1%} step time.")
-    if result.note:
-        text.append(result.note)
     dropped = ", ".join(f"{n} by {k}" for k, n in result.rejected.most_common())
     if dropped:
         text.append(f"Dropped layouts: {dropped}.")
@@ -74,6 +92,47 @@ def explain(result: SearchResult, cluster: ClusterSpec) -> str:
 def _gb(x: float) -> str:
     """80 → "80", 85.899… (80 GiB) → "85.9"."""
     return f"{x:g}" if x == round(x) else f"{x:.1f}"
+
+
+def accuracy_summary(rows: list[Validation]) -> dict[str, float]:
+    """Mean absolute step-time error per source, over the held-out runs, the fitted ones and all."""
+    by_source: dict[str, list[Validation]] = defaultdict(list)
+    for r in rows:
+        by_source[r.run.source].append(r)
+    summary = {source: mean_abs_error(group) for source, group in by_source.items()}
+    held = [r for r in rows if not r.run.fitted]
+    fitted = [r for r in rows if r.run.fitted]
+    if held:
+        summary["held out (nothing fitted on them)"] = mean_abs_error(held)
+    if fitted:
+        summary["fitted"] = mean_abs_error(fitted)
+    summary["all"] = mean_abs_error(rows)
+    return summary
+
+
+def format_accuracy(rows: list[Validation]) -> str:
+    """The accuracy table: each run's prediction vs its measurement, then the mean absolute errors."""
+    unit = {"tflops": "TFLOP/s", "mfu": "MFU", "step_s": "s/step"}
+
+    def show(x: float, convention: str) -> str:
+        return f"{x:.1%}" if convention == "mfu" else f"{x:.2f}" if convention == "step_s" else f"{x:.0f}"
+
+    lines = [f"{'run':<34} {'unit':>7} {'measured':>9} {'predicted':>9} {'error':>7}  {'fit':<3} layout",
+             "-" * 100]
+    for r in rows:
+        c = r.best.config
+        layout = f"t{c.t} p{c.p} d{c.d} b{c.micro_batch} v{c.v} {c.recompute}{' sp' if c.sequence_parallel else ''}"
+        lines.append(f"{r.run.name:<34} {unit[r.run.convention]:>7} {show(r.run.measured, r.run.convention):>9} "
+                     f"{show(r.predicted, r.run.convention):>9} {r.error:>+7.1%}  {'*' if r.run.fitted else '':<3} "
+                     f"{layout}")
+    lines += ["", "error = predicted / measured step time - 1 (+: the model is slower than the run); "
+              "* = a parameter was fitted on this run:"]
+    for fit in sorted({r.run.fitted for r in rows if r.run.fitted}):
+        names = [r.run.name for r in rows if r.run.fitted == fit]
+        lines.append(f"  {fit}: {len(names)} runs ({names[0]} ... {names[-1]})")
+    lines += ["", "mean absolute error:"]
+    lines += [f"  {name:<44} {err:6.1%}" for name, err in accuracy_summary(rows).items()]
+    return "\n".join(lines)
 
 
 def best_by_tp(result: SearchResult) -> dict[tuple[int, int], Estimate]:
@@ -96,9 +155,13 @@ def no_fit_error(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumpti
             if counts else "")
     if result.leanest is not None and not (pinned and result.rejected.keys() - {"memory"}):
         short = result.leanest.memory_gb - mem
+        what = "layout with the pinned values" if pinned else "layout"
+        where = f" ({_layout(result.leanest)})" if pinned else ""
+        fits_unpinned = pinned and n in counts
         return ValueError(
-            f"GPU memory too small: the leanest layout of {name} on {n} GPUs needs "
-            f"{result.leanest.memory_gb:.1f} GB per GPU, {short:.1f} GB more than the {_gb(mem)} GB available{hint}"
+            f"GPU memory too small: the leanest {what} of {name} on {n} GPUs{where} needs "
+            f"{result.leanest.memory_gb:.1f} GB per GPU, {short:.1f} GB more than the {_gb(mem)} GB available"
+            + ("; fewer pins fit" if fits_unpinned else hint)
         )
     if pinned:
         reasons = "; ".join(result.example.values()) or "no layout matches the pinned values"
@@ -106,4 +169,4 @@ def no_fit_error(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumpti
     if not counts:
         return ValueError(f"GPU memory too small: {name} needs at least {least:.1f} GB per GPU at any GPU count "
                           f"(batch {batch}), {least - mem:.1f} GB more than the {_gb(mem)} GB available")
-    return ValueError(f"no layout (t | heads, p | layers, d | batch {batch}) splits {name} over {n} GPUs{hint}")
+    return ValueError(f"no layout (t | heads, p ≤ layers + 2, d | batch {batch}) splits {name} over {n} GPUs{hint}")

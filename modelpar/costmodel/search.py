@@ -1,9 +1,10 @@
-"""Search every 3D layout (t, p, d, micro-batch, v, recomputation, sequence parallelism) and rank them.
+"""Search every 3D layout (t, p, d, micro-batch, v, recomputation, sequence parallelism, ZeRO) and rank them.
 
-A layout is feasible when t divides the heads, p·v the layers, d·b the batch, interleaving has
-microbatches divisible by p, and the first stage fits in memory (Megatron SC'21 §3, Korthikanti
-§4). Feasible ones are ranked by step time; the rest are counted by the reason they were dropped.
-Memory never falls as b or v grows, so those loops stop at the first layout that does not fit.
+A layout is feasible when t divides the heads, the p·v chunks can hold the layers (evenly, or
+uneven as ``stages.split_layers`` places them), d·b divides the batch, interleaving has
+microbatches divisible by p, and the most loaded device fits in memory (Megatron SC'21 §3,
+Korthikanti §4). Feasible ones are ranked by step time; the rest are counted by the reason they were
+dropped. Memory never falls as b grows, so that loop stops at the first layout that does not fit.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
-from modelpar.costmodel.estimate import Estimate, estimate
+from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.zero import ZERO_STAGES
 
-__all__ = ["SearchResult", "divisors", "fitting_gpu_counts", "plan", "search"]
+__all__ = ["SearchResult", "chunk_counts", "divisors", "fitting_gpu_counts", "search"]
 
 
 def divisors(n: int) -> list[int]:
@@ -33,7 +35,6 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)  # reason -> number of layouts
     example: dict[str, str] = field(default_factory=dict)  # reason -> one concrete message
     leanest: Estimate | None = None  # least memory among layouts that failed only on memory
-    note: str = ""  # how the search had to relax its rules, if it did
 
     def reject(self, reason: str, message: str, count: int = 1) -> None:
         self.rejected[reason] += count
@@ -41,22 +42,22 @@ class SearchResult:
 
 
 def _leanest(model: ModelSpec, t: int, p: int, d: int, batch: int, a: Assumptions) -> float:
-    """Bytes per GPU of the least memory-hungry layout with this (t, p, d): b = 1, v = 1, full recompute, SP."""
-    cfg = ParallelConfig(t, p, d, 1, 1, "full", t > 1)
+    """Bytes per GPU of the least memory-hungry layout with this (t, p, d): b = 1, v = 1, full recompute, SP, ZeRO-3."""
+    cfg = ParallelConfig(t, p, d, 1, 1, "full", t > 1, 3 if d > 1 else 0)
     return sum(memory_breakdown(model, cfg, batch // d, a).values())
 
 
 def fitting_gpu_counts(
     model: ModelSpec, memory_gb: float, batch: int, a: Assumptions = DEFAULT
 ) -> tuple[list[int], float]:
-    """GPU counts t·p·d (t | heads, p | layers, d | batch) whose leanest layout fits ``memory_gb``.
+    """GPU counts t·p·d (t | heads, p ≤ layers + 2, d | batch) whose leanest layout fits ``memory_gb``.
 
     Also the least GB any layout needs.
     """
     kv = model.kv_heads or model.heads
     found, least = set(), float("inf")
     for t in (t for t in divisors(model.heads) if kv % t == 0):
-        for p in divisors(model.layers):
+        for p in range(1, model.layers + 3):
             for d in divisors(batch):
                 need = _leanest(model, t, p, d, batch, a)
                 least = min(least, need)
@@ -74,6 +75,18 @@ def _pinned(name: str, value: int | None, options: list[int], res: SearchResult 
     return [x for x in options if x == value]
 
 
+def chunk_counts(layers: int, p: int, interleaving: bool = True, even_only: bool = False) -> list[int]:
+    """Chunks per device v worth trying: p·v dividing L, or L + 1 or L + 2 (uneven: one or two layers
+    fewer on the first and last chunk, which carry the embedding and the output layer, as BLOOM and
+    Llama 3 split theirs; not when ``even_only``). v = 1 always; only v = 1 without Megatron's
+    interleaved schedule."""
+    if not interleaving or p == 1:
+        return [1]
+    extra = (0,) if even_only else (0, 1, 2)
+    return [v for v in range(1, (layers + 2) // p + 1)
+            if v == 1 or any((layers + e) % (p * v) == 0 for e in extra)]
+
+
 def search(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -87,10 +100,14 @@ def search(
     v: int | None = None,
     recompute: str | None = None,
     sequence_parallel: bool | None = None,
+    zero: int | None = None,
+    stage_layers: tuple[int, ...] | None = None,
 ) -> SearchResult:
-    """Estimate every layout of ``model`` on ``cluster`` for global batch ``batch``; pinned arguments fix a dimension."""
+    """Estimate every layout of ``model`` on ``cluster`` for global batch ``batch``; pinned arguments fix a dimension.
+
+    ``stage_layers`` pins the layers of each of the p·v chunks (and so p·v).
+    """
     a, n, res = assumptions, cluster.gpus, SearchResult([])
-    limit = a.memory_limit(cluster.gpu.memory_gb)
     kv = model.kv_heads or model.heads
     recomputes = list(RECOMPUTE) if recompute is None else [recompute]
     for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
@@ -104,64 +121,68 @@ def search(
             if d is not None and dd != d:
                 res.reject("pins", f"d = {d} but t·p = {tt * pp} leaves d = {dd} on {n} GPUs")
                 continue
-            if pp > model.layers or (model.layers % pp and not a.uneven_layers):
-                res.reject("layers", f"p = {pp} does not divide layers ({model.layers})")
+            if pp > model.layers + 2 or (stage_layers is not None and len(stage_layers) % pp) or (
+                    a.uniform_stages and model.layers % pp):  # the reference's model: equal stages only
+                res.reject("layers", f"p = {pp} stages cannot hold the {model.layers} layers"
+                           + (f" as {len(stage_layers)} chunks" if stage_layers is not None else ""))
                 continue
             if batch % dd:
                 res.reject("batch", f"d = {dd} does not divide batch ({batch})")
                 continue
+            if stage_layers is not None:
+                chunks = [len(stage_layers) // pp]
+            else:
+                chunks = [v] if v is not None else chunk_counts(model.layers, pp, a.interleaving, a.uniform_stages)
+            zeros = [zero] if zero is not None else list(ZERO_STAGES) if dd > 1 else [0]  # nothing to shard over d = 1
             for rc in recomputes:
                 for sp in sps:
                     for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
-                        m = batch // (dd * b)
-                        if _search_chunks(model, cluster, batch, a, res, (tt, pp, dd, b, rc, sp), m, v, limit):
+                        dims = (tt, pp, dd, b, rc, sp, stage_layers)
+                        if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
                             break  # a larger micro-batch needs at least as much memory
     res.ranked.sort(key=lambda e: (e.step_time_s, e.memory_gb))
     return res
 
 
-def _search_chunks(model, cluster, batch, a, res, dims, m, v, limit) -> bool:
-    """Try each chunk count v for one (t, p, d, b, recompute, sp); True if even v = 1 ran out of memory.
+def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, res: SearchResult,
+                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None], chunks: list[int],
+                   zeros: list[int]) -> bool:
+    """Try each chunk count v and ZeRO stage for one (t, p, d, b, recompute, sp); True if nothing fit at the first v.
 
-    With uneven stages a chunk may hold only the embedding or the output layer, so p·v ≤ L + 2.
+    ZeRO-0 and ZeRO-1 are both tried (ZeRO-1 updates only its shard, so it is never slower); a
+    higher stage only when the one below does not fit: sharding more costs traffic, so it is
+    worth it only for memory.
     """
-    tt, pp, dd, b, rc, sp = dims
-    chunks = range(1, (model.layers + 2) // pp + 1) if a.uneven_layers else divisors(model.layers // pp)
-    for vv in _pinned("v", v, list(chunks)):
-        if vv > 1 and (pp == 1 or m % pp):
-            res.reject("interleave", f"v = {vv} needs p > 1 and microbatches ({m}) divisible by p = {pp}")
+    tt, pp, dd, b, rc, sp, split = dims
+    m = batch // (dd * b)
+    for vv in chunks:
+        if vv > 1 and m % pp:
+            res.reject("interleave", f"v = {vv} needs microbatches ({m}) divisible by p = {pp}")
             continue
-        cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp)
-        mem = sum(memory_breakdown(model, cfg, m, a).values())
-        if mem > limit:
-            res.reject("memory", f"{_short(cfg)} needs {mem / 1e9:.1f} GB > {limit / 1e9:.0f} GB")
-            if res.leanest is None or mem < res.leanest.memory_gb * 1e9:
-                res.leanest = estimate(model, cluster, cfg, batch, a)
-            if vv == 1 or v is not None or not a.uneven_layers:
-                return vv == 1 or v is not None
-            continue  # uneven: ⌈L/(p·v)⌉·v is not monotone in v, a larger v may fit
-        res.ranked.append(estimate(model, cluster, cfg, batch, a))
+        fitted = False
+        for zz in zeros:
+            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split)
+            reason = check_config(model, cluster, cfg, batch, a)
+            if reason:
+                res.reject("layers", reason)
+                break
+            need = sum(memory_breakdown(model, cfg, m, a).values())
+            if need <= a.memory_limit(cluster.gpu.memory_gb):
+                res.ranked.append(estimate_checked(model, cluster, cfg, batch, a))
+                fitted = True
+                if zz >= 1:
+                    break
+            elif not fitted:
+                res.reject("memory", f"{_short(cfg)} needs {need / 1e9:.1f} GB > "
+                           f"{a.memory_limit(cluster.gpu.memory_gb) / 1e9:.0f} GB")
+                if res.leanest is None or need < sum(res.leanest.memory.values()):
+                    res.leanest = estimate_checked(model, cluster, cfg, batch, a)
+        if not fitted and vv == chunks[0]:
+            return True  # the first v holds the fewest microbatches in flight (1F1B's p < p + (p − 1)/v)
     return False
 
 
 def _short(cfg: ParallelConfig) -> str:
     sp = " sp" if cfg.sequence_parallel else ""
-    return f"t={cfg.t} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}"
-
-
-def plan(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Assumptions = DEFAULT, **pins) -> SearchResult:
-    """``search``, retried with uneven stages (⌈L/(p·v)⌉ layers on the busiest device) if no even split fits.
-
-    Llama-3 405B's 126 layers, for one, have no power-of-two pipeline split; Megatron-LM and
-    DeepSpeed then give some stages fewer layers (Llama 3 paper §3.3.2 does the same).
-    """
-    res = search(model, cluster, batch, assumptions, **pins)
-    if res.ranked or assumptions.uneven_layers or pins.get("p") is not None:  # a pinned p must divide L
-        return res
-    uneven = search(model, cluster, batch, assumptions.with_(uneven_layers=True), **pins)
-    if not uneven.ranked:
-        return res
-    uneven.note = (f"No layout splits the {model.layers} layers evenly over p·v chunks and fits, so stages are "
-                   f"uneven: the busiest device holds ⌈L/(p·v)⌉ layers per chunk, the first and last devices "
-                   f"(embedding, output layer) the fewer.")
-    return uneven
+    zero = f" zero{cfg.zero}" if cfg.zero else ""
+    return f"t={cfg.t} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}{zero}"

@@ -9,8 +9,10 @@ for a GPT (ffn = 4h, no GQA) they reduce to them exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.zero import ZERO_STAGES
 
 __all__ = ["RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
 
@@ -44,41 +46,41 @@ class ModelSpec:
         if self.kv_heads:
             check_divisible("heads", self.heads, "kv_heads", self.kv_heads)
 
-    @property
+    @cached_property
     def ffn_size(self) -> int:
         return self.ffn or 4 * self.hidden
 
-    @property
+    @cached_property
     def kv_fraction(self) -> float:
         """kv_heads / heads: 1 for multi-head attention, 1/8 for Llama-3's grouped-query attention."""
         return (self.kv_heads or self.heads) / self.heads
 
-    @property
+    @cached_property
     def layer_matmul_params(self) -> float:
         """Weights of one layer's matrices: Q and O are h×h, K and V h×(r·h), the MLP 2 or 3 of h×ffn."""
         h, f = self.hidden, self.ffn_size
         return (2 + 2 * self.kv_fraction) * h * h + (3 if self.gated_mlp else 2) * h * f
 
-    @property
+    @cached_property
     def layer_params(self) -> float:
         """One layer: matrices plus biases and norms (13h for a GPT, SC'21 eq. 2; 2h for RMSNorm only)."""
         h = self.hidden
         small = (7 + 2 * self.kv_fraction) * h + self.ffn_size if self.bias else 2 * h
         return self.layer_matmul_params + small
 
-    @property
+    @cached_property
     def embedding_params(self) -> float:
         """Input embedding, output layer when untied and learned positions (the final norm, 2h, is left out as in SC'21 eq. 2)."""
         h = self.hidden
         emb = self.vocab * h * (1 if self.tied_embeddings else 2)
         return emb + (self.seq * h if self.learned_positions else 0)
 
-    @property
+    @cached_property
     def params(self) -> float:
         """Total parameter count P (GPT: 12·L·h²·(1 + 13/(12h) + (V + s)/(12·L·h)), SC'21 eq. 2)."""
         return self.layers * self.layer_params + self.embedding_params
 
-    @property
+    @cached_property
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs of one layer per token: 2 per weight plus 4·s·h for QKᵀ and attention·V.
 
@@ -86,7 +88,7 @@ class ModelSpec:
         """
         return 2 * self.layer_matmul_params + 4 * self.seq * self.hidden
 
-    @property
+    @cached_property
     def logits_flops_per_token(self) -> float:
         """Forward FLOPs of the output layer per token, 2·h·V."""
         return 2 * self.hidden * self.vocab
@@ -95,7 +97,7 @@ class ModelSpec:
         """Model FLOPs (forward + backward = 3 × forward, no recomputation) for ``tokens`` tokens: the MFU numerator."""
         return 3 * tokens * (self.layers * self.layer_flops_per_token + self.logits_flops_per_token)
 
-    @property
+    @cached_property
     def act_sharded_coeff(self) -> float:
         """Korthikanti (2022) §4.1: bytes/(s·b·h) of a layer's activations that tensor parallelism splits (24 for a GPT).
 
@@ -106,7 +108,7 @@ class ModelSpec:
         """
         return 4 + 4 * self.kv_fraction + (6 if self.gated_mlp else 4) * self.ffn_size / self.hidden
 
-    @property
+    @cached_property
     def act_replicated_coeff(self) -> float:
         """Korthikanti (2022) §4.1: bytes/(s·b·h) tensor parallelism leaves whole (sequence parallelism splits them).
 
@@ -150,6 +152,10 @@ class ClusterSpec:
         check_number("intra_node_gbps", self.intra_node_gbps, strict=True)
         check_number("inter_node_gbps", self.inter_node_gbps, strict=True)
 
+    def link_name(self, span: int) -> str:
+        """The link a collective over ``span`` consecutive ranks crosses: "nvlink" inside a node, else "network"."""
+        return "nvlink" if span <= self.gpus_per_node else "network"
+
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a collective over ``span`` consecutive ranks: NVLink inside a node, else the inter-node link."""
         return self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
@@ -166,11 +172,20 @@ class ParallelConfig:
     v: int = 1  # model chunks per device (interleaved 1F1B); 1 = plain 1F1B
     recompute: str = "full"  # activation recomputation: none, selective (Korthikanti) or full
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence (needs t > 1)
+    zero: int = 0  # ZeRO stage over the d replicas: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
+    # layers of each of the p·v model chunks in pipeline order (chunk k on device k mod p); None = ``split_layers``
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("t", "p", "d", "micro_batch", "v"):
             check_int(name, getattr(self, name), minimum=1)
         check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("zero", self.zero, ZERO_STAGES)
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.p * self.v:
+                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, expected p·v = {self.p * self.v}")
+            for n in self.stage_layers:
+                check_int("stage_layers entries", n, minimum=0)
 
     @property
     def gpus(self) -> int:
