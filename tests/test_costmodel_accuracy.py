@@ -38,18 +38,18 @@ def test_many_stage_megatron_runs_held_out(rows):
     # the runs the model was too slow on (p = 8-64, d = 1, hundreds of microbatches): within 10%, mean within 6%
     korthikanti = [r for r in rows if r.run.name.startswith("Korthikanti") and "full" in r.run.name]
     assert [r.best.config.p for r in korthikanti] == [1, 8, 35, 64]
-    assert all(abs(r.error) <= 0.09 for r in korthikanti)
-    assert mean_abs_error(korthikanti) <= 0.06
+    assert all(abs(r.error) <= 0.07 for r in korthikanti)
+    assert mean_abs_error(korthikanti) <= 0.05
 
 
 def test_fit_residuals_on_the_runs_the_parameters_were_fitted_on(rows):
-    # fits, not accuracy: DEFAULT's compute and link parameters were fitted on SC'21 Table 1 and Korthikanti's
+    # fits, not accuracy: DEFAULT's GEMM curve and latency were fitted on SC'21 Table 1 and Korthikanti's
     # SP + selective MFU, DeepSpeed's engine overhead on MT-NLG; these bound how well the fit reproduces them
     grid = [r for r in rows if r.run.fitted == GRID]
     engine = [r for r in rows if r.run.fitted == ENGINE]
     assert (len(grid), len(engine)) == (15, 3)
     assert mean_abs_error(grid) <= 0.04 and max(abs(r.error) for r in grid) <= 0.10
-    assert mean_abs_error(engine) <= 0.03 and max(abs(r.error) for r in engine) <= 0.05
+    assert mean_abs_error(engine) <= 0.04 and max(abs(r.error) for r in engine) <= 0.07
 
 
 def test_validate_prints_the_table_with_fits_marked_and_errors_per_source(capsys):

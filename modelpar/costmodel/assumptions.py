@@ -26,11 +26,11 @@ class Assumptions:
 
     # --- compute ---------------------------------------------------------------------------
     matmul_efficiency: float | None = None  # flat fraction of peak for all matmuls; None = the curve below
-    gemm_tokens_half: float = 256.0  # curve: tokens per microbatch (b·s) at which GEMMs reach half the GPU's ceiling
+    gemm_tokens_half: float = 192.0  # curve: tokens per microbatch (b·s) at which GEMMs reach half the GPU's ceiling
     gemm_width_half: float = 256.0  # curve: per-GPU width h/t at which GEMMs reach half the ceiling
     # HBM bytes moved per activation byte (Korthikanti's count) by LayerNorm, softmax, GeLU, dropout
     elementwise_passes: float = 2.0
-    layer_latency_s: float = 60e-6  # fixed cost per layer per microbatch pass: kernel launches (§2.4's α)
+    layer_latency_s: float = 80e-6  # fixed cost per layer per microbatch pass: kernel launches (§2.4's α)
     flash_attention: bool = False  # fused attention: no s² scores stored or streamed through HBM
     # --- communication ----------------------------------------------------------------------
     link_efficiency: float = 0.85  # fraction of nominal per-GPU bandwidth a collective reaches (NCCL bus bandwidth)

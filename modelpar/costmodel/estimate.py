@@ -21,7 +21,8 @@ from modelpar.costmodel.stages import busiest_candidates, check_split, device_lo
 from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
-__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "matmul_efficiency"]
+__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "layer_time", "matmul_efficiency",
+           "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
 
@@ -180,13 +181,21 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
     return _collective(act, cluster.link_gbps(span), a)
 
 
-def _optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
-    """One memory-bound pass over this rank's share of the update: AdamW state read and written,
-    the gradient read, the 16-bit weight written."""
+def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
+    """The optimizer step of a rank holding ``params``: memory-bound passes over its shard (Megatron's order).
+
+    The gradient norm reads the gradients; AdamW reads the gradient and reads and writes the master
+    weights and both moments; the master weights are copied into the 16-bit ones; the gradient
+    buffer is zeroed (all of it unless ZeRO-2/3 shard it).
+    """
     if not a.optimizer_step:
         return 0.0
-    elements = shard_elements(params, cfg.d, cfg.zero >= 1)
-    return _hbm(elements * (2 * optimizer_state_bytes_per_param(a.param_bytes) + a.grad_bytes + a.param_bytes), cluster)
+    shard = shard_elements(params, cfg.d, cfg.zero >= 1)
+    grads = shard_elements(params, cfg.d, cfg.zero >= 2)
+    g, w = a.grad_bytes, a.param_bytes
+    adamw = g + 2 * optimizer_state_bytes_per_param(w)
+    copy = (4 + w) if w < 4 else 0  # 16-bit weights from the fp32 master copy
+    return _hbm(shard * (g + adamw + copy) + grads * g, cluster)
 
 
 def estimate(
@@ -199,9 +208,9 @@ def estimate(
     return estimate_checked(model, cluster, cfg, batch, assumptions)
 
 
-def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions
-                     ) -> Estimate:
-    """``estimate`` for a configuration ``check_config`` has accepted (the search checks each once)."""
+def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions,
+                     memory: dict[str, float] | None = None) -> Estimate:
+    """``estimate`` for a configuration ``check_config`` has accepted; ``memory`` its ``memory_breakdown`` if known."""
     p, v, d, m = cfg.p, cfg.v, cfg.d, batch // (cfg.d * cfg.micro_batch)
     eff = matmul_efficiency(model, cluster, cfg, a)
     layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
@@ -236,7 +245,7 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     heaviest = max(params.values())
     end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
     dp_end = (1 - a.dp_overlap) * _collective(end_bytes, dp_link, a) if end_bytes else 0.0
-    optimizer = _optimizer_time(heaviest, cfg, cluster, a)
+    optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 
     layers = model.layers / p
@@ -257,7 +266,8 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     peak = cluster.gpu.peak_tflops * 1e12
     return Estimate(
         config=cfg, batch=batch, microbatches=m, step_time_s=step, time={k: time[k] for k in PARTS},
-        memory=memory_breakdown(model, cfg, m, a), memory_limit=a.memory_limit(cluster.gpu.memory_gb),
+        memory=memory if memory is not None else memory_breakdown(model, cfg, m, a),
+        memory_limit=a.memory_limit(cluster.gpu.memory_gb),
         tflops_per_gpu=executed / (n * step) / 1e12,
         mfu=model.model_flops(tokens_executed) / (n * step * peak),
         bubble_over_ideal_compute=bubble_over_ideal_compute(p, m, v), efficiency=eff,

@@ -20,7 +20,7 @@ from modelpar.costmodel.request import parse_plan_command
 
 __all__ = ["PUBLISHED", "PublishedRun", "Validation", "mean_abs_error", "validate"]
 
-GRID = "DEFAULT's compute and link parameters (one grid search)"
+GRID = "DEFAULT's GEMM curve and per-kernel latency (benchmarks/fit_costmodel.py)"
 ENGINE = "deepspeed engine overhead (30 ms per microbatch per stage)"
 
 

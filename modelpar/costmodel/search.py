@@ -159,16 +159,17 @@ def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assump
         if vv > 1 and m % pp:
             res.reject("interleave", f"v = {vv} needs microbatches ({m}) divisible by p = {pp}")
             continue
+        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split), batch, a)
+        if reason:  # the same for every ZeRO stage
+            res.reject("layers", reason)
+            continue
         fitted = False
         for zz in zeros:
             cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split)
-            reason = check_config(model, cluster, cfg, batch, a)
-            if reason:
-                res.reject("layers", reason)
-                break
-            need = sum(memory_breakdown(model, cfg, m, a).values())
+            memory = memory_breakdown(model, cfg, m, a)
+            need = sum(memory.values())
             if need <= a.memory_limit(cluster.gpu.memory_gb):
-                res.ranked.append(estimate_checked(model, cluster, cfg, batch, a))
+                res.ranked.append(estimate_checked(model, cluster, cfg, batch, a, memory))
                 fitted = True
                 if zz >= 1:
                     break
@@ -176,7 +177,7 @@ def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assump
                 res.reject("memory", f"{_short(cfg)} needs {need / 1e9:.1f} GB > "
                            f"{a.memory_limit(cluster.gpu.memory_gb) / 1e9:.0f} GB")
                 if res.leanest is None or need < sum(res.leanest.memory.values()):
-                    res.leanest = estimate_checked(model, cluster, cfg, batch, a)
+                    res.leanest = estimate_checked(model, cluster, cfg, batch, a, memory)
         if not fitted and vv == chunks[0]:
             return True  # the first v holds the fewest microbatches in flight (1F1B's p < p + (p − 1)/v)
     return False

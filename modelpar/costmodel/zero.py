@@ -34,11 +34,22 @@ __all__ = [
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+def _checked(params: float, d: int, zero: int) -> tuple[float, int]:
+    check_choice("zero", zero, ZERO_STAGES)
+    return check_number("params", params), check_int("d", d, minimum=1)
+
+
+def _held(params: float, d: int, sharded: bool) -> float:
+    return float(math.ceil(params / d)) if sharded and d > 1 else params
+
+
+def _adamw(param_bytes: int) -> int:
+    return 12 if param_bytes < 4 else 2 * param_bytes
+
+
 def shard_elements(params: float, d: int, sharded: bool) -> float:
     """Elements of a ``params``-long buffer one rank holds: ⌈params/d⌉ when ``sharded``, else all of it."""
-    d = check_int("d", d, minimum=1)
-    params = check_number("params", params)
-    return float(math.ceil(params / d)) if sharded and d > 1 else params
+    return _held(check_number("params", params), check_int("d", d, minimum=1), sharded)
 
 
 def optimizer_state_bytes_per_param(param_bytes: int) -> int:
@@ -47,49 +58,44 @@ def optimizer_state_bytes_per_param(param_bytes: int) -> int:
     16-bit (bf16/fp16) parameters: 4 + 4 + 4 = 12 bytes, all fp32 (mixed precision, ZeRO §3.1's K = 12).
     fp32 or fp64 parameters: the two moments in the parameter's dtype, 2·param_bytes, no master copy.
     """
-    param_bytes = check_int("param_bytes", param_bytes, minimum=1)
-    return 12 if param_bytes < 4 else 2 * param_bytes
+    return _adamw(check_int("param_bytes", param_bytes, minimum=1))
 
 
 def optimizer_state_bytes(params: float, d: int, zero: int, param_bytes: int) -> float:
     """Bytes of AdamW state (moments and, for 16-bit parameters, fp32 master weights) on one rank; sharded for zero ≥ 1."""
-    check_choice("zero", zero, ZERO_STAGES)
-    return shard_elements(params, d, zero >= 1) * optimizer_state_bytes_per_param(param_bytes)
+    params, d = _checked(params, d, zero)
+    return _held(params, d, zero >= 1) * optimizer_state_bytes_per_param(param_bytes)
 
 
 def gradient_bytes(params: float, d: int, zero: int, grad_bytes: int) -> float:
     """Bytes of gradients on one rank: the whole buffer for zero 0 and 1, its 1/d shard for zero ≥ 2."""
-    check_choice("zero", zero, ZERO_STAGES)
-    return shard_elements(params, d, zero >= 2) * check_int("grad_bytes", grad_bytes, minimum=1)
+    params, d = _checked(params, d, zero)
+    return _held(params, d, zero >= 2) * check_int("grad_bytes", grad_bytes, minimum=1)
 
 
 def weight_bytes(params: float, d: int, zero: int, param_bytes: int) -> float:
     """Bytes of the (16-bit) parameters on one rank: all of them, or their 1/d shard for zero 3 (gathered layers aside)."""
-    check_choice("zero", zero, ZERO_STAGES)
-    return shard_elements(params, d, zero >= 3) * check_int("param_bytes", param_bytes, minimum=1)
+    params, d = _checked(params, d, zero)
+    return _held(params, d, zero >= 3) * check_int("param_bytes", param_bytes, minimum=1)
 
 
 def training_state_bytes(params: float, d: int, zero: int, param_bytes: int, grad_bytes: int) -> float:
-    """Weights + gradients + AdamW state on one rank: the sum of the three functions above."""
-    check_choice("zero", zero, ZERO_STAGES)
-    d = check_int("d", d, minimum=1)
-    params = check_number("params", params)
+    """Weights + gradients + AdamW state on one rank: ``weight_bytes`` + ``gradient_bytes`` + ``optimizer_state_bytes``."""
+    params, d = _checked(params, d, zero)
     w, g = check_int("param_bytes", param_bytes, minimum=1), check_int("grad_bytes", grad_bytes, minimum=1)
-    shard = float(math.ceil(params / d))
-    return ((shard if zero >= 3 else params) * w + (shard if zero >= 2 else params) * g
-            + (shard if zero >= 1 else params) * optimizer_state_bytes_per_param(w))
+    return _held(params, d, zero >= 3) * w + _held(params, d, zero >= 2) * g + _held(params, d, zero >= 1) * _adamw(w)
 
 
 def dp_bytes_per_microbatch(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int) -> float:
     """Data-parallel bytes one rank sends for every microbatch: none for zero 0 and 1 (their gradients
     accumulate in a whole buffer); zero 2 reduce-scatters each microbatch's gradients, having nowhere to
     accumulate them; zero 3 also all-gathers the parameters for the forward and again for the backward."""
-    check_choice("zero", zero, ZERO_STAGES)
-    if zero <= 1 or check_int("d", d, minimum=1) == 1:
+    params, d = _checked(params, d, zero)
+    g, w = check_int("grad_bytes", grad_bytes, minimum=1), check_int("param_bytes", param_bytes, minimum=1)
+    if zero <= 1 or d == 1:
         return 0.0
-    ring = (d - 1) * shard_elements(params, d, True)  # elements one rank sends in an all-gather or reduce-scatter
-    w = check_int("param_bytes", param_bytes, minimum=1)
-    return ring * (check_int("grad_bytes", grad_bytes, minimum=1) + (2 * w if zero == 3 else 0))
+    ring = (d - 1) * _held(params, d, True)  # elements one rank sends in an all-gather or reduce-scatter
+    return ring * (g + (2 * w if zero == 3 else 0))
 
 
 def dp_bytes_at_step_end(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int) -> float:
@@ -100,14 +106,13 @@ def dp_bytes_at_step_end(params: float, d: int, zero: int, grad_bytes: int, para
     (d − 1) shards each: the all-reduce's total when grad_bytes == param_bytes. zero 2: the
     parameter all-gather. zero 3: nothing (the next forward gathers what it needs).
     """
-    check_choice("zero", zero, ZERO_STAGES)
-    d = check_int("d", d, minimum=1)
+    params, d = _checked(params, d, zero)
     g, w = check_int("grad_bytes", grad_bytes, minimum=1), check_int("param_bytes", param_bytes, minimum=1)
     if d == 1 or zero == 3:
         return 0.0
     if zero == 0:
-        return 2.0 * (d - 1) / d * check_number("params", params) * g
-    ring = (d - 1) * shard_elements(params, d, True)
+        return 2.0 * (d - 1) / d * params * g
+    ring = (d - 1) * _held(params, d, True)
     return ring * (g + w) if zero == 1 else ring * w
 
 
