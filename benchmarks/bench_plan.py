@@ -21,15 +21,17 @@ from modelpar.costmodel.published import validate
 from modelpar.costmodel.report import format_accuracy
 
 
-def timed_search(model: str, gpu: str, gpus: int, batch: int, repeats: int) -> tuple[float, int, int]:
+def timed_search(model: str, gpu: str, gpus: int, batch: int, repeats: int) -> tuple[float, float, int, int]:
+    """Median wall and CPU seconds of the full search (CPU time is what a shared machine does not inflate)."""
     spec, cluster = model_preset(model), make_cluster(gpu, gpus)
-    times, fit, dropped = [], 0, 0
+    wall, cpu, fit, dropped = [], [], 0, 0
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         res = search(spec, cluster, batch, assumptions_for(gpu))
-        times.append(time.perf_counter() - start)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         fit, dropped = len(res.ranked), sum(res.rejected.values())
-    return statistics.median(times), fit, dropped
+    return statistics.median(wall), statistics.median(cpu), fit, dropped
 
 
 def main() -> None:
@@ -40,9 +42,9 @@ def main() -> None:
     print("== search speed (median of", args.repeats, "runs; budget 1 s) ==")
     for model, gpu, gpus, batch in (("megatron-1t", "a100-80gb", 3072, 3072), ("gpt3-175b", "a100-80gb", 1024, 1536),
                                     ("llama3-405b", "h100-sxm", 16384, 2048)):
-        sec, fit, dropped = timed_search(model, gpu, gpus, batch, args.repeats)
-        print(f"{model:<12} {gpus:>6} {gpu}: {sec * 1e3:7.1f} ms, {fit} layouts fit, {dropped} dropped, "
-              f"{sec:.3f}/1.0 s = {sec:.1%} of budget")
+        sec, cpu, fit, dropped = timed_search(model, gpu, gpus, batch, args.repeats)
+        print(f"{model:<12} {gpus:>6} {gpu}: {sec * 1e3:7.1f} ms wall, {cpu * 1e3:7.1f} ms CPU, {fit} layouts fit, "
+              f"{dropped} dropped; {sec:.1%} of the 1 s budget")
     cmd = [sys.executable, "-m", "modelpar", "plan", "--model", "megatron-1t", "--gpus", "3072", "--batch", "3072"]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True)

@@ -133,7 +133,8 @@ def search(
                 chunks = [len(stage_layers) // pp]
             else:
                 chunks = [v] if v is not None else chunk_counts(model.layers, pp, a.interleaving, a.uniform_stages)
-            zeros = [zero] if zero is not None else list(ZERO_STAGES) if dd > 1 else [0]  # nothing to shard over d = 1
+            # ZeRO-1 is never slower than ZeRO-0 (its optimizer updates a 1/d shard) and holds less: ZeRO-0 only if pinned
+            zeros = [zero] if zero is not None else list(ZERO_STAGES[1:]) if dd > 1 else [0]
             for rc in recomputes:
                 for sp in sps:
                     for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
@@ -149,9 +150,8 @@ def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assump
                    zeros: list[int]) -> bool:
     """Try each chunk count v and ZeRO stage for one (t, p, d, b, recompute, sp); True if nothing fit at the first v.
 
-    ZeRO-0 and ZeRO-1 are both tried (ZeRO-1 updates only its shard, so it is never slower); a
-    higher stage only when the one below does not fit: sharding more costs traffic, so it is
-    worth it only for memory.
+    A ZeRO stage above the first in ``zeros`` is tried only when the one below does not fit: sharding
+    more costs traffic, so it is worth it only for memory.
     """
     tt, pp, dd, b, rc, sp, split = dims
     m = batch // (dd * b)
@@ -171,8 +171,7 @@ def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assump
             if need <= a.memory_limit(cluster.gpu.memory_gb):
                 res.ranked.append(estimate_checked(model, cluster, cfg, batch, a, memory))
                 fitted = True
-                if zz >= 1:
-                    break
+                break
             elif not fitted:
                 res.reject("memory", f"{_short(cfg)} needs {need / 1e9:.1f} GB > "
                            f"{a.memory_limit(cluster.gpu.memory_gb) / 1e9:.0f} GB")
