@@ -2,12 +2,14 @@
 
 ``REFERENCE`` is the reference text's own model (§6.2: matmuls at a flat 75% of peak, links at
 their nominal bandwidth, nothing but matmuls timed, the embedding and output layer spread evenly
-over stages, point-to-point hidden except in fill and drain, the gradient all-reduce counted as
-(d − 1)/d of the gradients); it reproduces the text's 197 TFLOP/s, 78 GB and §6.3's 0.3%. ``DEFAULT`` adds what decides real
-throughput, fitted once to published runs (``modelpar.costmodel.published``): a GEMM efficiency
-curve, element-wise (memory-bound) work, achieved link bandwidth, per-kernel latency and the
-output layer on the last stage. ``MODERN`` is ``DEFAULT`` with today's software (flash attention,
-distributed optimizer, overlapped gradient all-reduce); ``assumptions_for`` picks by GPU.
+over equal stages, point-to-point hidden except in fill and drain, the gradient all-reduce counted as
+(d − 1)/d of the gradients); it reproduces the text's 197 TFLOP/s, 78 GB and §6.3's "within 0.3%".
+``DEFAULT`` adds what decides real throughput on A100s with Megatron-LM: a GEMM efficiency curve
+(fitted on the published runs marked as the fit set, ``benchmarks/fit_costmodel.py``), element-wise
+(memory-bound) work, achieved link bandwidth, per-kernel latency, the optimizer step and the output
+layer on the last stage. ``MODERN`` is ``DEFAULT`` with today's H100 software (flash attention, fp32
+gradients, overlapped gradient reduction); ``assumptions_for`` picks by GPU, ``engines`` sets the
+fields each training engine decides.
 """
 
 from __future__ import annotations
