@@ -22,7 +22,7 @@ from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatc
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
 __all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "layer_time", "matmul_efficiency",
-           "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
+           "microbatch_times", "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
 
@@ -208,6 +208,36 @@ def estimate(
     return estimate_checked(model, cluster, cfg, batch, assumptions)
 
 
+def _accumulation(params: float, cluster: ClusterSpec, a: Assumptions) -> float:
+    """A microbatch's separate gradient accumulation pass: read the new 16-bit gradient, read and write the sum."""
+    return _hbm(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
+
+
+def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, per_layer: float,
+                     logits: float, loads: tuple[int, ...]) -> tuple[float, float, float, dict[int, float]]:
+    """One microbatch on the pipeline's devices: (busiest device, average device, exposed sharded DP, parameters).
+
+    A device runs its layers, the last also the output layer, each its gradient accumulation pass;
+    ZeRO-2/3 collectives run beside that and ``dp_overlap`` of what fits under it hides. Only the
+    devices that can be the busiest are evaluated: the others differ from them in nothing but rank.
+    """
+    p, d = cfg.p, cfg.d
+    ranks = busiest_candidates(loads)
+    params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
+    if a.uniform_stages or p == 1:
+        work = dict.fromkeys(ranks, model.layers / p * per_layer + logits / p)
+    else:
+        work = {r: loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in ranks}
+    work = {r: w + _accumulation(params[r], cluster, a) for r, w in work.items()}
+    dp_link = cluster.link_gbps(cfg.t * d)
+    sharded = {r: _collective(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a)
+               if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
+    total = {r: work[r] + sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
+    busiest = max(total.values())
+    average = model.layers / p * per_layer + logits / p + _accumulation(model.params / (cfg.t * p), cluster, a)
+    return busiest, average, busiest - max(work.values()), params
+
+
 def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions,
                      memory: dict[str, float] | None = None) -> Estimate:
     """``estimate`` for a configuration ``check_config`` has accepted; ``memory`` its ``memory_breakdown`` if known."""
@@ -217,59 +247,40 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     logits = output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
     loads = device_loads(model.layers, cfg)
+    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a, layer_compute + layer_tp, logits,
+                                                            loads)
 
-    # --- per device and microbatch: its layers, the output layer on the last, sharded DP traffic ---
-    # devices with the same layers differ only in the embeddings the first and the last one hold
-    dp_link = cluster.link_gbps(cfg.t * d)
-    last = p - 1
-    ranks = busiest_candidates(loads)
-    params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
-    per_layer = layer_compute + layer_tp
-    if a.uniform_stages or p == 1:
-        work = dict.fromkeys(ranks, model.layers / p * per_layer + logits / p)
-    else:
-        work = {r: loads[r] * per_layer + (logits if r == last else 0.0) for r in ranks}
-    if a.grad_accumulation_pass:  # read the new 16-bit gradient, read and write the accumulated one
-        work = {r: w + _hbm(params[r] * (a.param_bytes + 2 * a.grad_bytes), cluster) for r, w in work.items()}
-    # ZeRO-2/3 collectives of every microbatch run beside its compute; dp_overlap of what fits under it hides
-    sharded = {r: _collective(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a)
-               if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
-    exposed = {r: sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
-    busiest = max(work[r] + exposed[r] for r in ranks)
-    average = model.layers / p * per_layer + logits / p
-
-    # --- the pipelined microbatches, then the end of the step ----------------------------------------
+    # --- the pipelined microbatches (SC'21 §2.2: the busiest device sets the pace), then the step's end ---
     p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
     fill = 2 * (p - 1) * transfer  # the first activation and the last gradient cross every boundary
     pipe = m * (busiest + p2p) + (p - 1) / v * average + fill
     heaviest = max(params.values())
     end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
-    dp_end = (1 - a.dp_overlap) * _collective(end_bytes, dp_link, a) if end_bytes else 0.0
+    dp_end = (1 - a.dp_overlap) * _collective(end_bytes, cluster.link_gbps(cfg.t * d), a) if end_bytes else 0.0
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 
     layers = model.layers / p
     time = {
-        "compute": m * (layers * layer_compute + logits / p),
+        "compute": m * (average - layers * layer_tp),
         "tp": m * layers * layer_tp,
         "pp": m * p2p + fill,
-        "dp": dp_end + m * (busiest - max(work.values())),
+        "dp": dp_end + m * sharded_dp,
         "optimizer": optimizer,
     }
-    time["bubble"] = step - sum(time.values())
-    tokens_executed = batch * model.seq  # per iteration, all GPUs
-    full = cfg.recompute == "full"
-    executed = tokens_executed * (model.layers * model.layer_flops_per_token * (3 + full)
-                                  + (model.layers * 4 * model.seq * model.hidden if cfg.recompute == "selective" else 0)
-                                  + 3 * model.logits_flops_per_token)
-    n = cluster.gpus
-    peak = cluster.gpu.peak_tflops * 1e12
+    time["bubble"] = step - sum(time.values())  # the fill and drain, and the busiest device's excess
+    tokens = batch * model.seq  # per iteration, all GPUs
+    passes = 3 + (cfg.recompute == "full")
+    attention_again = 4 * model.seq * model.hidden if cfg.recompute == "selective" else 0
+    executed = tokens * (model.layers * (model.layer_flops_per_token * passes + attention_again)
+                         + 3 * model.logits_flops_per_token)
+    n, peak = cluster.gpus, cluster.gpu.peak_tflops * 1e12
     return Estimate(
         config=cfg, batch=batch, microbatches=m, step_time_s=step, time={k: time[k] for k in PARTS},
         memory=memory if memory is not None else memory_breakdown(model, cfg, m, a),
         memory_limit=a.memory_limit(cluster.gpu.memory_gb),
         tflops_per_gpu=executed / (n * step) / 1e12,
-        mfu=model.model_flops(tokens_executed) / (n * step * peak),
+        mfu=model.model_flops(tokens) / (n * step * peak),
         bubble_over_ideal_compute=bubble_over_ideal_compute(p, m, v), efficiency=eff,
         links={"tp": cluster.link_name(cfg.t) if cfg.t > 1 else "-",
                "pp": cluster.link_name(cluster.gpus) if p > 1 else "-",
