@@ -23,8 +23,8 @@ class Engine:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def _engine(overlap_tp: bool, accumulation_pass: bool, scatter_gather: bool, overhead_s: float,
-            interleaving: bool) -> dict[str, Any]:
+def _engine(*, overlap_tp: bool, accumulation_pass: bool, scatter_gather: bool, interleaving: bool,
+            overhead_s: float = 0.0) -> dict[str, Any]:
     """Every field an engine decides, so that applying one engine fully replaces another's."""
     return dict(tp_overlap=1.0 if overlap_tp else 0.0, grad_accumulation_pass=accumulation_pass,
                 pp_scatter_gather=scatter_gather, pp_engine_overhead_s=overhead_s, interleaving=interleaving)
@@ -39,7 +39,7 @@ ENGINES: dict[str, Engine] = {
         "Megatron-LM (2022 on): 1F1B or interleaved 1F1B, pipeline activations scattered over the t ranks and "
         "gathered on NVLink (SC'21 §4.1), blocking point-to-point, the backward's tensor-parallel collectives "
         "overlapping the weight-gradient GEMMs, which accumulate straight into the gradient buffer",
-        _engine(True, False, True, 0.0, True),
+        _engine(overlap_tp=True, accumulation_pass=False, scatter_gather=True, interleaving=True),
     ),
     # Megatron-LM as in SC'21 (§4.2 lists its kernel fusions; neither of the above): synchronous all-reduces,
     # and each microbatch's gradients added to main_grad by a backward hook, a pass over the weights.
@@ -47,7 +47,7 @@ ENGINES: dict[str, Engine] = {
         "megatron-2021",
         "Megatron-LM as in SC'21: like megatron, but the backward's tensor-parallel all-reduces are synchronous "
         "and each microbatch's gradients are added to the accumulated ones in a separate memory pass",
-        _engine(False, True, True, 0.0, True),
+        _engine(overlap_tp=False, accumulation_pass=True, scatter_gather=True, interleaving=True),
     ),
     # MT-NLG (Smith et al. 2022 §3.2) and BLOOM ran DeepSpeed's pipeline engine with Megatron's tensor
     # parallelism of 2021: every TP rank sends the whole activation, the schedule is plain 1F1B, and each
@@ -58,7 +58,7 @@ ENGINES: dict[str, Engine] = {
         "DeepSpeed pipeline engine: plain 1F1B (no interleaving), every tensor-parallel rank sends the whole "
         "activation, synchronous tensor-parallel all-reduces, gradients accumulated in a separate pass, "
         "30 ms per microbatch per stage of engine overhead (fitted on MT-NLG)",
-        _engine(False, True, False, 0.03, False),
+        _engine(overlap_tp=False, accumulation_pass=True, scatter_gather=False, interleaving=False, overhead_s=0.03),
     ),
     # Dubey et al. 2024 §3.3 describe Llama 3's stack as PyTorch with FSDP, tensor, pipeline and context
     # parallelism; torchtitan is the public stack of that design. Its tensor-parallel collectives are
@@ -68,7 +68,7 @@ ENGINES: dict[str, Engine] = {
         "pytorch",
         "PyTorch-native stack (FSDP + DTensor tensor parallelism + pipelining, as torchtitan and Llama 3's): "
         "1F1B or interleaved 1F1B, synchronous tensor-parallel collectives, whole activations between stages",
-        _engine(False, False, False, 0.0, True),
+        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True),
     ),
 }
 
