@@ -1,6 +1,7 @@
 """`modelpar train` on the command line: flags to config, bad input as one line + exit code 2, a tiny run."""
 
 import json
+import math
 
 import pytest
 
@@ -48,4 +49,11 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
     assert len(summary["losses"]) == 4 and [s for s, _ in summary["val"]] == [2, 4]
     assert 0 < summary["bubble_measured"] < 1 and summary["bubble_ideal"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["event"], m["step"]) for m in metrics] == [("step", 1), ("step", 2), ("eval", 2), ("step", 3),
+                                                          ("step", 4), ("eval", 4)]
+    assert [m["loss"] for m in metrics if m["event"] == "step"] == summary["losses"]
+    assert all(m["step_time"] > 0 and m["peak_memory_mb"] > 0 and m["lr"] > 0 for m in metrics if m["event"] == "step")
+    assert [m["val_bpb"] for m in metrics if m["event"] == "eval"] == pytest.approx(
+        [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
     assert "unigram baseline" in capsys.readouterr().out

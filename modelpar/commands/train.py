@@ -57,6 +57,19 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
                            "(default 300: a hung rank ends the run with an error)"),
     ],
 }
+_DATA = "data (default: the shipped corpus, byte tokens; see docs/data.md)"
+# Flags that set DataConfig fields: (flag name, type, help); --data may be given many times.
+_DATA_FLAGS: list[tuple[str, type, str]] = [
+    ("data", str, "a text, JSONL, Parquet or Arrow file, or a folder of them (repeat for more)"),
+    ("data_glob", str, "file names taken from --data folders, recursively (default '*', hidden skipped)"),
+    ("text_field", str, "the JSONL / table field holding the text (default 'text')"),
+    ("val_fraction", float, "share of documents held out for validation (default 0.01, at least one)"),
+    ("tokenizer", str, "bytes (default), bpe (trained on the training split) or a tokenizer.json file"),
+    ("vocab_size", int, "the vocabulary to train with --tokenizer bpe (257 ... 65,535 with uint16)"),
+    ("token_dtype", str, "token cache dtype: auto (default), uint16 or uint32"),
+    ("cache_dir", str, "token cache folder (default: modelpar-cache beside --checkpoint-dir, or ./modelpar-cache)"),
+]
+_DATA_FIELDS = {"data": "paths", "data_glob": "glob"}  # flag name -> DataConfig field where they differ
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,8 +83,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 group.add_argument(flag, action="store_true", default=None, help=text)
             else:
                 group.add_argument(flag, type=kind, help=text)
+    d = p.add_argument_group(_DATA)
+    for name, kind, text in _DATA_FLAGS:
+        d.add_argument("--" + name.replace("_", "-"), type=kind, help=text, action="append" if name == "data" else None)
     r = p.add_argument_group("run")
-    r.add_argument("--out", default="modelpar-train", help="folder for loss.png and summary.json (default %(default)s)")
+    r.add_argument("--out", default="modelpar-train",
+                   help="folder for metrics.jsonl, loss.png and summary.json (default %(default)s)")
+    r.add_argument("--tensorboard", action="store_true",
+                   help="also write the metrics as TensorBoard event files in OUT/tensorboard (the tensorboard extra)")
     r.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="under torchrun: process-group backend (auto: nccl with GPUs, else gloo)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
@@ -82,37 +101,46 @@ def build_config(args: argparse.Namespace) -> Any:
     """The TrainConfig the flags describe (flags left out keep the defaults)."""
     from dataclasses import replace
 
+    from modelpar.text import DataConfig
     from modelpar.training import TrainConfig
 
     cfg = TrainConfig()
+    data = {_DATA_FIELDS.get(name, name): getattr(args, name) for name, _, _ in _DATA_FLAGS
+            if getattr(args, name, None) is not None}
+    if "paths" in data:
+        data["paths"] = tuple(data["paths"])
     given = {name: group for group, flags in _FLAGS.items() for name, _, _ in flags
              if getattr(args, name, None) is not None}
     model = {name: getattr(args, name) for name, group in given.items() if group == _MODEL}
     run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
     if "recompute" in run:
         run["recompute"] = str(run["recompute"]).lower()
-    return replace(cfg, model=replace(cfg.model, **model), **run)
+    return replace(cfg, model=replace(cfg.model, **model), data=DataConfig(**data), **run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from modelpar.distributed import is_torchrun
+    from modelpar.text import prepare_data
     from modelpar.training.launch import run_in_process, run_local
+    from modelpar.training.metrics import MetricsLog, Reporters
     from modelpar.training.report import Display
 
     cfg = build_config(args)
     console = Console(stderr=True)
+    metrics = MetricsLog(args.out, tensorboard=args.tensorboard)
     display = None if args.no_progress else Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
+    report = Reporters(display, metrics)
     if is_torchrun():
-        result = run_in_process(cfg, display, backend=None if args.backend == "auto" else args.backend)
+        result = run_in_process(cfg, report, backend=None if args.backend == "auto" else args.backend)
         if result is None:  # not global rank 0: rank 0 writes the summary
             return 0
     else:
-        cfg.check()
+        cfg = prepare_data(cfg.check(), console, progress=not args.no_progress).check()
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps")
-        result = run_local(cfg, display)
+        result = run_local(cfg, report)
     _summary(cfg, result, Path(args.out))
     return 0
 
@@ -123,14 +151,16 @@ def _summary(cfg: Any, result: Any, out: Path) -> None:
     from modelpar.training.report import plot_losses, summary_table
 
     final_val = result.val[-1][1] if result.val else float("nan")
+    bpb = result.bits_per_byte
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
         ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
         ("parameters", f"{result.num_parameters:,}"),
         ("steps", f"{len(result.losses)} (this run from step {result.start_step})"),
         ("final training loss", f"{result.losses[-1]:.4f}" if result.losses else "-"),
-        ("final validation loss", f"{final_val:.4f} nats/byte"),
-        ("unigram baseline", f"{result.unigram_baseline:.4f} nats/byte"),
+        ("data", _describe_data(cfg)),
+        ("final validation loss", f"{final_val:.4f} nats/token, {bpb(final_val):.4f} bits/byte"),
+        ("unigram baseline", f"{result.unigram_baseline:.4f} nats/token, {bpb(result.unigram_baseline):.4f} bits/byte"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s (median step)"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
@@ -141,7 +171,18 @@ def _summary(cfg: Any, result: Any, out: Path) -> None:
     summary = {"config": cfg.to_dict(), "losses": result.losses, "val": result.val,
                "tokens_per_s": result.tokens_per_s, "unigram_baseline": result.unigram_baseline,
                "bubble_measured": result.bubble_measured, "bubble_simulated": result.bubble_simulated,
-               "bubble_ideal": result.bubble_ideal, "start_step": result.start_step}
+               "bubble_ideal": result.bubble_ideal, "start_step": result.start_step,
+               "tokens_per_byte": result.tokens_per_byte, "val_bits_per_byte": bpb(final_val),
+               "unigram_bits_per_byte": bpb(result.unigram_baseline)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
+    rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
+
+
+def _describe_data(cfg: Any) -> str:
+    data = cfg.data
+    more = f" and {len(data.paths) - 1} more" if len(data.paths) > 1 else ""
+    source = data.paths[0] + more if data.paths else "shipped corpus"
+    tokenizer = data.tokenizer + (f" {data.vocab_size}" if data.vocab_size else "")
+    return f"{source}; {tokenizer} (vocabulary {cfg.model.vocab_size:,})"

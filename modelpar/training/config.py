@@ -12,6 +12,7 @@ from typing import Any
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
+from modelpar.text.config import DataConfig
 
 __all__ = ["RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
 
@@ -25,6 +26,7 @@ class TrainConfig:
     """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT to train
+    data: DataConfig = field(default_factory=DataConfig)  # the text and its tokenizer (default: shipped, bytes)
     tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
     pp: int = 2  # p: pipeline stages
     dp: int = 1  # d: data-parallel replicas
@@ -98,6 +100,7 @@ class TrainConfig:
         if self.schedule == "interleaved":
             check_divisible("microbatches", self.microbatches, "pp", self.pp)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
+        self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
         return self
@@ -111,4 +114,6 @@ class TrainConfig:
         values = {k: v for k, v in d.items() if k in known}
         if isinstance(values.get("model"), dict):
             values["model"] = ModelConfig(**values["model"])
+        if isinstance(values.get("data"), dict):
+            values["data"] = DataConfig(**{**values["data"], "paths": tuple(values["data"].get("paths", ()))})
         return cls(**values)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpar.distributed import init_from_env, launch
+from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
 from modelpar.training.loop import TrainResult, train
 from modelpar.training.report import EventFile
@@ -30,8 +31,10 @@ def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
 
 
 def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
-    """Train on t·p·d new local processes (gloo); return rank 0's result."""
-    cfg.check()
+    """Train on t·p·d new local processes (gloo); return rank 0's result.
+
+    The data is prepared here, before any rank starts (``modelpar.text.prepare_data``)."""
+    cfg = prepare_data(cfg.check()).check()
     outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="modelpar-train-") as tmp:
         events = EventFile(Path(tmp) / "events.jsonl")

@@ -1,7 +1,7 @@
 """The 3D-parallel training loop (§6): run on every rank of an initialised process group.
 
     for step in range(start, steps):
-        inputs → first stage, labels → last stage          (modelpar.corpus.rank_batch)
+        inputs → first stage, labels → last stage          (modelpar.text.rank_batch)
         PipelineRunner.step: schedule's F/B(/I/W) over p    (modelpar.pipeline)
         GradSync.finish: sp sums, tied-embedding sum, dp mean
         GradSync.clip: global norm over every shard
@@ -24,14 +24,15 @@ import torch
 import torch.distributed as dist
 
 from modelpar.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
-from modelpar.corpus import load_corpus, rank_batch
 from modelpar.model import GPTLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
+from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.config import TrainConfig
 from modelpar.training.evaluate import evaluate
 from modelpar.training.grads import GradSync, param_groups
+from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import check_meta, init_optimizer_state, run_meta, state_tensors
 
@@ -55,13 +56,18 @@ class TrainResult:
     bubble_simulated: float | None = None  # the simulator's bubble with the measured action costs
     bubble_ideal: float | None = None  # the simulator's bubble with equal stages, F = 1, B = 2
     num_parameters: int = 0
-    unigram_baseline: float = 0.0  # nats/byte on validation, see Corpus.unigram_baseline
+    unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
+    tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
 
     @property
     def tokens_per_s(self) -> float:
         """Median throughput over this run's steps (the first, warm-up step excluded if possible)."""
         times = self.step_times[1:] or self.step_times
         return self.tokens_per_step / statistics.median(times) if times else 0.0
+
+    def bits_per_byte(self, nats_per_token: float) -> float:
+        """A validation loss in bits per byte of text, comparable across tokenizers."""
+        return nats_per_token * self.tokens_per_byte / math.log(2)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -98,7 +104,7 @@ class _Run:
         self.cfg, self.rs = cfg, setup_rank(cfg, cfg.timeout)
         rs = self.rs
         self.dtype = getattr(torch, cfg.dtype)
-        self.corpus = load_corpus()
+        self.corpus = open_corpus(cfg.data)
         self.schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_chunks)
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
@@ -119,7 +125,8 @@ class _Run:
         torch.set_rng_state(self.rng)
         self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
                                   num_parameters=cfg.model.num_parameters(),
-                                  unigram_baseline=self.corpus.unigram_baseline())
+                                  unigram_baseline=self.corpus.unigram_baseline(),
+                                  tokens_per_byte=self.corpus.tokens_per_byte)
         self.first = rs.pp_rank == self.schedule.device_of(0)
         self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
         self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
@@ -153,7 +160,9 @@ class _Run:
         r.grad_norms.append(norm)
         if self.emit:
             self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
-                       "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1]})
+                       "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
+                       "step_time": r.step_times[-1],
+                       "peak_memory_mb": peak_memory_mb(self.rs.device)})
 
     def measure(self) -> None:
         """Keep this step's timeline (a collective over the pipeline group) for the bubble."""
@@ -167,7 +176,7 @@ class _Run:
             total += _global_mean(loss, self.loss_weight, self.rs.device) / self.cfg.eval_batches
         self.result.val.append((step, total))
         if self.emit:
-            self.emit({"event": "eval", "step": step, "val_loss": total})
+            self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})
 
     def save(self, step: int) -> None:
         if self.cfg.checkpoint_dir:
@@ -179,11 +188,13 @@ class _Run:
 def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     """Train on this rank; every rank of the default process group calls it with the same ``cfg``."""
     cfg.check(dist.get_world_size())
+    cfg = prepare_on_rank0(cfg).check(dist.get_world_size())
     run = _Run(cfg, report)
     start = done = run.result.start_step
     if run.emit:
         run.emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": run.result.num_parameters,
-                  "unigram": run.result.unigram_baseline, "losses": list(run.result.losses)})
+                  "unigram": run.result.unigram_baseline, "unigram_bpb": run.result.bits_per_byte(run.result.unigram_baseline),
+                  "losses": list(run.result.losses)})
     checks = None
     try:
         for step in range(start, cfg.steps):

@@ -100,7 +100,7 @@ def plot_losses(path: str | os.PathLike, losses: list[float], val: list[tuple[in
         ax.plot([s for s, _ in val], [v for _, v in val], "o-", color="tab:orange", ms=4, label="validation loss")
     ax.axhline(baseline, ls="--", color="gray", label=f"unigram baseline {baseline:.3f}")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.set_ylabel("cross entropy (nats / token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -22,7 +22,7 @@ __all__ = ["check_meta", "init_optimizer_state", "run_meta", "state_tensors"]
 # stream, and everything the optimisation depends on (the lr schedule depends on ``steps``). The
 # schedule and micro-batch count may change: they compute the same gradients (up to rounding).
 _MUST_MATCH = ("tp", "pp", "dp", "chunks_used", "seed", "batch_size", "dtype", "steps", "lr", "warmup",
-               "weight_decay", "clip")
+               "weight_decay", "clip", "data")
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -57,7 +57,7 @@ def run_meta(cfg: TrainConfig, step: int, losses: list[float]) -> dict[str, Any]
             "chunks_used": cfg.virtual_chunks, "seed": cfg.seed, "batch_size": cfg.batch_size,
             "dtype": cfg.dtype, "schedule": cfg.schedule, "microbatches": cfg.microbatches, "steps": cfg.steps,
             "lr": cfg.lr, "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
-            "step": step, "losses": losses}
+            "step": step, "losses": losses, "data": cfg.data.fingerprint}
 
 
 def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
@@ -72,5 +72,5 @@ def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
         if meta.get(key) != mine[key]:
             raise ValueError(f"checkpoint {path!r} was written with {key}={meta.get(key)!r}, this run has "
                              f"{key}={mine[key]!r}; resume with the same model, split (tp, pp, dp, chunks), "
-                             "seed, batch size, dtype and optimisation settings "
+                             "data and tokenizer, seed, batch size, dtype and optimisation settings "
                              "(steps, lr, warmup, weight decay, clip) to continue exactly")
