@@ -79,7 +79,7 @@ def prepare_data(cfg: TrainConfig, console: Console | None = None, progress: boo
         dtype = token_dtype_for(tokenizer.vocab_size, data.token_dtype)
         _check_checkpoint_tokenizer(cfg, tokenizer)
         key = cache_key({**split, "tokenizer": tokenizer.digest, "dtype": dtype, "format": _FORMAT})
-        entry_path = cache_root(cfg) / f"tokens-{key}"
+        entry_path = cache_root(cfg).resolve() / f"tokens-{key}"  # absolute: ranks may start elsewhere
         entry, cached = read_tokens(entry_path), True
         if entry is None:
             is_val = mask()
