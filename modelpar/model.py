@@ -32,9 +32,10 @@ from modelpar.tensor_parallel import (
     shard_tensor,
     vocab_parallel_cross_entropy,
 )
-from modelpar.tensor_parallel.sharding import TensorParallelModule
+from modelpar.tensor_parallel.sharding import param_layout
 
-__all__ = ["GPT", "GPTLoss", "ModelConfig", "build_stage", "init_parameters", "split_stage", "stage_layers"]
+__all__ = ["GPT", "GPTLoss", "ModelConfig", "build_stage", "global_name", "init_parameters", "split_stage",
+           "stage_layers"]
 
 TIED_INIT_NAME = "embed.word.weight"  # the last stage's copy of a tied embedding is seeded like the first's
 
@@ -189,22 +190,25 @@ def _full_init(cfg: ModelConfig, name: str, module: nn.Module, shape: tuple[int,
     return torch.randn(shape, generator=g, dtype=torch.float64) * std
 
 
+def global_name(cfg: ModelConfig, name: str) -> str:
+    """The name a stage's parameter has in the single-process model: its own name (layer indices
+    are global), except that a last stage's copy of a tied output weight is the embedding."""
+    return TIED_INIT_NAME if cfg.tie_embeddings and name == "head.weight" else name
+
+
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> GPT:
     """Fill every parameter with its shard of a seeded full tensor: the same values for any split."""
     for mod_name, module in model.named_modules():
         for leaf, param in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{leaf}" if mod_name else leaf
-            if model.cfg.tie_embeddings and name == "head.weight":  # the embedding, or its copy
-                name = TIED_INIT_NAME
-            dim = getattr(param, "tensor_parallel_dim", None)
-            world = module.tp_world if isinstance(module, TensorParallelModule) else 1
+            name = global_name(model.cfg, f"{mod_name}.{leaf}" if mod_name else leaf)
+            layout = param_layout(param)
             shape = list(param.shape)
-            if dim is not None:
-                shape[dim] *= world
+            if layout.dim is not None:
+                shape[layout.dim] *= layout.shards
             full = _full_init(model.cfg, name, module, tuple(shape), seed)
-            if dim is not None and world > 1:
-                full = shard_tensor(full, dim, module.tp_rank, world, getattr(param, "tensor_parallel_chunks", 1))
+            if layout.dim is not None and layout.shards > 1:
+                full = shard_tensor(full, layout.dim, layout.shard, layout.shards, layout.blocks)
             param.copy_(full)
     return model
 

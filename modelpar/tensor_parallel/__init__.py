@@ -30,10 +30,12 @@ from modelpar.tensor_parallel.layers import (
 )
 from modelpar.tensor_parallel.mlp import ParallelMLP
 from modelpar.tensor_parallel.sharding import (
+    ParamLayout,
     ShardSpec,
     TensorParallelModule,
     gather_full_state_dict,
     load_full_state_dict,
+    param_layout,
     shard_state_dict,
     shard_tensor,
     sync_sequence_parallel_grads,
@@ -51,6 +53,7 @@ __all__ = [
     "ParallelAttention",
     "ParallelMLP",
     "ParallelTransformerLayer",
+    "ParamLayout",
     "RowParallelLinear",
     "ShardSpec",
     "TensorParallelModule",
@@ -64,6 +67,7 @@ __all__ = [
     "matmul_splits",
     "mlp_splits",
     "pad_vocab_size",
+    "param_layout",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",

@@ -22,10 +22,12 @@ from modelpar._validate import check_int
 from modelpar.tensor_parallel._comm import all_gather, all_reduce, group_rank, group_size, resolve_group
 
 __all__ = [
+    "ParamLayout",
     "ShardSpec",
     "TensorParallelModule",
     "gather_full_state_dict",
     "load_full_state_dict",
+    "param_layout",
     "shard_state_dict",
     "shard_tensor",
     "sync_sequence_parallel_grads",
@@ -63,11 +65,49 @@ class TensorParallelModule(nn.Module):
                 param.tensor_parallel_dim = spec.dim
                 param.tensor_parallel_chunks = spec.chunks
                 param.sequence_parallel = spec.sequence_parallel
+                param.tensor_parallel_rank = self.tp_rank
+                param.tensor_parallel_world = self.tp_world
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
         out = super()._apply(fn, *args, **kwargs)  # to_empty / to() may build new Parameters
         self._attach_specs()
         return out
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one rank's parameter tensor sits in the full (single-process) tensor.
+
+    The full tensor's ``dim`` is cut into ``shards`` = t / ``replicas`` equal parts; rank r holds
+    part ``shard`` = r // ``replicas`` (``replicas`` consecutive ranks hold the same part, as the
+    key/value heads of grouped-query attention when t exceeds their number). With ``blocks`` > 1
+    the dimension is that many fused blocks (q, k, v), each cut separately.
+    """
+
+    dim: int | None = None  # dimension of the full tensor split across the tp ranks; None: all of it here
+    blocks: int = 1  # fused equal blocks along ``dim``, each split on its own
+    replicas: int = 1  # consecutive tp ranks holding the same part
+    rank: int = 0  # this rank's index in the tensor-parallel group
+    world: int = 1  # t: tensor-parallel group size
+
+    @property
+    def shards(self) -> int:
+        """Distinct parts the full tensor is cut into (1 when replicated)."""
+        return 1 if self.dim is None else self.world // self.replicas
+
+    @property
+    def shard(self) -> int:
+        """The part this rank holds."""
+        return 0 if self.dim is None else self.rank // self.replicas
+
+
+def param_layout(param: torch.Tensor) -> ParamLayout:
+    """The layout of a parameter: set by the parallel layers, replicated for any other tensor."""
+    return ParamLayout(dim=getattr(param, "tensor_parallel_dim", None),
+                       blocks=getattr(param, "tensor_parallel_chunks", 1),
+                       replicas=getattr(param, "tensor_parallel_replicas", 1),
+                       rank=getattr(param, "tensor_parallel_rank", 0),
+                       world=getattr(param, "tensor_parallel_world", 1))
 
 
 def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int, chunks: int = 1) -> torch.Tensor:
@@ -113,9 +153,9 @@ def shard_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dic
     out = {}
     for key, mine in own.items():
         tensor = full[key]
-        if key in specs and specs[key][0].dim is not None:
+        if key in specs and (dim := specs[key][0].dim) is not None:
             spec, owner = specs[key]
-            tensor = shard_tensor(tensor, spec.dim, owner.tp_rank, owner.tp_world, spec.chunks)
+            tensor = shard_tensor(tensor, dim, owner.tp_rank, owner.tp_world, spec.chunks)
         if tuple(tensor.shape) != tuple(mine.shape):
             raise ValueError(f"state dict entry {key!r} has shape {tuple(full[key].shape)}, which does not give "
                              f"this rank's shard shape {tuple(mine.shape)}")
@@ -137,10 +177,10 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     specs = {name: (spec, owner) for name, spec, owner in _specs(module)}
     out = {}
     for key, tensor in module.state_dict().items():
-        if key in specs and specs[key][0].dim is not None and specs[key][1].tp_world > 1:
+        if key in specs and (dim := specs[key][0].dim) is not None and specs[key][1].tp_world > 1:
             spec, owner = specs[key]
-            gathered = all_gather(tensor.contiguous(), spec.dim, owner.group, "other")
-            tensor = unshard_tensor(gathered.chunk(owner.tp_world, spec.dim), spec.dim, spec.chunks)
+            gathered = all_gather(tensor.contiguous(), dim, owner.group, "other")
+            tensor = unshard_tensor(gathered.chunk(owner.tp_world, dim), dim, spec.chunks)
         out[key] = tensor.detach().clone()
     return out
 
