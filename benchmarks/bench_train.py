@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--schedule", default="1f1b")
     args = ap.parse_args()
     base = TrainConfig(model=ModelConfig(hidden=args.hidden, layers=args.layers), steps=args.steps, schedule=args.schedule,
-                       eval_every=0, eval_batches=1, warmup=5)
+                       chunks=2 if args.schedule == "interleaved" else 1, eval_every=0, eval_batches=1, warmup=5)
     cores = os.cpu_count() or 1
     rows = []
     for t, p, d in SPLITS:

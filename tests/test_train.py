@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.corpus import load_corpus
-from modelpar.distributed import LocalCluster
+from modelpar.distributed import LocalCluster, free_port
 from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, lr_at, param_groups, train
 
@@ -107,16 +107,17 @@ def test_the_oracle_learns_and_clips():
 
 # --- transparency: the same seed gives the same losses for every split and schedule ------------------
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
+V2 = {"schedule": "interleaved", "chunks": 2}
 SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) × every schedule p = 2 allows
     {"tp": 2}, {"dp": 2},
-    *({"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")),
-    {"pp": 2, "schedule": "interleaved", "model": TIED, "recompute": "full"},
+    *({"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "zb-h1")), {"pp": 2, **V2},
+    {"pp": 2, **V2, "model": TIED, "recompute": "full"},
     {"pp": 2, "schedule": "zb-h1", "model": TIED},
     {"tp": 2, "dp": 2}, {"pp": 2, "dp": 2},
-    *({"tp": 2, "pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "interleaved", "zb-h1")),
+    *({"tp": 2, "pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "zb-h1")), {"tp": 2, "pp": 2, **V2},
     {"tp": 2, "pp": 2, "sequence_parallel": True, "model": TIED, "recompute": "1"},
     {"tp": 2, "pp": 2, "dp": 2},
-    {"tp": 2, "pp": 2, "dp": 2, "schedule": "interleaved", "sequence_parallel": True},
+    {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True},
 ]
 
 
@@ -154,7 +155,7 @@ def test_resume_gives_bitwise_the_uninterrupted_losses(c2, tmp_path):
 
 
 def _die_while_writing(cfg, step):
-    import modelpar.checkpoint as ck
+    import modelpar.checkpoint.store as ck
 
     original = ck._fsync_write
 
@@ -211,13 +212,29 @@ def test_a_failing_rank_ends_the_run_and_keeps_the_last_checkpoint(c4, tmp_path)
     assert path.name == "step_00000002" and read_meta(path)["losses"] == pytest.approx(ref(cfg)[0][:2], abs=TOL)
 
 
-def test_checkpoint_of_another_model_or_split_is_refused_on_every_rank(c4, tmp_path):
+def test_a_one_process_checkpoint_continues_on_eight(c8, tmp_path):
+    """(1, 1, 1) -> (2, 2, 2); the other resharding pairs are in test_reshard.py."""
+    cfg = dataclasses.replace(BASE, steps=6, checkpoint_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:  # the first half in this process, a world of one
+        first = _train(dataclasses.replace(cfg, exit_after=3))
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)
+    losses, _, val, start = c8.run(_train, dataclasses.replace(cfg, tp=2, pp=2, dp=2, resume=True))[0]
+    want_losses, _, want_val = ref(cfg)
+    assert first[0] == pytest.approx(want_losses[:3], abs=TOL, rel=0) and start == 3
+    assert losses == pytest.approx(want_losses, abs=TOL, rel=0) and val == pytest.approx(want_val, abs=TOL, rel=0)
+
+
+def test_checkpoint_of_another_model_or_optimisation_is_refused_on_every_rank(c4, tmp_path):
     cfg = dataclasses.replace(BASE, tp=2, pp=2, steps=1, checkpoint_dir=str(tmp_path))
     c4.run(_train, cfg)
     bigger = dataclasses.replace(cfg, resume=True, model=dataclasses.replace(TINY, hidden=64))
-    other = dataclasses.replace(cfg, resume=True, tp=1, pp=2, dp=2)
+    reseeded = dataclasses.replace(cfg, resume=True, tp=1, pp=2, dp=2, seed=1)  # another split is fine, not the data
     longer = dataclasses.replace(cfg, resume=True, steps=2)  # the lr schedule would change
-    for bad, message in ((bigger, r"different model: hidden differ"), (other, r"written with tp=2, this run has tp=1"),
+    for bad, message in ((bigger, r"different model: hidden differ"), (reseeded, r"written with seed=0, this run has seed=1"),
                          (longer, r"written with steps=1, this run has steps=2")):
         results = c4.run(_try_train, bad)
         assert all(kind == "error" and re.search(message, text) for kind, text in results), results

@@ -21,8 +21,8 @@ def test_flags_reach_the_config():
                                       "--layers", "8", "--hidden", "64", "--recompute", "FULL", "--sequence-parallel",
                                       "--tie-embeddings", "--steps", "7", "--lr", "1e-3", "--exit-after", "3"])
     cfg = build_config(args)
-    assert (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.recompute, cfg.steps, cfg.lr, cfg.exit_after) == \
-        (1, 4, 2, "interleaved", "full", 7, 1e-3, 3)
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute, cfg.steps, cfg.lr, cfg.exit_after) == \
+        (1, 4, 2, "interleaved", 2, "full", 7, 1e-3, 3)  # interleaved without --chunks: v = 2
     assert (cfg.model.layers, cfg.model.hidden, cfg.model.tie_embeddings, cfg.sequence_parallel) == (8, 64, True, True)
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from modelpar.corpus import rank_batch
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, lr_at
-from modelpar.training.state import check_meta, init_optimizer_state, run_meta
+from modelpar.training.state import check_meta, init_optimizer_state, resumed_config, run_meta
 
 
 def test_lr_schedule_hand_checked():
@@ -43,7 +43,9 @@ def test_replica_rows_tile_the_global_batch(dp, rows_per_replica, first, last):
 
 @pytest.mark.parametrize("changes, message", [
     ({"schedule": "interleaved", "chunks": 1}, "chunks must be >= 2, got 1"),
-    ({"schedule": "interleaved", "microbatches": 3, "batch_size": 12}, r"microbatches \(3\) must be divisible by pp \(2\)"),
+    ({"chunks": 2}, "chunks must be 1 unless the schedule is interleaved, got 2 with schedule '1f1b'"),
+    ({"schedule": "interleaved", "chunks": 2, "microbatches": 3, "batch_size": 12},
+     r"microbatches \(3\) must be divisible by pp \(2\)"),
     ({"recompute": "3"}, "recompute must be <= 2, got 3"),  # 4 layers over p = 2 stages
     ({"dp": 3}, r"batch_size \(16\) must be divisible by dp \(3\)"),
     ({"lr": 0.0}, "lr must be > 0.0, got 0.0"),
@@ -68,9 +70,10 @@ def test_checkpoint_metadata_rules():
     cfg = TrainConfig()
     meta = run_meta(cfg, 10, [5.0, 4.0])
     check_meta(meta, replace(cfg, schedule="gpipe", microbatches=8), "ck")  # the same gradients: may differ
+    check_meta(meta, replace(cfg, tp=1, pp=4, dp=2, schedule="interleaved", chunks=2), "ck")  # any split
     with pytest.raises(ValueError, match=r"different model: heads, hidden differ \(checkpoint \[4, 128\], this run \[8, 256\]\)"):
         check_meta(meta, replace(cfg, model=ModelConfig(hidden=256, heads=8)), "ck")
-    for key, value in (("dp", 2), ("seed", 1), ("batch_size", 32), ("dtype", "float64")):
+    for key, value in (("seed", 1), ("batch_size", 32), ("dtype", "float64")):
         with pytest.raises(ValueError, match=f"written with {key}="):
             check_meta(meta, replace(cfg, **{key: value}), "ck")
 
@@ -99,3 +102,14 @@ def test_resume_refuses_changed_optimisation_settings(change):
     (key, value), = change.items()
     with pytest.raises(ValueError, match=rf"written with {key}=.*this run has {key}={value!r}"):
         check_meta(run_meta(cfg, 10, []), replace(cfg, **change), "ckpt")
+
+
+def test_resume_takes_what_the_flags_leave_out_from_the_checkpoint():
+    written = TrainConfig(model=ModelConfig(hidden=64, heads=2, layers=6), tp=1, pp=3, seed=5, lr=1e-3, steps=50)
+    meta = run_meta(written, 20, [4.0])
+    now = resumed_config(replace(TrainConfig(), tp=2, pp=2, lr=2e-3), meta, given={"tp", "pp", "lr"})
+    assert now.model == written.model and (now.seed, now.steps) == (5, 50)  # from the checkpoint
+    assert (now.tp, now.pp, now.lr) == (2, 2, 2e-3)  # from the flags: the split is free, lr is then refused
+    with pytest.raises(ValueError, match=r"written with lr=0.001, this run has lr=0.002"):
+        check_meta(meta, now, "ck")
+    assert resumed_config(TrainConfig(), meta, given={"heads"}).model == replace(written.model, heads=4)

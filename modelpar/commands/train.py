@@ -30,7 +30,7 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("pp", int, "pipeline stages p"),
         ("dp", int, "data-parallel replicas d"),
         ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
-        ("chunks", int, "model chunks v per rank for --schedule interleaved (default 2)"),
+        ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
         ("microbatches", int, "micro-batches m per replica"),
         ("recompute", str, "activation recomputation per stage: none, full or k (every k layers)"),
         ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
@@ -51,7 +51,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("checkpoint_dir", str, "write sharded checkpoints here (torch.distributed.checkpoint)"),
         ("checkpoint_every", int, "checkpoint every this many steps (0: at the end)"),
         ("keep", int, "complete checkpoints kept (default 2)"),
-        ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir"),
+        ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir, at any split; "
+                         "the model, data and optimisation settings left out come from the checkpoint"),
         ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
         ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
                            "(default 300: a hung rank ends the run with an error)"),
@@ -115,7 +116,21 @@ def build_config(args: argparse.Namespace) -> Any:
     run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
     if "recompute" in run:
         run["recompute"] = str(run["recompute"]).lower()
-    return replace(cfg, model=replace(cfg.model, **model), data=DataConfig(**data), **run)
+    if run.get("schedule") == "interleaved" and "chunks" not in run:
+        run["chunks"] = 2
+    cfg = replace(cfg, model=replace(cfg.model, **model), data=DataConfig(**data), **run)
+    if cfg.resume and cfg.checkpoint_dir:
+        cfg = _continued(cfg, set(given) | ({"data"} if data else set()))
+    return cfg
+
+
+def _continued(cfg: Any, given: set[str]) -> Any:
+    """With --resume: the model, data and optimisation settings not on the command line come from the checkpoint."""
+    from modelpar.checkpoint import latest_checkpoint, read_meta
+    from modelpar.training.state import resumed_config
+
+    path = latest_checkpoint(cfg.checkpoint_dir)
+    return cfg if path is None else resumed_config(cfg, read_meta(path), given)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,18 +141,21 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
     from modelpar.training.report import Display
+    from modelpar.training.resume import check_directory, check_resume
 
     cfg = build_config(args)
     console = Console(stderr=True)
     metrics = MetricsLog(args.out, tensorboard=args.tensorboard)
-    display = None if args.no_progress else Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
+    display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=not args.no_progress)
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if args.backend == "auto" else args.backend)
         if result is None:  # not global rank 0: rank 0 writes the summary
             return 0
     else:
-        cfg = prepare_data(cfg.check(), console, progress=not args.no_progress).check()
+        check_directory(cfg.check())  # locked by a live run: exit before writing anything or starting ranks
+        cfg = prepare_data(cfg, console, progress=not args.no_progress).check()
+        check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps")
         result = run_local(cfg, report)

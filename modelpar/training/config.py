@@ -31,7 +31,7 @@ class TrainConfig:
     pp: int = 2  # p: pipeline stages
     dp: int = 1  # d: data-parallel replicas
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    chunks: int = 2  # v: model chunks per rank for the interleaved schedule (others use 1)
+    chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
     microbatches: int = 4  # m: micro-batches per replica per step
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
     recompute: str = "none"  # activation recomputation per stage: none, full, or k (every k layers)
@@ -58,11 +58,6 @@ class TrainConfig:
         return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
 
     @property
-    def virtual_chunks(self) -> int:
-        """v: model chunks per pipeline rank (1 unless the schedule is interleaved)."""
-        return self.chunks if self.schedule == "interleaved" else 1
-
-    @property
     def recompute_arg(self) -> str | int | None:
         """The ``recompute=`` argument of the layer chain: None, "full" or k."""
         return None if self.recompute == "none" else ("full" if self.recompute == "full" else int(self.recompute))
@@ -78,9 +73,12 @@ class TrainConfig:
             dims.check_world(world_size)
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         check_choice("dtype", self.dtype, DTYPES)
-        v = self.virtual_chunks
         if self.schedule == "interleaved":
             check_int("chunks", self.chunks, minimum=2)
+        elif self.chunks != 1:
+            raise ValueError(f"chunks must be 1 unless the schedule is interleaved, got {self.chunks!r} with "
+                             f"schedule {self.schedule!r}")
+        v = self.chunks
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed", "exit_after"):

@@ -7,8 +7,9 @@
         GradSync.clip: global norm over every shard
         AdamW.step; loss mean over replicas; report; eval; checkpoint
 
-Everything every rank must agree on (config checks, checkpoint choice and compatibility) is
-decided before the first collective, so bad input raises the same ValueError on every rank.
+Everything every rank must agree on (the config checks; the checkpoint to resume from and its
+compatibility, settled by rank 0 and broadcast) is decided before training starts, so bad input
+raises the same ValueError on every rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelpar.checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from modelpar.checkpoint import ShardedState, load_checkpoint, save_checkpoint
 from modelpar.model import GPTLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
@@ -33,8 +34,9 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.evaluate import evaluate
 from modelpar.training.grads import GradSync, param_groups
 from modelpar.training.metrics import peak_memory_mb
+from modelpar.training.resume import CheckpointDir
 from modelpar.training.setup import setup_rank
-from modelpar.training.state import check_meta, init_optimizer_state, run_meta, state_tensors
+from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 
 __all__ = ["TrainResult", "lr_at", "train"]
 
@@ -85,27 +87,24 @@ def _global_mean(value: float | None, weight: float, device: torch.device) -> fl
     return t.item()
 
 
-def _resume(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> tuple[int, list[float]]:
-    """Load the latest complete checkpoint if asked; return (step to start at, losses so far)."""
-    if not cfg.resume:
-        return 0, []
-    path = latest_checkpoint(cfg.checkpoint_dir)  # type: ignore[arg-type]
+def _resume(cfg: TrainConfig, directory: CheckpointDir, state: ShardedState) -> tuple[int, list[float]]:
+    """Load the checkpoint to resume from, if any (written at any split); return (step to start at, losses so far)."""
+    path = directory.choose(cfg)
     if path is None:
         return 0, []
-    check_meta(read_meta(path), cfg, str(path))
-    meta = load_checkpoint(path, state)
+    meta = load_checkpoint(path, state, group=dist.group.WORLD)
     return int(meta["step"]), [float(x) for x in meta["losses"]]
 
 
 class _Run:
     """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
 
-    def __init__(self, cfg: TrainConfig, report: Reporter | None) -> None:
+    def __init__(self, cfg: TrainConfig, report: Reporter | None, directory: CheckpointDir) -> None:
         self.cfg, self.rs = cfg, setup_rank(cfg, cfg.timeout)
         rs = self.rs
         self.dtype = getattr(torch, cfg.dtype)
         self.corpus = open_corpus(cfg.data)
-        self.schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_chunks)
+        self.schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
@@ -120,8 +119,8 @@ class _Run:
                                            betas=(0.9, 0.95), eps=1e-8)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
-        self.state = state_tensors(self.modules, self.optimizer, rs.tp_rank, dist.get_rank(), self.rng)
-        start, losses = _resume(cfg, self.state)
+        self.state = checkpoint_state(cfg.model, self.modules, self.optimizer, self.rng)
+        start, losses = _resume(cfg, directory, self.state)
         torch.set_rng_state(self.rng)
         self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
                                   num_parameters=cfg.model.num_parameters(),
@@ -181,15 +180,21 @@ class _Run:
     def save(self, step: int) -> None:
         if self.cfg.checkpoint_dir:
             self.rng.copy_(torch.get_rng_state())
-            save_checkpoint(self.cfg.checkpoint_dir, step, self.state,
-                            run_meta(self.cfg, step, self.result.losses), keep=self.cfg.keep)
+            save_checkpoint(self.cfg.checkpoint_dir, step, self.state, run_meta(self.cfg, step, self.result.losses),
+                            group=dist.group.WORLD, keep=self.cfg.keep)
 
 
 def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     """Train on this rank; every rank of the default process group calls it with the same ``cfg``."""
     cfg.check(dist.get_world_size())
-    cfg = prepare_on_rank0(cfg).check(dist.get_world_size())
-    run = _Run(cfg, report)
+    note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
+    directory = CheckpointDir.open(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
+    try:
+        cfg = prepare_on_rank0(cfg).check(dist.get_world_size())  # may write tokenizer.json: after the lock
+        run = _Run(cfg, report, directory)
+    except BaseException:
+        directory.close()
+        raise
     start = done = run.result.start_step
     if run.emit:
         run.emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": run.result.num_parameters,
@@ -217,6 +222,7 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     finally:
         if checks is not None:
             set_shape_checks(checks)
+        directory.close()
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})

@@ -43,21 +43,24 @@ class EventFile:
 
 
 class Display:
-    """A progress bar: step m/n, loss, last validation loss, tokens/s, elapsed and remaining time."""
+    """A progress bar (step m/n, loss, last validation loss, tokens/s, elapsed and remaining time) and
+    the run's notes; ``progress=False`` keeps only the notes (logs and CI)."""
 
-    def __init__(self, console: Console | None = None, title: str = "train") -> None:
+    def __init__(self, console: Console | None = None, title: str = "train", progress: bool = True) -> None:
         self.console = console or Console(stderr=True)
         self.title = title
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  {task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False, disable=not progress,
         )
         self.task: Any = None
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
-        if kind == "start":
+        if kind == "note":  # one line about the run (its checkpoint directory), shown even without a bar
+            self.console.print(f"modelpar train: {event['text']}", highlight=False, markup=False, soft_wrap=True)
+        elif kind == "start":
             self.progress.start()
             self.task = self.progress.add_task(self.title, total=event["steps"], completed=event["start_step"],
                                                loss="-", val="-", tps="-")

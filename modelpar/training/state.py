@@ -1,28 +1,41 @@
-"""What a checkpoint holds for one rank: its parameter shards, their AdamW state and its RNG.
+"""What a checkpoint holds for a run, and what a resumed run must share with the one that wrote it.
 
-Keys name the shard, ``model.<global parameter name>|tp<i>``: layer indices are global, so every
-pipeline stage's entries are distinct, tensor-parallel shards differ by ``|tp<i>`` and
-data-parallel replicas share keys (DCP writes them once). The data position needs no tensor:
-batches depend only on (seed, step), and the step is in the metadata.
+Entries (``modelpar.checkpoint.ShardedState``), each the *full* tensor of the single-process model:
+
+    model.<name>                 every parameter under its single-process name (global layer index;
+                                 a last stage's copy of a tied output weight is the embedding: saved once)
+    optim.<name>.<field>         AdamW's exp_avg and exp_avg_sq, laid out like the parameter; step whole
+    rng                          the torch RNG state (one rank's: every rank holds the same one, as
+                                 training draws no random numbers after initialisation)
+
+A rank adds the part it holds, as ``param_layout`` describes it, so the same names and full shapes
+come out of every (t, p, d, v) split and DCP moves the boxes between splits. The data position
+needs no tensor: batches depend only on (seed, step), and the step is in the metadata.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from modelpar.checkpoint import Shard, ShardedState
+from modelpar.model import ModelConfig, global_name
+from modelpar.tensor_parallel.sharding import ParamLayout, param_layout
+from modelpar.text.config import DataConfig
 from modelpar.training.config import TrainConfig
 
-__all__ = ["check_meta", "init_optimizer_state", "run_meta", "state_tensors"]
+__all__ = ["MUST_MATCH", "check_meta", "checkpoint_state", "init_optimizer_state", "layout_shard", "resumed_config",
+           "run_meta"]
 
-# Settings a checkpoint must share with the run that resumes it: the model's split, the data
-# stream, and everything the optimisation depends on (the lr schedule depends on ``steps``). The
-# schedule and micro-batch count may change: they compute the same gradients (up to rounding).
-_MUST_MATCH = ("tp", "pp", "dp", "chunks_used", "seed", "batch_size", "dtype", "steps", "lr", "warmup",
-               "weight_decay", "clip", "data")
+# Settings a checkpoint must share with the run that resumes it, besides the model and the data (its
+# tokens and tokenizer, ``data.fingerprint``): the batches and everything the optimisation depends on
+# (the lr schedule depends on ``steps``). The split (t, p, d, v), the schedule, the micro-batches,
+# recomputation and sequence parallelism may change: they compute the same gradients up to rounding.
+MUST_MATCH = ("seed", "batch_size", "dtype", "steps", "lr", "warmup", "weight_decay", "clip")
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -38,39 +51,58 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def state_tensors(modules: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, tp_rank: int,
-                  rank: int, rng: torch.Tensor) -> dict[str, torch.Tensor]:
-    """This rank's checkpoint entries; loading fills these very tensors in place."""
-    out: dict[str, torch.Tensor] = {}
+def layout_shard(tensor: torch.Tensor, layout: ParamLayout) -> Shard:
+    """``tensor`` (this rank's data of a parameter with ``layout``, or of its optimizer state) as a Shard."""
+    if layout.dim is None or layout.shards == 1:
+        return Shard.whole(tensor)
+    return Shard.split(tensor, layout.dim, layout.shard, layout.shards, layout.blocks)
+
+
+def checkpoint_state(model: ModelConfig, modules: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
+                     rng: torch.Tensor) -> ShardedState:
+    """This rank's entries; loading fills these very tensors in place."""
+    state = ShardedState()
     for module in modules.values():
-        for name, p in module.named_parameters():
-            out[f"model.{name}|tp{tp_rank}"] = p.data
-            for field, value in optimizer.state[p].items():
-                out[f"optim.{name}.{field}|tp{tp_rank}"] = value
-    out[f"rng|rank{rank}"] = rng
-    return out
+        for local_name, p in module.named_parameters():
+            name, layout = global_name(model, local_name), param_layout(p)
+            state.add(f"model.{name}", layout_shard(p.data, layout))
+            for field, value in optimizer.state.get(p, {}).items():
+                whole = value.shape != p.shape  # AdamW's step
+                state.add(f"optim.{name}.{field}", Shard.whole(value) if whole else layout_shard(value, layout))
+    state.add("rng", Shard.whole(rng))
+    return state
 
 
 def run_meta(cfg: TrainConfig, step: int, losses: list[float]) -> dict[str, Any]:
-    """JSON metadata stored with a checkpoint (rank 0 writes it)."""
-    return {"model": cfg.model.__dict__, "tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp,
-            "chunks_used": cfg.virtual_chunks, "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "dtype": cfg.dtype, "schedule": cfg.schedule, "microbatches": cfg.microbatches, "steps": cfg.steps,
-            "lr": cfg.lr, "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
-            "step": step, "losses": losses, "data": cfg.data.fingerprint}
+    """JSON metadata stored with a checkpoint (rank 0 writes it): the run's config, which tokens it
+    trained on, its step and losses."""
+    return {"config": cfg.to_dict(), "data": cfg.data.fingerprint, "step": step, "losses": losses}
 
 
 def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
-    """ValueError (the same on every rank) if checkpoint ``path`` belongs to another model or split."""
-    if dict(meta.get("model", {})) != cfg.model.__dict__:
-        diff = sorted(k for k, v in cfg.model.__dict__.items() if meta.get("model", {}).get(k) != v)
-        raise ValueError(f"checkpoint {path!r} is of a different model: {', '.join(diff)} differ "
-                         f"(checkpoint {[meta.get('model', {}).get(k) for k in diff]}, "
-                         f"this run {[cfg.model.__dict__[k] for k in diff]})")
-    mine = run_meta(cfg, 0, [])
-    for key in _MUST_MATCH:
-        if meta.get(key) != mine[key]:
-            raise ValueError(f"checkpoint {path!r} was written with {key}={meta.get(key)!r}, this run has "
-                             f"{key}={mine[key]!r}; resume with the same model, split (tp, pp, dp, chunks), "
-                             "data and tokenizer, seed, batch size, dtype and optimisation settings "
-                             "(steps, lr, warmup, weight decay, clip) to continue exactly")
+    """ValueError (the same on every rank) if checkpoint ``path`` belongs to another model or optimisation."""
+    saved = meta.get("config", {})
+    their_model, my_model = saved.get("model", {}), asdict(cfg.model)
+    diff = sorted(k for k in my_model.keys() | their_model.keys() if their_model.get(k) != my_model.get(k))
+    if diff:
+        raise ValueError(f"checkpoint {path!r} is of a different model: {', '.join(diff)} differ (checkpoint "
+                         f"{[their_model.get(k) for k in diff]}, this run {[my_model.get(k) for k in diff]})")
+    theirs = {"data": meta.get("data"), **{key: saved.get(key) for key in MUST_MATCH}}
+    mine = {"data": cfg.data.fingerprint, **{key: getattr(cfg, key) for key in MUST_MATCH}}
+    for key, value in mine.items():
+        if theirs[key] != value:
+            raise ValueError(f"checkpoint {path!r} was written with {key}={theirs[key]!r}, this run has "
+                             f"{key}={value!r}; resume with the same data and tokenizer, seed, batch size, dtype "
+                             "and optimisation settings (steps, lr, warmup, weight decay, clip) to continue exactly")
+
+
+def resumed_config(cfg: TrainConfig, meta: Mapping[str, Any], given: Collection[str]) -> TrainConfig:
+    """``cfg`` with the model, the data and the ``MUST_MATCH`` settings of checkpoint ``meta`` wherever
+    the field is not in ``given`` (the settings the user chose: model fields by their own names,
+    "data" for any data setting). The data comes unprepared: preparing it again gives its fingerprint."""
+    saved = TrainConfig.from_dict(meta.get("config", {}))
+    model = {f.name: getattr(saved.model, f.name) for f in fields(ModelConfig) if f.name not in given}
+    run: dict[str, Any] = {key: getattr(saved, key) for key in MUST_MATCH if key not in given}
+    if "data" not in given:
+        run["data"] = replace(saved.data, prepared=None, fingerprint=DataConfig().fingerprint)
+    return replace(cfg, model=replace(cfg.model, **model), **run)

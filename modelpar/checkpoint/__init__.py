@@ -1,0 +1,46 @@
+"""Layout-free checkpoints through ``torch.distributed.checkpoint``: every tensor saved whole, by name.
+
+``ShardedState`` maps global names to the ``Shard`` of each full tensor a rank holds; DCP writes
+the boxes once and reads any box back, so a checkpoint written at one (t, p, d, v) loads at any
+other, and ``read_full_tensors`` reads whole tensors in one process. ``store`` makes the writes
+atomic and checkable, ``lock`` gives a checkpoint directory one writer.
+"""
+
+from modelpar.checkpoint.lock import LOCK, DirLock, check_unlocked, lock_holder
+from modelpar.checkpoint.shards import Piece, Shard, ShardedState
+from modelpar.checkpoint.store import (
+    FORMAT,
+    MARKER,
+    META,
+    checkpoint_problem,
+    checkpoint_step,
+    latest_checkpoint,
+    leftovers,
+    load_checkpoint,
+    read_full_tensors,
+    read_meta,
+    remove_leftovers,
+    save_checkpoint,
+)
+
+__all__ = [
+    "FORMAT",
+    "LOCK",
+    "MARKER",
+    "META",
+    "DirLock",
+    "Piece",
+    "Shard",
+    "ShardedState",
+    "check_unlocked",
+    "checkpoint_problem",
+    "checkpoint_step",
+    "latest_checkpoint",
+    "leftovers",
+    "load_checkpoint",
+    "lock_holder",
+    "read_full_tensors",
+    "read_meta",
+    "remove_leftovers",
+    "save_checkpoint",
+]

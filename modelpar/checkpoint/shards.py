@@ -1,0 +1,187 @@
+"""What a rank puts in a checkpoint: the parts of full tensors it holds, and DCP planners for them.
+
+A checkpoint entry is a *full* tensor (the single-process one) under its global name. Each rank
+describes the part it holds as a ``Shard``: the full shape and one or more boxes (offsets in the
+full tensor + a view of this rank's data)::
+
+    qkv.weight, full [3h, h], t = 2, rank 1:   rows [h/2, h) of q,  [3h/2, 2h) of k,  [5h/2, 3h) of v
+                                               -> Shard((3h, h), [Piece((h/2, 0), q_1), Piece((3h/2, 0), k_1), ...])
+
+DCP stores every box as a chunk of the full tensor (boxes that several ranks hold — data-parallel
+replicas, replicated LayerNorms, a tied weight's copies — are written once, each by whichever of
+its holders has the least to write, so the data-parallel replicas share the writing).
+On load each rank asks for its own boxes and DCP reads the overlaps from whatever chunks were
+saved: any split to any other. A rank leaves out what it does not hold (ZeRO-1 keeps each
+optimizer state on one data-parallel rank) and asks only for what it holds in the new layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from modelpar._validate import check_int
+
+__all__ = ["Piece", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "ShardedState"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box of a full tensor held by this rank: where it starts, and the data (loading writes into it)."""
+
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass
+class Shard:
+    """The part of one full tensor of shape ``shape`` this rank holds: a list of boxes."""
+
+    shape: tuple[int, ...]
+    pieces: list[Piece]
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> Shard:
+        """All of ``tensor`` (a replicated one, or the full tensor on one process)."""
+        return cls(tuple(tensor.shape), [Piece((0,) * tensor.dim(), tensor)])
+
+    @classmethod
+    def split(cls, local: torch.Tensor, dim: int, index: int, count: int, blocks: int = 1) -> Shard:
+        """``local`` is part ``index`` of ``count`` equal parts along ``dim`` of the full tensor.
+
+        With ``blocks`` > 1 that dimension is made of equal fused blocks (q, k, v) and ``local`` holds
+        part ``index`` of each block, concatenated: one box per block.
+        """
+        count = check_int("count", count, minimum=1)
+        index = check_int("index", index, minimum=0, maximum=count - 1)
+        blocks = check_int("blocks", blocks, minimum=1)
+        if not 0 <= dim < local.dim() or local.shape[dim] % blocks:
+            raise ValueError(f"dim {dim} of a local tensor of shape {tuple(local.shape)} must exist and be "
+                             f"divisible by blocks ({blocks})")
+        shape = list(local.shape)
+        shape[dim] *= count
+        block_local, block_full = local.shape[dim] // blocks, shape[dim] // blocks
+        pieces = []
+        for b, part in enumerate(local.split(block_local, dim)):
+            offsets = [0] * local.dim()
+            offsets[dim] = b * block_full + index * block_local
+            pieces.append(Piece(tuple(offsets), part))
+        return cls(tuple(shape), pieces)
+
+    def piece_at(self, offsets: tuple[int, ...]) -> Piece:
+        for piece in self.pieces:
+            if piece.offsets == offsets:
+                return piece
+        raise KeyError(offsets)
+
+
+@dataclass
+class ShardedState:
+    """Global name → the ``Shard`` of that full tensor this rank holds: what it saves and what it loads.
+
+    A name added twice on one rank (a tied weight's two copies) is saved once; loading fills the
+    first and copies it into the second.
+    """
+
+    shards: dict[str, Shard] = field(default_factory=dict)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (destination, source)
+
+    def add(self, name: str, shard: Shard) -> None:
+        held = self.shards.get(name)
+        if held is None:
+            self.shards[name] = shard
+            return
+        if held.shape != shard.shape or [p.offsets for p in held.pieces] != [p.offsets for p in shard.pieces]:
+            raise ValueError(f"{name!r} added twice with different layouts: full shapes {held.shape} and "
+                             f"{shard.shape}, boxes at {[p.offsets for p in held.pieces]} and "
+                             f"{[p.offsets for p in shard.pieces]}")
+        self.copies += [(p.tensor, q.tensor) for p, q in zip(shard.pieces, held.pieces)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shards
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards)
+
+    @torch.no_grad()
+    def fill_copies(self) -> None:
+        """After a load: the second copy of a name held twice takes the loaded first one."""
+        for destination, source in self.copies:
+            destination.copy_(source)
+
+
+def _chunk(piece: Piece) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.tensor.shape)
+
+
+def _piece(shards: dict[str, Shard], index: MetadataIndex) -> torch.Tensor:
+    offsets = tuple(index.offset) if index.offset is not None else ()
+    return shards[index.fqn].piece_at(offsets).tensor
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP save planner for a ``{name: Shard}`` dict: one write item per box; a box held by several ranks
+    is written once (DCP's de-duplication balances the bytes each rank writes)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.shards: dict[str, Shard] = state_dict
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(name, torch.Size(piece.offsets)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(chunk=_chunk(piece), size=torch.Size(shard.shape),
+                                                       properties=TensorProperties.create_from_tensor(piece.tensor)))
+                 for name, shard in self.shards.items() for piece in shard.pieces]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return _piece(self.shards, index)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner for a ``{name: Shard}`` dict: reads every box from the saved chunks it overlaps."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.shards: dict[str, Shard] = state_dict
+        self.state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for name, shard in self.shards.items():
+            stored = self.metadata.state_dict_metadata.get(name)
+            if not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != shard.shape:
+                raise ValueError(f"checkpoint entry {name!r} is {stored}, this rank expects a tensor of full "
+                                 f"shape {shard.shape}")
+            items += create_read_items_for_chunk_list(name, stored, [_chunk(p) for p in shard.pieces])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _piece(self.shards, index)
