@@ -16,6 +16,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "plan": "modelpar.commands.plan",
     "bench": "modelpar.commands.bench",
+    "export": "modelpar.commands.export",
     "simulate": "modelpar.commands.simulate",
     "train": "modelpar.commands.train",
 }

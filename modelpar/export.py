@@ -1,0 +1,119 @@
+"""A trained model out of a checkpoint, for use on one process without torch.distributed.
+
+    model.safetensors   the single-process model's state dict: names as ``build_stage(cfg)`` gives
+                        them on one process (a tied output weight once, as the embedding), metadata
+                        {"format": "modelpar", "config": <ModelConfig as JSON>}
+    model.json          the same config, beside it
+    tokenizer.json      copied from the checkpoint directory when the run saved one there
+
+``export_checkpoint`` reads the full tensors from the DCP files in this process (whatever split
+wrote them); ``load_model`` builds the model from the file alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelpar.checkpoint import MARKER, latest_checkpoint, read_full_tensors, read_meta
+from modelpar.model import ModelConfig, build_stage
+
+__all__ = ["EXPORT_FORMAT", "checkpoint_path", "export_checkpoint", "load_model"]
+
+EXPORT_FORMAT = "modelpar"  # the safetensors metadata "format"
+CONFIG = "model.json"
+TOKENIZER = "tokenizer.json"
+
+
+def checkpoint_path(path: str | os.PathLike) -> Path:
+    """``path`` if it is a complete checkpoint (``step_N``), else the newest complete one inside it; ValueError if none."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist (expected a checkpoint directory)")
+    skipped: list[tuple[Path, str]] = []
+    found = latest_checkpoint(path, skipped)
+    if found is None:
+        damaged = "; damaged: " + ", ".join(f"{p.name} ({why})" for p, why in skipped) if skipped else ""
+        raise ValueError(f"{str(path)!r} is not a checkpoint: no {MARKER} marker and no complete step_N "
+                         f"checkpoint inside{damaged}")
+    return found
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
+    """Write the whole model of ``checkpoint`` (a checkpoint directory or one ``step_N`` in it) to ``out``.
+
+    Returns the files written: ``out``, ``model.json`` beside it, and ``tokenizer.json`` if the
+    checkpoint directory holds one. Nothing is written if the checkpoint cannot be read.
+    """
+    from safetensors.torch import save_file
+
+    path, out = checkpoint_path(checkpoint), Path(out)
+    config = read_meta(path)["config"]["model"]
+    ModelConfig(**config).check()
+    tensors = {name: t.contiguous() for name, t in read_full_tensors(path, "model.").items()}
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": EXPORT_FORMAT, "config": json.dumps(config, sort_keys=True)})
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    written = [out, out.with_name(CONFIG)]
+    written[1].write_text(json.dumps(config, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tokenizer = path.parent / TOKENIZER
+    if tokenizer.is_file():
+        written.append(out.with_name(TOKENIZER))
+        shutil.copyfile(tokenizer, written[-1])
+    return written
+
+
+def _config(path: Path) -> ModelConfig:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta: dict[str, Any] = f.metadata() or {}
+    except Exception as err:  # not a safetensors file, or a damaged one
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+    if meta.get("format") != EXPORT_FORMAT or "config" not in meta:
+        raise ValueError(f"{str(path)!r} is not a modelpar export (its metadata has format "
+                         f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r} and a config)")
+    return ModelConfig(**json.loads(meta["config"]))
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> nn.Module:
+    """The single-process model of an export (eval mode), on ``device``, in ``dtype`` (default: as saved)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = _config(path)
+    tensors = load_file(str(path), device=str(device))
+    dtype = dtype or next(iter(tensors.values())).dtype
+    model = build_stage(cfg, dtype=dtype, device=device)
+    names: dict[int, list[str]] = {}  # a tied weight has two names and one Parameter
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    missing = [n[0] for n in names.values() if not any(name in tensors for name in n)]
+    own = {name for n in names.values() for name in n} | set(model.state_dict())
+    extra = sorted(set(tensors) - own)
+    if missing or extra:
+        raise ValueError(f"{str(path)!r} does not hold the model of its config {asdict(cfg)}: "
+                         f"missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():
+            if name in tensors:
+                if tuple(tensors[name].shape) != tuple(value.shape):
+                    raise ValueError(f"{str(path)!r}: {name!r} has shape {tuple(tensors[name].shape)}, "
+                                     f"the model of its config {tuple(value.shape)}")
+                value.copy_(tensors[name])
+    return model.eval()
