@@ -58,7 +58,7 @@ def main() -> None:
     print(f"{'schedule':<12}{'K':>4}{'M':>6}{'v':>3}{'actions':>9}{'ours s':>10}{'torch s':>10}{'torch/ours':>12}")
     for name, k, m, v in [("1f1b", 4, 32, 1), ("interleaved", 8, 32, 2), ("zb-h1", 8, 64, 1),
                           ("interleaved", 16, 64, 2)]:
-        s = get_schedule(name, k, m, v)
+        s = get_schedule(name, stages=k, microbatches=m, chunks=v)
         n = sum(map(len, s.actions))
         ours, _ = timed(lambda: full_pass(s), args.repeats)
         theirs, _ = timed(lambda: torch_dry_run(s), 1)
@@ -70,7 +70,7 @@ def main() -> None:
           f"{'cpu s':>8}{'us/action':>11}{'budget/ours':>13}")
     for name, k, m, v in [("interleaved", 64, 1024, 4), ("1f1b", 64, 1024, 1), ("gpipe", 64, 1024, 1),
                           ("zb-h1", 64, 1024, 1)]:
-        gen, s = timed(lambda: get_schedule(name, k, m, v), 1)
+        gen, s = timed(lambda: get_schedule(name, stages=k, microbatches=m, chunks=v), 1)
         n = sum(map(len, s.actions))
         sim, t = timed(lambda: full_pass(s), args.repeats)
         cpu, _ = timed(lambda: full_pass(s), args.repeats, time.process_time)

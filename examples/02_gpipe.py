@@ -8,36 +8,40 @@ Part 4: micro-batches are not free — measured t(b) ≈ α + β·b, step time v
 from __future__ import annotations
 
 from modelpar.schedules import clock_cycles, gpipe
-from modelpar.simulate import Costs, gpipe_bubble, min_microbatches_for_bubble, pipeline_speedup, simulate
+from modelpar.simulate import Costs, bubble_fraction_of_step, min_microbatches_for_bubble, pipeline_speedup, simulate
 from modelpar.simulate.ascii import ascii_chart
 
 
 def part1() -> None:
     """§2.2: wave k holds every (microbatch i, stage j) with i + j = k."""
     print("== Part 1: clock_cycles (HW5 Problem 2.1) ==")
-    print("clock_cycles(3, 3):")
-    for k, wave in enumerate(clock_cycles(3, 3)):
+    print("clock_cycles(stages=3, microbatches=3):")
+    for k, wave in enumerate(clock_cycles(stages=3, microbatches=3)):
         print(f"  k = {k}: {wave}")
-    print(f"clock_cycles(2, 3) has {len(list(clock_cycles(2, 3)))} waves; clock_cycles(0, 4): {list(clock_cycles(0, 4))}")
-    waves = clock_cycles(-1, 3)  # a generator: no error yet
+    waves = len(list(clock_cycles(stages=3, microbatches=2)))
+    print(f"clock_cycles(stages=3, microbatches=2) has {waves} waves; "
+          f"clock_cycles(stages=4, microbatches=0): {list(clock_cycles(stages=4, microbatches=0))}")
+    waves = clock_cycles(stages=3, microbatches=-1)  # a generator: no error yet
     try:
         next(waves)
     except ValueError as err:
-        print(f"clock_cycles(-1, 3) raises on the first iteration: ValueError({err})")
+        print(f"clock_cycles(stages=3, microbatches=-1) raises on the first iteration: ValueError({err})")
     print()
 
 
 def part2() -> None:
     """§2.3: GPipe K = 4, M = 8 takes 33 units with a 27.3% bubble; the formula agrees."""
     print("== Part 2: the bubble (backward = 2 x forward) ==")
-    timeline = simulate(gpipe(4, 8))
+    timeline = simulate(gpipe(stages=4, microbatches=8))
     print(f"K = 4, M = 8: step {timeline.step_time:g} units, bubble {timeline.bubble:.1%}")
     print(ascii_chart(timeline))
     diff = max(
-        abs(simulate(gpipe(k, m)).bubble - gpipe_bubble(k, m)) for k in range(1, 9) for m in range(1, 65)
+        abs(simulate(gpipe(stages=k, microbatches=m)).bubble - bubble_fraction_of_step(stages=k, microbatches=m))
+        for k in range(1, 9) for m in range(1, 65)
     )
     print(f"max |simulated - (K - 1)/(M + K - 1)| over K <= 8, M <= 64: {diff:.1e}")
-    print("M = 4K is not negligible:   " + ", ".join(f"K={k}: {gpipe_bubble(k, 4 * k):.1%}" for k in (2, 4, 8, 16)))
+    cells = (f"K={k}: {bubble_fraction_of_step(stages=k, microbatches=4 * k):.1%}" for k in (2, 4, 8, 16))
+    print("M = 4K is not negligible:   " + ", ".join(cells))
     print("smallest M for bubble < 5%: " + ", ".join(
         f"K={k}: {min_microbatches_for_bubble(k, 0.05)} = 19(K-1) + 1" for k in (2, 4, 8, 16)
     ))
@@ -51,9 +55,9 @@ def part3() -> None:
     for transfer in (0.0, 0.5):
         print(f"transfer = {transfer:g} forward".ljust(22) + "".join(f"{'M = ' + str(m):>9}" for m in ms))
         for k in (2, 4, 8):
-            cells = [simulate(gpipe(k, m), Costs(transfer=transfer)).speedup for m in ms]
+            cells = [simulate(gpipe(stages=k, microbatches=m), Costs(transfer=transfer)).speedup for m in ms]
             print(f"  K = {k}".ljust(22) + "".join(f"{c:8.2f}x" for c in cells))
-    print(f"formula K = 8, M = 32: {pipeline_speedup(8, 32):.2f}x")
+    print(f"formula K = 8, M = 32: {pipeline_speedup(stages=8, microbatches=32):.2f}x")
     print()
 
 

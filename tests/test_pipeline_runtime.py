@@ -77,7 +77,7 @@ def _transparency(name, cases):
     out = []
     x, y = _batch()
     for k, m, v in cases:
-        schedule = get_schedule(name, k, m, v)
+        schedule = get_schedule(name, stages=k, microbatches=m, chunks=v)
         group = _group(k)
         model, ref = _model(), _model()
         stages = split_stages(model, schedule, dist.get_rank(group), balance=[2 * 8 // (k * v)] * (k * v))
@@ -116,7 +116,7 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             assert c["loss_err"] <= TOL, c
             assert c["param_err"] <= TOL, c  # two optimizer steps later, still the same model
             assert c["owned"] == 2 * 8 // k  # every parameter this rank holds got a gradient
-            schedule = get_schedule(name, k, m, v)
+            schedule = get_schedule(name, stages=k, microbatches=m, chunks=v)
             if schedule.device_of(schedule.num_stages - 1) == c["device"]:
                 assert c["microbatch_losses"] == m
             # held activations (F until B, or I when split), counted per chunk: the simulator's peak
@@ -154,7 +154,7 @@ def _token_model(seed=0):
 
 def _uneven_tokens(name, balance, recompute):
     """Uneven stages, integer token ids in, NLL loss out; returns errors, peak, and the timeline."""
-    schedule = get_schedule(name, 4, 6)
+    schedule = get_schedule(name, stages=4, microbatches=6)
     model, ref = _token_model(), _token_model()
     stages = split_stages(model, schedule, dist.get_rank(), balance=balance, recompute=recompute)
     runner = PipelineRunner(schedule, stages, F.nll_loss, timeout=30)
@@ -179,7 +179,7 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
         assert r["err"] <= TOL and r["loss_err"] <= TOL, (d, r["err"], r["loss_err"])
         assert r["owned"] == owned[d]
     # the gathered timeline: every device ran exactly its actions, in the schedule's order, one at a time
-    tl, schedule = per_rank[0]["timeline"], get_schedule(name, 4, 6)
+    tl, schedule = per_rank[0]["timeline"], get_schedule(name, stages=4, microbatches=6)
     assert tl.actions == [list(a) for a in schedule.actions]
     for starts, ends in zip(tl.starts, tl.ends):
         assert all(s <= e for s, e in zip(starts, ends))
@@ -228,12 +228,12 @@ def test_hand_written_v_schedule(cluster):
 # --- bad input: the same clear error on every rank, before anything is sent -------------------
 def _error_on_every_rank(case):
     try:
-        schedule = get_schedule("1f1b", 4, 4)
+        schedule = get_schedule("1f1b", stages=4, microbatches=4)
         model, x, y = _model(), *_batch()
         if case == "deadlock":
             schedule = Schedule.from_text("0F0 0B0 \n 1B0 1F0 \n 2F0 2B0 \n 3F0 3B0")
         if case == "stage count":
-            schedule = get_schedule("1f1b", 3, 4)
+            schedule = get_schedule("1f1b", stages=3, microbatches=4)
         if case == "split":
             model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
         stages = split_stages(model, schedule, dist.get_rank() % schedule.num_devices)
@@ -270,7 +270,7 @@ def test_bad_input_same_error_on_every_rank(cluster, case, message):
 
 # --- a stage that raises: every rank ends, the caller sees the original error ------------------
 def _raise_on_rank_1(catch):
-    schedule = get_schedule("1f1b", 4, 4)
+    schedule = get_schedule("1f1b", stages=4, microbatches=4)
     stages = split_stages(_model(), schedule, dist.get_rank())
     if 1 in stages:
         stages[1] = _BoomLater(stages[1])

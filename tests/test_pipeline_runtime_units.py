@@ -102,7 +102,7 @@ def test_tags_are_unique_per_message():
 
 def test_split_stages_even_and_interleaved_placement():
     model = _mlp([2] * 9, 0)  # 16 layers
-    schedule = get_schedule("interleaved", 2, 4, 2)
+    schedule = get_schedule("interleaved", stages=2, microbatches=4, chunks=2)
     stages = split_stages(model, schedule, 1)
     assert sorted(stages) == [1, 3] and all(len(m) == 4 for m in stages.values())
     assert stages[1][0] is model[4] and stages[3][0] is model[12]
@@ -117,7 +117,7 @@ def test_split_stages_even_and_interleaved_placement():
 
 def test_prediction_from_measured_costs_reproduces_the_simulator():
     """Fed the durations of a simulated 1F1B run (F = 1, B = 2), predict redraws the reference's 33 units."""
-    schedule = get_schedule("1f1b", 4, 8)
+    schedule = get_schedule("1f1b", stages=4, microbatches=8)
     sim = simulate(schedule, Costs())
     measured = Timeline(sim.events, 4, schedule)
     durations = measured_durations([measured])

@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.schedules import Schedule, get_schedule, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from modelpar.schedules import validate as V
-from modelpar.simulate import Costs, interleaved_bubble_ratio, simulate
+from modelpar.simulate import Costs, simulate
 
 K = st.integers(1, 7)
 M = st.integers(1, 20)
@@ -21,8 +22,8 @@ def schedules(draw):
     name = draw(st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1"]))
     k = draw(K)
     if name == "interleaved":
-        return get_schedule(name, k, k * draw(st.integers(1, 4)), draw(st.integers(1, 4)))
-    return get_schedule(name, k, draw(M))
+        return get_schedule(name, stages=k, microbatches=k * draw(st.integers(1, 4)), chunks=draw(st.integers(1, 4)))
+    return get_schedule(name, stages=k, microbatches=draw(M))
 
 
 @SETTINGS
@@ -54,24 +55,24 @@ def test_simulated_actions_start_as_soon_as_possible(s, t_f, t_b, transfer, data
 @SETTINGS
 @given(st.sampled_from([gpipe, one_f_one_b]), K, M, cost, cost)
 def test_zero_transfer_step_time_is_m_plus_k_minus_1_times_tf_plus_tb(gen, k, m, t_f, t_b):
-    t = simulate(gen(k, m), Costs(forward=t_f, backward=t_b))
+    t = simulate(gen(stages=k, microbatches=m), Costs(forward=t_f, backward=t_b))
     assert t.step_time == pytest.approx((m + k - 1) * (t_f + t_b), rel=1e-12)
 
 
 @SETTINGS
 @given(K, M)
 def test_1f1b_peak_on_device_d_is_at_most_k_minus_d(k, m):
-    peaks = simulate(one_f_one_b(k, m)).peak_activations
+    peaks = simulate(one_f_one_b(stages=k, microbatches=m)).peak_activations
     assert peaks == [min(k - d, m) for d in range(k)]
-    assert simulate(zb_h1(k, m)).peak_activations == peaks
-    assert simulate(gpipe(k, m)).peak_activations == [m] * k
+    assert simulate(zb_h1(stages=k, microbatches=m)).peak_activations == peaks
+    assert simulate(gpipe(stages=k, microbatches=m)).peak_activations == [m] * k
 
 
 @SETTINGS
 @given(K, st.integers(0, 12), cost)
 def test_zb_h1_matches_closed_form_when_m_at_least_k(k, extra, t):
     m = k + extra
-    zb = simulate(zb_h1(k, m), Costs(forward=t, backward=2 * t))  # T_F = T_B(I) = T_W = t
+    zb = simulate(zb_h1(stages=k, microbatches=m), Costs(forward=t, backward=2 * t))  # T_F = T_B(I) = T_W = t
     assert zb.step_time == pytest.approx(3 * m * t + (k - 1) * t, rel=1e-12)  # (K-1)(T_F+T_B-T_W)
 
 
@@ -79,15 +80,16 @@ def test_zb_h1_matches_closed_form_when_m_at_least_k(k, extra, t):
 @given(K, M, cost, cost, st.floats(0, 1))
 def test_zb_h1_never_slower_than_1f1b(k, m, t_f, t_b, w_share):
     c = Costs(forward=t_f, backward=t_b, weight=w_share * t_b)
-    assert simulate(zb_h1(k, m), c).step_time <= simulate(one_f_one_b(k, m), c).step_time + 1e-9
+    zb, base = simulate(zb_h1(stages=k, microbatches=m), c), simulate(one_f_one_b(stages=k, microbatches=m), c)
+    assert zb.step_time <= base.step_time + 1e-9
 
 
 @SETTINGS
 @given(st.integers(2, 6), st.integers(1, 5), st.integers(1, 4), cost)
 def test_interleaved_bubble_is_megatron_formula(k, rounds, v, t):
     m = k * rounds
-    tl = simulate(interleaved_1f1b(k, m, v), Costs(forward=t))
-    assert max(tl.idle) / (3 * t * m) == pytest.approx(interleaved_bubble_ratio(k, m, v), rel=1e-9)
+    tl = simulate(interleaved_1f1b(stages=k, microbatches=m, chunks=v), Costs(forward=t))
+    assert max(tl.idle) / (3 * t * m) == pytest.approx(bubble_over_ideal_compute(k, m, v), rel=1e-9)
 
 
 @settings(max_examples=150, deadline=None)

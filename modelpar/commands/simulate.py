@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, k, m_here, v if name == "interleaved" else 1))
+        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name == "interleaved" else 1))
     timelines = [simulate(s, costs) for s in schedules]
     if args.json:
         print(json.dumps([_record(t, costs) for t in timelines], indent=1))

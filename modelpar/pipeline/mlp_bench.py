@@ -51,7 +51,7 @@ class MLPBench:
             raise ValueError(f"timeout must be <= 86400 seconds, got {self.timeout:g}")
 
     def build_schedule(self) -> Schedule:
-        return get_schedule(self.schedule, self.stages, self.microbatches, self.chunks)
+        return get_schedule(self.schedule, stages=self.stages, microbatches=self.microbatches, chunks=self.chunks)
 
 
 def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:

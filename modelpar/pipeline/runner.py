@@ -4,7 +4,7 @@ Every rank of the group builds a runner with the same schedule and its own stage
 ``step`` with the same arguments structure: the first stage's rank passes the inputs, the last
 stage's rank the targets (others may pass them too; they are ignored)::
 
-    runner = PipelineRunner(get_schedule("1f1b", 4, 8), split_stages(model, schedule), F.mse_loss)
+    runner = PipelineRunner(get_schedule("1f1b", stages=4, microbatches=8), split_stages(model, schedule), F.mse_loss)
     losses = runner.step(x, y)       # grads accumulated for the whole batch
     optimizer.step(); optimizer.zero_grad()
     timeline = runner.timeline()     # collective: what every rank did, for the renderers

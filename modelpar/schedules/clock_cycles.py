@@ -1,4 +1,4 @@
-"""HW5's clock-cycle schedule: which (microbatch, stage) pairs run in each wave of GPipe's forward."""
+"""GPipe's clock-cycle order (torchgpipe, reference §2.2): which (microbatch, stage) pairs run in each wave."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from modelpar._validate import check_int
 
 
-def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[int, int]]]:
+def clock_cycles(*, stages: int, microbatches: int) -> Iterator[list[tuple[int, int]]]:
     """Yield the waves of the forward pass: wave k holds every (i, j) with i + j = k.
 
     Microbatch i on stage j must wait for (i, j - 1) (data) and (i - 1, j) (one device does one
@@ -22,7 +22,7 @@ def clock_cycles(num_microbatches: int, num_stages: int) -> Iterator[list[tuple[
 
     It is a generator: bad arguments raise ValueError on the first iteration, not at the call.
     """
-    m = check_int("num_microbatches", num_microbatches, minimum=0)
-    n = check_int("num_stages", num_stages, minimum=1)
+    n = check_int("stages", stages, minimum=1)
+    m = check_int("microbatches", microbatches, minimum=0)
     for k in range(m + n - 1 if m else 0):
         yield [(k - j, j) for j in range(max(0, k - m + 1), min(k, n - 1) + 1)]

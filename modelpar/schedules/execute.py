@@ -11,7 +11,7 @@ that the bookkeeping is flat lists instead of dicts (half a million actions in w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from modelpar.schedules.action import Kind
 from modelpar.schedules.schedule import Schedule
@@ -27,7 +27,7 @@ class _Invalid(Exception):
 
 def execute(
     schedule: Schedule,
-    durations: dict[Kind, Sequence[float]] | None = None,
+    durations: Mapping[Kind, Sequence[float]] | None = None,
     transfer_in: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Return (starts, ends), one list per device aligned with ``schedule.actions``.
@@ -45,7 +45,9 @@ def execute(
         raise diagnose(schedule) from None
 
 
-def _run(schedule, durations, transfer_in):
+def _run(
+    schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None, transfer_in: Sequence[float] | None
+) -> tuple[list[list[float]], list[list[float]]]:
     S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
     split = schedule.split_backward
     dev = schedule.stage_to_device
@@ -134,7 +136,7 @@ def _run(schedule, durations, transfer_in):
         ptr[d], clock[d] = i, t
         if i == n:
             done_devices += 1
-    expected = SM * (3 if split else 2)
+    expected = SM * (1 if schedule.forward_only else 3 if split else 2)
     if done_devices != D or sum(len(acts) for acts in schedule.actions) != expected:
         raise _Invalid  # deadlock, or something missing
     return starts, ends

@@ -1,7 +1,8 @@
 """A pipeline schedule as data: the stage -> device map and one ordered action list per device.
 
 Generators produce it, the simulator times it, the runtime executes it and the renderers draw
-it. Communication is not written into it: it follows from dependencies that cross devices.
+it. Communication is not written into it: it follows from dependencies that cross devices, and
+``modelpar.schedules.lower`` makes it explicit.
 """
 
 from __future__ import annotations
@@ -24,12 +25,6 @@ def loop_map(num_devices: int, chunks: int) -> tuple[int, ...]:
     k = check_int("num_devices", num_devices, minimum=1)
     v = check_int("chunks", chunks, minimum=1)
     return tuple(s % k for s in range(k * v))
-
-
-def v_map(num_devices: int) -> tuple[int, ...]:
-    """The "V" placement of zero-bubble V schedules: device d holds stages d and 2K - 1 - d."""
-    k = check_int("num_devices", num_devices, minimum=1)
-    return tuple(range(k)) + tuple(reversed(range(k)))
 
 
 @dataclass(frozen=True, eq=True)
@@ -69,6 +64,12 @@ class Schedule:
     @cached_property
     def num_microbatches(self) -> int:
         return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
+
+    @cached_property
+    def forward_only(self) -> bool:
+        """True when the schedule has no backward at all (evaluation): each (stage, microbatch) gets F."""
+        f = Kind.F
+        return all(a.kind is f for acts in self.actions for a in acts)
 
     @cached_property
     def split_backward(self) -> bool:

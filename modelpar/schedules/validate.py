@@ -10,7 +10,11 @@ from __future__ import annotations
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["diagnose", "validate_schedule"]
+__all__ = ["DeadlockError", "diagnose", "validate_schedule"]
+
+
+class DeadlockError(ValueError):
+    """The schedule is complete and ordered on each device, but its devices wait on each other."""
 
 
 def validate_schedule(schedule: Schedule) -> None:
@@ -26,7 +30,8 @@ def diagnose(schedule: Schedule) -> ValueError:
         message = check(schedule)
         if message:
             label = f" {schedule.name!r}" if schedule.name else ""
-            return ValueError(f"invalid schedule{label}: {message}")
+            error = DeadlockError if check is _deadlock else ValueError
+            return error(f"invalid schedule{label}: {message}")
     return ValueError("invalid schedule: it cannot run to the end")  # not reached: checks are exhaustive
 
 
@@ -80,7 +85,8 @@ def _duplicates(schedule: Schedule) -> str:
 
 def _missing(schedule: Schedule) -> str:
     present = set(_where(schedule))
-    kinds = (Kind.F, Kind.I, Kind.W) if schedule.split_backward else (Kind.F, Kind.B)
+    kinds = ((Kind.F,) if schedule.forward_only else (Kind.F, Kind.I, Kind.W) if schedule.split_backward
+             else (Kind.F, Kind.B))
     names = ", ".join(k.value for k in kinds)
     for s in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):

@@ -1,8 +1,7 @@
 """The schedule simulator (pure Python, no torch): costs -> timeline -> metrics and drawings."""
 
 from modelpar.simulate.closed_form import (
-    gpipe_bubble,
-    interleaved_bubble_ratio,
+    bubble_fraction_of_step,
     min_microbatches_for_bubble,
     one_f_one_b_bubble_time,
     pipeline_speedup,
@@ -16,8 +15,7 @@ __all__ = [
     "Costs",
     "Event",
     "Timeline",
-    "gpipe_bubble",
-    "interleaved_bubble_ratio",
+    "bubble_fraction_of_step",
     "min_microbatches_for_bubble",
     "one_f_one_b_bubble_time",
     "pipeline_speedup",

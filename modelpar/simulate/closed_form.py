@@ -1,8 +1,10 @@
-"""Closed forms the simulator must agree with (tests check simulator = formula).
+"""Closed forms the simulator must agree with (tests check simulator = formula); pure Python.
 
-GPipe / 1F1B bubble (K − 1)/(M + K − 1) and throughput K·M/(M + K − 1) (§2.3, slides p. 11),
-Megatron's interleaved bubble (1/v)(K − 1)/M relative to ideal compute (Narayanan et al. 2021
-§2.2.2, §4.2) are shared with the cost model; the zero-bubble ones are Qi et al. 2024 §3.1.
+Bubbles here are "idle over step", the simulator's ``Timeline.bubble`` (docs/notation.md): GPipe's
+and 1F1B's (K − 1)/(M + K − 1) and the throughput K·M/(M + K − 1) of §2.3 (slides p. 11) come from
+the shared leaf ``modelpar.formulas`` under their names there; the zero-bubble idle times are Qi
+et al. 2024 §3.1. Megatron's interleaved bubble, "idle over ideal compute", is
+``modelpar.formulas.bubble_over_ideal_compute``.
 """
 
 from __future__ import annotations
@@ -10,13 +12,10 @@ from __future__ import annotations
 import math
 
 from modelpar._validate import check_int, check_number
-from modelpar.formulas import bubble_fraction_of_step as gpipe_bubble
-from modelpar.formulas import bubble_over_ideal_compute as interleaved_bubble_ratio
-from modelpar.formulas import pipeline_speedup
+from modelpar.formulas import bubble_fraction_of_step, pipeline_speedup
 
 __all__ = [
-    "gpipe_bubble",
-    "interleaved_bubble_ratio",
+    "bubble_fraction_of_step",
     "min_microbatches_for_bubble",
     "one_f_one_b_bubble_time",
     "pipeline_speedup",
@@ -51,8 +50,8 @@ def min_microbatches_for_bubble(stages: int, target: float) -> int:
         raise ValueError(f"target must be a fraction in (0, 1], got {target}")
     bound = (k - 1) * (1 / x - 1)
     m = math.floor(bound) + 1
-    while m > 1 and gpipe_bubble(k, m - 1) < x:  # guard against rounding of 1/x
+    while m > 1 and bubble_fraction_of_step(k, m - 1) < x:  # guard against rounding of 1/x
         m -= 1
-    while gpipe_bubble(k, m) >= x:
+    while bubble_fraction_of_step(k, m) >= x:
         m += 1
     return max(m, 1)

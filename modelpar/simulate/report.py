@@ -68,7 +68,7 @@ def sweep(
             if name == "interleaved" and v > 1 and m % stages:
                 out[name, v, m] = None
             else:
-                out[name, v, m] = simulate(get_schedule(name, stages, m, v), costs).bubble
+                out[name, v, m] = simulate(get_schedule(name, stages=stages, microbatches=m, chunks=v), costs).bubble
     return out
 
 

@@ -104,7 +104,7 @@ class _Run:
         rs = self.rs
         self.dtype = getattr(torch, cfg.dtype)
         self.corpus = open_corpus(cfg.data)
-        self.schedule = get_schedule(cfg.schedule, cfg.pp, cfg.microbatches, cfg.chunks)
+        self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,

@@ -1,0 +1,35 @@
+"""Schedules derived from another one: its forward half (evaluation), or all of it on one device.
+
+``forward_only`` keeps each device's forwards in their order: evaluation then runs through the
+same runtime and the same lowered communication as training. ``on_one_device`` puts every stage
+on device 0, actions in the order the simulator runs them (unit costs, ties by device): the
+schedule's work done by one process, e.g. to measure its memory without starting processes.
+"""
+
+from __future__ import annotations
+
+from modelpar.schedules.action import Kind
+from modelpar.schedules.execute import execute
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["forward_only", "on_one_device"]
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """``schedule`` without its backward actions: each device runs its forwards in the same order.
+
+    Dropping actions only removes waits, so a valid schedule gives a valid forward-only one.
+    """
+    f = Kind.F
+    per_device = tuple(tuple(a for a in acts if a.kind is f) for acts in schedule.validate().actions)
+    return Schedule(schedule.stage_to_device, per_device, f"{schedule.name or 'schedule'} (forward only)")
+
+
+def on_one_device(schedule: Schedule) -> Schedule:
+    """Every action of ``schedule`` on one device, in simulated start order (ties: lower device first)."""
+    starts, _ = execute(schedule)
+    order = sorted(
+        (t, d, i) for d, times in enumerate(starts) for i, t in enumerate(times)
+    )
+    actions = (tuple(schedule.actions[d][i] for _, d, i in order),)
+    return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one device)")

@@ -1,0 +1,283 @@
+"""Lowering: a schedule's communication made explicit, one program per device, matched by order.
+
+A device's program is its compute actions plus the sends and receives they imply, written in
+torch.distributed.pipelining's ``_Action`` text form::
+
+    0F3       stage 0: forward of microbatch 3        1B3       stage 1: backward of microbatch 3
+    0SEND_F3  stage 0 sends that forward's output     1SEND_B3  stage 1 sends its input gradient back
+    1RECV_F3  stage 1 receives it                     0RECV_B3  stage 0 receives it
+
+The stage of a send or receive is the one on this device (the sender's for SEND, the receiver's
+for RECV); I sends and receives like B. Stages on the same device hand tensors over in memory:
+no message. The invariant that makes tags unnecessary: between any two devices, the messages
+appear in the same order at both ends (a send at one end where the other has its receive), in
+both directions taken together. NCCL pairs a pair's operations by order, and so does gloo with
+one tag, so every message meets its own receive.
+
+``lower`` runs the schedule as blocking processes (the simulator's execution). Each time an
+action runs it is appended to its device's program, followed by a SEND per device that needs
+its output, and that device gets the RECV at the same moment: both ends see each pair's messages
+in one global order. Each RECV then moves up to just after the previous operation with the same
+peer — receives are posted as early as the order allows, so transfers overlap compute.
+
+``rendezvous`` is the check that the result cannot hang on NCCL: zero buffering (a send
+completes only when its receive is reached and vice versa), each pair's operations progressing
+in program order on one channel, compute waiting for its received inputs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.schedule import Schedule
+from modelpar.schedules.validate import DeadlockError
+
+__all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
+
+
+class Comm(str, Enum):
+    """What a communication operation does."""
+
+    SEND_F = "SEND_F"  # send a forward's output to the next stage's device
+    RECV_F = "RECV_F"  # receive the previous stage's output
+    SEND_B = "SEND_B"  # send a backward's input gradient to the previous stage's device
+    RECV_B = "RECV_B"  # receive the next stage's input gradient
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_SENDS = (Comm.SEND_F, Comm.SEND_B)
+
+
+class Transfer(NamedTuple):
+    """A send or receive of ``stage`` (the stage on this device) for ``microbatch``: ``1RECV_F3``."""
+
+    stage: int
+    kind: Comm
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind in _SENDS
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage at the other end: s + 1 for SEND_F and RECV_B, s - 1 for RECV_F and SEND_B."""
+        return self.stage + (1 if self.kind in (Comm.SEND_F, Comm.RECV_B) else -1)
+
+    @property
+    def message(self) -> tuple[str, int, int]:
+        """What travels, the same at both ends: (F or B, the producing stage, microbatch)."""
+        forward = self.kind in (Comm.SEND_F, Comm.RECV_F)
+        producer = self.stage if self.is_send else self.peer_stage
+        return ("F" if forward else "B", producer, self.microbatch)
+
+
+Op = Action | Transfer
+_OP_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+def parse_op(text: str) -> Op:
+    """Parse ``0F3``, ``0SEND_F3``, ``1RECV_B2`` ... into an Action or a Transfer."""
+    match = _OP_RE.match(text.strip())
+    if match is None:
+        raise ValueError(f"operation must look like <stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B><microbatch>, "
+                         f"got {text!r}")
+    stage, kind, mb = int(match[1]), match[2], int(match[3])
+    return Action(stage, Kind(kind), mb) if len(kind) == 1 else Transfer(stage, Comm(kind), mb)
+
+
+def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
+    """One program per device: ``schedule``'s actions with their sends and receives, matched by order.
+
+    Raises ValueError naming the first offending action for an incomplete or misordered schedule,
+    and DeadlockError naming the first operation that can never complete for one that would hang
+    — the same on every rank, before anything is sent.
+    """
+    try:
+        schedule.validate()
+    except DeadlockError:
+        raise DeadlockError(_hang_message(schedule)) from None
+    programs, _ = _walk(schedule)
+    return tuple(_hoist_receives(p, schedule.stage_to_device) for p in programs)
+
+
+def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
+    """For each other device that needs ``a``'s output: (that device, our SEND, its RECV)."""
+    dev, s, m = schedule.stage_to_device, a.stage, a.microbatch
+    if a.kind is Kind.F and s + 1 < len(dev) and dev[s + 1] != dev[s]:
+        return [(dev[s + 1], Transfer(s, Comm.SEND_F, m), Transfer(s + 1, Comm.RECV_F, m))]
+    if a.kind in (Kind.B, Kind.I) and s > 0 and dev[s - 1] != dev[s]:
+        return [(dev[s - 1], Transfer(s, Comm.SEND_B, m), Transfer(s - 1, Comm.RECV_B, m))]
+    return []
+
+
+def _walk(schedule: Schedule) -> tuple[list[list[Op]], dict[int, tuple[Action, Action]]]:
+    """Run the devices as blocking processes, appending actions, sends and receives as they happen.
+
+    Returns the programs and, for a schedule that deadlocks, each stuck device's (action, the
+    dependency it waits for).
+    """
+    n = schedule.num_devices
+    programs: list[list[Op]] = [[] for _ in range(n)]
+    done: set[Action] = set()
+    ptr = [0] * n
+    parked: dict[Action, list[int]] = {}
+    stuck: dict[int, tuple[Action, Action]] = {}
+    ready = list(range(n - 1, -1, -1))
+    while ready:
+        d = ready.pop()
+        acts = schedule.actions[d]
+        while ptr[d] < len(acts):
+            a = acts[ptr[d]]
+            need = next((dep for dep in schedule.dependencies(a) if dep not in done), None)
+            if need is not None:
+                parked.setdefault(need, []).append(d)
+                stuck[d] = (a, need)
+                break
+            stuck.pop(d, None)
+            programs[d].append(a)
+            for peer, send, recv in _consumers(schedule, a):
+                programs[d].append(send)
+                programs[peer].append(recv)
+            done.add(a)
+            ready.extend(parked.pop(a, ()))
+            ptr[d] += 1
+    return programs, stuck
+
+
+def _hoist_receives(program: list[Op], stage_to_device: Sequence[int]) -> tuple[Op, ...]:
+    """Move each RECV up to just after the previous operation with the same peer (or to the start).
+
+    Same-peer order is kept, so the matching is unchanged; only the posting gets earlier.
+    """
+    anchor_of_peer: dict[int, int] = {}  # peer -> where its latest op is anchored
+    keys = []
+    for i, op in enumerate(program):
+        if isinstance(op, Transfer):
+            peer = stage_to_device[op.peer_stage]
+            if op.is_send:
+                anchor_of_peer[peer] = i
+                keys.append((i, 0, i))
+            else:
+                keys.append((anchor_of_peer.get(peer, -1), 1, i))
+        else:
+            keys.append((i, 0, i))
+    return tuple(program[i] for _, _, i in sorted(keys))
+
+
+def _recv_for(action: Action) -> Transfer:
+    """The RECV through which ``action`` gets its input from another device."""
+    return Transfer(action.stage, Comm.RECV_F if action.kind is Kind.F else Comm.RECV_B, action.microbatch)
+
+
+def _send_for(dep: Action) -> Transfer:
+    return Transfer(dep.stage, Comm.SEND_F if dep.kind is Kind.F else Comm.SEND_B, dep.microbatch)
+
+
+def _hang_message(schedule: Schedule) -> str:
+    """Name the operations a deadlocking schedule would wait on forever, as a chain of devices."""
+    _, stuck = _walk(schedule)
+    chain, d, seen = [], min(stuck), set()
+    while d in stuck and d not in seen:
+        seen.add(d)
+        a, dep = stuck[d]
+        owner = schedule.device_of(dep.stage)
+        chain.append(f"device {d} waits at {_recv_for(a)} (the input of {a}), but device {owner} "
+                     f"never reaches {_send_for(dep)}")
+        d = owner
+    label = f" {schedule.name!r}" if schedule.name else ""
+    return (f"cannot lower schedule{label}: it would hang: " + "; ".join(chain)
+            + " (a cycle: none of these operations can ever complete)")
+
+
+# --- the rendezvous model ---------------------------------------------------------------------
+def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int]) -> str | None:
+    """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
+
+    Each device walks its program: a SEND or RECV is posted (it does not block the device; a
+    SEND waits for its producer), a compute action waits for its inputs — local ones computed
+    before it, remote ones received. Each pair of devices has one channel: the k-th operation a
+    device posts to a peer meets the k-th the peer posts back, and both complete together only
+    if one is the send and the other the receive of the same message. This is NCCL's point-to-
+    point semantics (per-pair order, no buffering), and what any program run on it must satisfy.
+    """
+    dev = tuple(stage_to_device)
+    last = len(dev) - 1
+    split = any(isinstance(op, Action) and op.kind in (Kind.I, Kind.W) for p in programs for op in p)
+    grad = Kind.I if split else Kind.B
+    n = len(programs)
+    ptr = [0] * n
+    done: set[object] = set()  # computed actions, and messages received (by their ``message``)
+    parked: dict[object, list[int]] = {}
+    posted: dict[tuple[int, int], deque[tuple[Transfer, int]]] = {}  # (device, peer) -> unmatched ops
+    ready = list(range(n - 1, -1, -1))
+
+    def needs(op: Op, d: int) -> list[object]:
+        s, m = op.stage, op.microbatch
+        if isinstance(op, Transfer):
+            if not op.is_send:
+                return []
+            return [Action(s, Kind.F if op.kind is Comm.SEND_F else grad, m)]
+        if op.kind is Kind.F:
+            if s == 0:
+                return []
+            return [Action(s - 1, Kind.F, m) if dev[s - 1] == d else ("F", s - 1, m)]
+        if op.kind is Kind.W:
+            return [Action(s, Kind.I, m)]
+        if s == last:
+            return [Action(s, Kind.F, m)]
+        return [Action(s, Kind.F, m), Action(s + 1, grad, m) if dev[s + 1] == d else ("B", s + 1, m)]
+
+    while ready:
+        d = ready.pop()
+        program = programs[d]
+        while ptr[d] < len(program):
+            op = program[ptr[d]]
+            missing = next((x for x in needs(op, d) if x not in done), None)
+            if missing is not None:
+                parked.setdefault(missing, []).append(d)
+                break
+            ptr[d] += 1
+            if isinstance(op, Action):
+                done.add(op)
+                ready.extend(parked.pop(op, ()))
+                continue
+            peer = dev[op.peer_stage]
+            posted.setdefault((d, peer), deque()).append((op, ptr[d] - 1))
+            mine, theirs = posted[d, peer], posted.setdefault((peer, d), deque())
+            while mine and theirs:
+                (a, i), (b, j) = mine[0], theirs[0]
+                if a.message != b.message or a.is_send == b.is_send:
+                    return (f"device {d}'s {a} (position {i}) would be paired with device {peer}'s {b} "
+                            f"(position {j}): the next operation between them is not one message's "
+                            f"send and receive")
+                mine.popleft(), theirs.popleft()
+                done.add(a.message)
+                ready.extend(parked.pop(a.message, ()))
+    for d in range(n):
+        if ptr[d] < len(programs[d]):
+            op = programs[d][ptr[d]]
+            missing = next(x for x in needs(op, d) if x not in done)
+            what = missing if isinstance(missing, Action) else _describe(missing)
+            return f"device {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
+    for (d, peer), queue in sorted(posted.items()):
+        if queue:
+            op, i = queue[0]
+            return f"device {d}'s {op} (position {i}) is never matched: device {peer} posts nothing more to it"
+    return None
+
+
+def _describe(message: object) -> str:
+    kind, stage, microbatch = message  # type: ignore[misc]
+    what = "activation" if kind == "F" else "gradient"
+    return f"the {what} of microbatch {microbatch} from stage {stage}"
