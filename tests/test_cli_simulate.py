@@ -56,6 +56,20 @@ def test_from_file_table_and_outputs(capsys, tmp_path):
     assert "traceEvents" in json.loads(trace.read_text())
 
 
+def test_comm_prints_the_lowered_programs(capsys):
+    code, out, _ = run(capsys, "--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--comm")
+    assert code == 0
+    assert "device 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0F2 0SEND_F2 0RECV_B2 0B1 0B2" in out
+    assert "device 1: 1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2" in out
+    code, out, _ = run(capsys, "--schedule", "interleaved", "--stages", "2", "--microbatches", "2", "--comm", "--json")
+    programs = json.loads(out)[0]["programs"]
+    assert code == 0 and sorted(programs) == ["0", "1"]
+    assert programs["0"][:4] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1"]  # stage 0 -> 1 crosses devices
+    assert "1SEND_F0" in programs["1"] and "2RECV_F0" in programs["0"]  # 1 -> 2 crosses back
+    _, out, _ = run(capsys, "--schedule", "gpipe", "--json")
+    assert "programs" not in json.loads(out)[0]
+
+
 def test_sweep_prints_both_tables(capsys):
     code, out, _ = run(capsys, "--sweep", "8,32", "--schedule", "gpipe", "--schedule", "1f1b")
     assert code == 0
@@ -90,12 +104,14 @@ def test_deadlocking_file_is_reported(capsys, tmp_path):
     path.write_text("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1\n")
     code, _, err = run(capsys, "--from", str(path))
     assert code == 2 and "deadlock: device 0 waits at 0B0" in err
+    code, _, err = run(capsys, "--from", str(path), "--comm")
+    assert code == 2 and "deadlock: device 0 waits at 0B0" in err  # simulate validates before lowering
 
 
 def test_simulate_never_imports_torch():
     code = (
         "import sys; from modelpar.cli import main; "
-        "rc = main(['simulate', '--json']); "
+        "rc = main(['simulate', '--json', '--comm']); "
         "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

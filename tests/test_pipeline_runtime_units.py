@@ -119,14 +119,14 @@ def test_prediction_from_measured_costs_reproduces_the_simulator():
     """Fed the durations of a simulated 1F1B run (F = 1, B = 2), predict redraws the reference's 33 units."""
     schedule = get_schedule("1f1b", stages=4, microbatches=8)
     sim = simulate(schedule, Costs())
-    measured = Timeline(sim.events, 4, schedule)
+    measured = Timeline.from_events(sim.events, 4, schedule)
     durations = measured_durations([measured])
     assert durations[Kind.F] == [1.0] * 4 and durations[Kind.B] == [2.0] * 4
     predicted = predict(schedule, durations)
     assert predicted.step_time == 33 and round(predicted.bubble, 3) == 0.273  # §4.1: 33 units, 27.3 %
     with_transfer = predict(schedule, durations, transfer=0.5)
     assert with_transfer.step_time > 33
-    shifted = Timeline([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
+    shifted = Timeline.from_events([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
     assert shifted.step_time == 33  # measured clocks start anywhere
 
 

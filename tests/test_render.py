@@ -62,10 +62,22 @@ def test_plot_writes_a_real_image(tmp_path, suffix, magic):
     timelines = [simulate(gpipe(stages=4, microbatches=8)), simulate(zb_h1(stages=4, microbatches=8))]
     path = plot_timelines(timelines, tmp_path / f"t{suffix}", "K = 4")
     data = path.read_bytes()
-    assert data.startswith(magic) and len(data) > 10_000
+    assert data.startswith(magic)
     if suffix == ".svg":
         text = data.decode()
         assert "bubble 27.3%" in text and "Device 3" in text  # title with metrics, row labels
+        return
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    image = mpimg.imread(path)
+    # 0.28 · 33 + 3 = 12.24 in wide, 1.1 + 0.42 · 8 + 0.75 · 2 = 5.96 in high, at 110 dpi
+    assert image.shape == (655, 1346, 4)
+    pixels = {tuple(p) for p in np.round(image[..., :3] * 255).astype(int).reshape(-1, 3).tolist()}
+    microbatch_colours = [tuple(round(255 * c) for c in plt.get_cmap("tab10")(m)[:3]) for m in range(8)]
+    assert all(c in pixels for c in microbatch_colours)  # a solid F bar of every microbatch
+    assert (230, 230, 230) in pixels  # the grey step band where a device idles
 
 
 def test_plot_rejects_other_formats(tmp_path):
@@ -89,7 +101,7 @@ def test_chrome_trace_structure(tmp_path):
 
 def test_measured_timeline_renders():
     s = one_f_one_b(stages=2, microbatches=1)
-    tl = Timeline([(0, s.actions[0][0], 5.0, 6.0), (1, s.actions[1][0], 6.0, 7.0),
+    tl = Timeline.from_events([(0, s.actions[0][0], 5.0, 6.0), (1, s.actions[1][0], 6.0, 7.0),
                    (1, s.actions[1][1], 7.0, 9.0), (0, s.actions[0][1], 9.0, 11.0)], 2)
     assert ascii_chart(tl) == "Device 0 |F0······B0B0|\nDevice 1 |··F0B0B0····|"
     assert chrome_trace([tl])["traceEvents"][-1]["ph"] == "X"  # no schedule: no flow arrows
@@ -104,12 +116,12 @@ def _measured(unit: str = "s") -> Timeline:
         0: [(10.000, 10.002), (10.002, 10.0023), (10.006, 10.010), (10.011, 10.015)],
         1: [(10.003, 10.004), (10.004, 10.006), (10.006, 10.0064), (10.0064, 10.0104)],
     }
-    return Timeline([(d, a, *t[d][i]) for d in (0, 1) for i, a in enumerate(s.actions[d])], 2, s, unit=unit)
+    return Timeline.from_events([(d, a, *t[d][i]) for d in (0, 1) for i, a in enumerate(s.actions[d])], 2, s, unit=unit)
 
 
 def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_clock_unit(tmp_path):
     sim, measured = simulate(gpipe(stages=4, microbatches=8)), _measured()
-    assert sim.unit == "forward" == Timeline([], 1).unit
+    assert sim.unit == "forward" == Timeline.from_events([], 1).unit
     assert headline(sim).startswith("gpipe (K = 4, M = 8): step 33 units, bubble 27.3%")
     assert measured.unit == "s" and "step 0.015 s, bubble" in headline(measured)
     assert "0.015 s" in metrics_table([measured]) and " 33 " in metrics_table([sim])
@@ -121,11 +133,11 @@ def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_cloc
     # Chrome trace: real durations in µs by default; simulated keeps 1 forward unit = 1 ms
     f0 = next(e for e in chrome_trace([measured])["traceEvents"] if e["ph"] == "X")
     assert f0["name"] == "F0" and f0["dur"] == pytest.approx(2000.0)
-    ms = Timeline([(0, naive(stages=1).actions[0][0], 0.0, 2.5)], 1, unit="ms")
+    ms = Timeline.from_events([(0, naive(stages=1).actions[0][0], 0.0, 2.5)], 1, unit="ms")
     assert chrome_trace([ms])["traceEvents"][-1]["dur"] == 2500.0
     assert chrome_trace([sim])["traceEvents"][2]["dur"] == 1000.0
     with pytest.raises(ValueError, match=r"unit must be one of \{forward, s, ms, us\}, got 'sec'"):
-        Timeline([], 1, unit="sec")
+        Timeline.from_events([], 1, unit="sec")
 
 
 def test_pipeline_measure_builds_timelines_in_seconds():
@@ -162,7 +174,7 @@ def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cel
     s = get_schedule(name, stages=k, microbatches=m)
     durations = {kind: times[4 * i:4 * i + k] for i, kind in enumerate(Kind)}
     starts, ends = execute(s, durations, [0.0] + [times[-1] / 3] * (k - 1))
-    tl = Timeline([(d, a, starts[d][i], ends[d][i]) for d in range(k) for i, a in enumerate(s.actions[d])],
+    tl = Timeline.from_events([(d, a, starts[d][i], ends[d][i]) for d in range(k) for i, a in enumerate(s.actions[d])],
                   k, s, unit="s")
     rows = [line.split("|")[1] for line in ascii_chart(tl, unit=cell).splitlines()]
     assert len({len(r) for r in rows}) == 1

@@ -158,13 +158,13 @@ def test_timeline_from_measured_events_shifts_to_zero_and_computes_metrics():
         (1, s.actions[1][2], t0 + 4.0, t0 + 5.0), (1, s.actions[1][3], t0 + 5.0, t0 + 7.0),
         (0, s.actions[0][2], t0 + 4.0, t0 + 6.0), (0, s.actions[0][3], t0 + 7.0, t0 + 9.0),
     ]
-    t = Timeline(events, 2, s)
+    t = Timeline.from_events(events, 2, s)
     assert t.step_time == 9 and t.busy == [6, 6]
     assert t.bubble == pytest.approx(1 / 3)
     assert t.peak_activations == [2, 1] and t.transfers == 4
     assert t.events[0] == Event(0, s.actions[0][0], 0.0, 1.0)
-    assert Timeline(events, 2).transfers == 4  # stage -> device inferred from the events
+    assert Timeline.from_events(events, 2).transfers == 4  # stage -> device inferred from the events
     with pytest.raises(ValueError, match=r"event device must be in 0..0, got 1"):
-        Timeline(events, 1)
+        Timeline.from_events(events, 1)
     with pytest.raises(ValueError, match=r"event end must be >= start"):
-        Timeline([(0, s.actions[0][0], 2.0, 1.0)], 1)
+        Timeline.from_events([(0, s.actions[0][0], 2.0, 1.0)], 1)

@@ -2,7 +2,8 @@
 
 No arguments: GPipe vs 1F1B vs interleaved (v = 2) vs ZB-H1 for K = 4, M = 8, charts and a
 metrics table. ``--from FILE`` times a hand-written schedule; ``--sweep`` prints the bubble vs
-M tables of §2.3 and §4.1–4.2 without and with transfer cost; ``--json`` is for scripts.
+M tables of §2.3 and §4.1–4.2 without and with transfer cost; ``--comm`` prints each device's
+lowered program (compute plus SEND/RECV, matched by order); ``--json`` is for scripts.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
+    p.add_argument("--comm", action="store_true",
+                   help="also print each device's lowered program: its actions with the sends and receives "
+                        "they imply, in the order the runtime posts them (JSON: \"programs\")")
     p.add_argument("--unit", metavar="U", help="time per chart cell (default: the coarsest exact one)")
     p.add_argument("--png", metavar="FILE", help="save the timelines as PNG")
     p.add_argument("--svg", metavar="FILE", help="save the timelines as SVG")
@@ -105,11 +109,21 @@ def run(args: argparse.Namespace) -> int:
         schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name == "interleaved" else 1))
     timelines = [simulate(s, costs) for s in schedules]
     if args.json:
-        print(json.dumps([_record(t, costs) for t in timelines], indent=1))
+        records = [_record(t, costs) for t in timelines]
+        if args.comm:
+            for record, s in zip(records, schedules):
+                record["programs"] = {str(d): [str(op) for op in ops] for d, ops in enumerate(_lower(s))}
+        print(json.dumps(records, indent=1))
     else:
         _print(args, timelines)
     _save(args, timelines)
     return 0
+
+
+def _lower(schedule):
+    from modelpar.schedules.lower import lower
+
+    return lower(schedule)
 
 
 def _record(tl, costs) -> dict:
@@ -137,6 +151,10 @@ def _print(args, timelines) -> None:
             print(f"(chart omitted: {cells:.0f} cells wide; use --png/--svg, or a larger --unit)")
         if args.table:
             print(schedule_table(tl.schedule))
+        if args.comm:
+            print("Lowered programs (sends and receives matched by order, in posting order):")
+            for d, ops in enumerate(_lower(tl.schedule)):
+                print(f"device {d}: {' '.join(map(str, ops))}")
         print()
     print(metrics_table(timelines))
     print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "

@@ -18,4 +18,4 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     """
     costs = costs or Costs()
     starts, ends = execute(schedule, costs.durations(schedule), costs.transfer_in(schedule))
-    return Timeline.from_columns(schedule, starts, ends)
+    return Timeline(schedule.actions, starts, ends, schedule)

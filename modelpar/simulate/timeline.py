@@ -16,7 +16,7 @@ runs. The renderers label axes, headlines and traces from it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
@@ -42,19 +42,38 @@ class Event(NamedTuple):
 
 
 class Timeline:
-    """Events per device plus metrics; build it from simulated or measured events.
+    """Actions, starts and ends per device (aligned lists, times from 0) plus metrics.
 
-    Times are shifted so that the earliest start is 0 (measured clocks start anywhere). ``unit``
-    says what they are in: ``"forward"`` (simulated, the default) or ``"s"``/``"ms"``/``"us"``.
+    The simulator builds it from columns; ``Timeline.from_events`` builds it from measured or
+    hand-made events. ``unit`` says what times are in: ``"forward"`` (simulated, the default)
+    or ``"s"``/``"ms"``/``"us"``.
     """
 
     def __init__(
         self,
+        actions: Sequence[Sequence[Action]],
+        starts: list[list[float]],
+        ends: list[list[float]],
+        schedule: Schedule | None = None,
+        unit: str = FORWARD,
+    ) -> None:
+        check_choice("unit", unit, TIME_UNITS)
+        self.actions: list[list[Action]] = [list(a) for a in actions]
+        self.starts = starts
+        self.ends = ends
+        self.schedule = schedule
+        self.unit: str = unit
+
+    @classmethod
+    def from_events(
+        cls,
         events: Iterable[Event | tuple],
         num_devices: int,
         schedule: Schedule | None = None,
         unit: str = FORWARD,
-    ):
+    ) -> Timeline:
+        """Sort each device's events by start and shift times so that the earliest start is 0
+        (measured clocks start anywhere)."""
         d_count = check_int("num_devices", num_devices, minimum=1)
         rows: list[list[Event]] = [[] for _ in range(d_count)]
         for raw in events:
@@ -66,31 +85,13 @@ class Timeline:
             rows[e.device].append(e)
         rows = [sorted(r, key=lambda e: (e.start, e.end)) for r in rows]
         t0 = min((r[0].start for r in rows if r), default=0.0)
-        self._init(
+        return cls(
             [[e.action for e in r] for r in rows],
             [[e.start - t0 for e in r] for r in rows],
             [[e.end - t0 for e in r] for r in rows],
             schedule,
             unit,
         )
-
-    def _init(self, actions, starts, ends, schedule, unit) -> None:
-        check_choice("unit", unit, TIME_UNITS)
-        self.actions: list[list[Action]] = [list(a) for a in actions]
-        self.starts: list[list[float]] = starts
-        self.ends: list[list[float]] = ends
-        self.schedule = schedule
-        self.unit: str = unit
-
-    @classmethod
-    def from_columns(
-        cls, schedule: Schedule, starts: list[list[float]], ends: list[list[float]], unit: str = FORWARD
-    ) -> Timeline:
-        """Fast path for the simulator: times aligned with ``schedule.actions``, already from 0."""
-        self = cls.__new__(cls)
-        self._init(schedule.actions, starts, ends, schedule, unit)
-        self.num_microbatches = schedule.num_microbatches  # same actions: reuse its cached count
-        return self
 
     # --- time unit -----------------------------------------------------------------------------
     @property
@@ -145,6 +146,8 @@ class Timeline:
 
     @cached_property
     def num_microbatches(self) -> int:
+        if self.schedule is not None:
+            return self.schedule.num_microbatches
         return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
 
     @property
