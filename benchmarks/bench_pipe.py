@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from modelpar.pipeline import Pipe, mlp_stage
+from modelpar.bench import mlp_stage
+from modelpar.pipeline import Pipe
 
 
 def timed(fn) -> float:

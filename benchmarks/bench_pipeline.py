@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from modelpar.bench import mlp_model
+from modelpar.bench.pipeline import MLPBench, summarize
 from modelpar.distributed import LocalCluster
-from modelpar.pipeline.mlp_bench import MLPBench, ping_pong, summarize
-from modelpar.pipeline.runner import PipelineRunner
-from modelpar.pipeline.stages import mlp_model, split_stages
+from modelpar.pipeline import PipelineRunner, split_stages
 
 # (our schedule name, chunks, torch's class name)
 CASES = [
@@ -52,11 +52,10 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
     balance = [3 * per_stage] * s_count
     ours = split_stages(mlp_model(cfg.width, per_stage * s_count), schedule, rank, balance)
     theirs = split_stages(mlp_model(cfg.width, per_stage * s_count), schedule, rank, balance)
-    runner = PipelineRunner(schedule, ours, F.mse_loss, timeout=cfg.timeout)
+    runner = PipelineRunner(schedule, ours, F.mse_loss, dist.group.WORLD, timeout=cfg.timeout)
     tsched, _ = _torch_schedule(torch_cls, theirs, s_count, cfg.microbatches)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(cfg.rows, cfg.width, generator=gen), torch.randn(cfg.rows, cfg.width, generator=gen)
-    transfer = ping_pong(torch.empty(-(-cfg.rows // cfg.microbatches), cfg.width)) if cfg.stages > 1 else 0.0
     first, last = rank == schedule.device_of(0), rank == schedule.device_of(s_count - 1)
 
     def torch_step() -> None:
@@ -84,6 +83,7 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
             for s in ours:
                 for p, q in zip(ours[s].parameters(), theirs[s].parameters()):
                     grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
+            transfer_in = runner.transfer_times()
         tl = runner.timeline()
         if i:
             timelines.append(tl)
@@ -96,7 +96,7 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
     if rank:
         return None
     return {"times": times, "grad_diff": diff.item(), "timelines": timelines, "walls": times["ours"],
-            "transfer": transfer, "peak_held": peaks}
+            "transfer_in": transfer_in, "peak_held": peaks}
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def part4() -> None:
     """§2.4: time an MLP stage on b rows, fit α + β·b, step 3(M + K − 1)(α + βN/M), M* = √((K − 1)βN/α)."""
     import torch  # parts 1-3 are pure Python; only this part measures
 
-    from modelpar.pipeline import microbatch_table, mlp_stage, optimal_microbatches, predicted_step_time
+    from modelpar.bench import microbatch_table, mlp_stage, optimal_microbatches, predicted_step_time
 
     print("== Part 4: micro-batches are not free (measured on this machine, 1 thread per stage) ==")
     torch.manual_seed(0)

@@ -13,7 +13,8 @@ import time
 import torch
 from torch import nn
 
-from modelpar.pipeline import Pipe, mlp_stage
+from modelpar.bench import mlp_stage
+from modelpar.pipeline import Pipe
 
 
 def part1() -> None:

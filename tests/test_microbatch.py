@@ -10,15 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelpar.cli import main
-from modelpar.pipeline import (
+from modelpar.bench import (
     fit_linear,
     measure_stage_times,
     microbatch_table,
     optimal_microbatches,
     predicted_step_time,
 )
-from modelpar.pipeline import microbatch as microbatch_module
+from modelpar.bench import microbatch as microbatch_module
+from modelpar.cli import main
 
 
 def test_exercise_3_of_the_reference():

@@ -84,7 +84,7 @@ def _transparency(name, cases):
         runner = PipelineRunner(schedule, stages, F.mse_loss, group, timeout=30)
         opt = torch.optim.SGD(runner.parameters(), lr=0.5)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-        case = {"case": (name, k, m, v), "grad_err": 0.0, "loss_err": 0.0, "owned": 0, "peak": []}
+        case = {"case": (name, k, m, v), "grad_err": 0.0, "loss_err": 0.0, "owned": 0, "peak": [], "eval_err": 0.0}
         for _ in range(2):
             losses = runner.step(x, y)
             ref_loss = F.mse_loss(ref(x), y)
@@ -98,6 +98,11 @@ def _transparency(name, cases):
             case["peak"].append(runner.record.peak_held)
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
+            val = runner.evaluate(x, y)  # the forward-only schedule, after the update
+            if val is not None:
+                with torch.no_grad():
+                    case["eval_err"] = max(case["eval_err"], abs(val.item() - F.mse_loss(ref(x), y).item()))
+            case["grads_untouched"] = all(p.grad is None or not p.grad.any() for p in runner.parameters())
         mine = {id(p) for p in runner.parameters()}
         case["param_err"] = max((p - q).abs().max().item()
                                 for p, q in zip(model.parameters(), ref.parameters()) if id(p) in mine)
@@ -115,6 +120,7 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             assert c["grad_err"] <= TOL, c
             assert c["loss_err"] <= TOL, c
             assert c["param_err"] <= TOL, c  # two optimizer steps later, still the same model
+            assert c["eval_err"] <= TOL and c["grads_untouched"], c  # evaluation: same loss, no gradient
             assert c["owned"] == 2 * 8 // k  # every parameter this rank holds got a gradient
             schedule = get_schedule(name, stages=k, microbatches=m, chunks=v)
             if schedule.device_of(schedule.num_stages - 1) == c["device"]:
@@ -157,7 +163,7 @@ def _uneven_tokens(name, balance, recompute):
     schedule = get_schedule(name, stages=4, microbatches=6)
     model, ref = _token_model(), _token_model()
     stages = split_stages(model, schedule, dist.get_rank(), balance=balance, recompute=recompute)
-    runner = PipelineRunner(schedule, stages, F.nll_loss, timeout=30)
+    runner = PipelineRunner(schedule, stages, F.nll_loss, dist.group.WORLD, timeout=30)
     gen = torch.Generator().manual_seed(2)
     ids, targets = torch.randint(0, 11, (9, 4), generator=gen), torch.randint(0, 11, (9,), generator=gen)
     runner.step(ids, targets)
@@ -166,7 +172,7 @@ def _uneven_tokens(name, balance, recompute):
     err, owned = _compare(model, ref)
     timeline = runner.timeline()
     loss_err = abs(runner.last_loss.item() - ref_loss.item()) if runner.last_loss is not None else 0.0
-    return {"err": err, "owned": owned, "loss_err": loss_err, "timeline": timeline}
+    return {"err": err, "owned": owned, "loss_err": loss_err, "timeline": timeline, "bytes": runner.message_bytes()}
 
 
 @pytest.mark.parametrize("name,recompute", [("1f1b", None), ("zb-h1", None), ("1f1b", "full"), ("zb-h1", "sqrt")])
@@ -192,6 +198,8 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
     assert not late
     predicted = predict(schedule, measured_durations([tl]))
     assert predicted.actions == tl.actions and 0 < predicted.step_time <= tl.step_time * (1 + 1e-9)
+    # one message into stage s: stage s - 1's output (widths 12, 9, 8), float64, 9 rows in 6 microbatches
+    assert per_rank[0]["bytes"] == [0.0, 12 * 8 * 1.5, 9 * 8 * 1.5, 8 * 8 * 1.5]
     assert len(ascii_chart(tl, unit=tl.step_time / 50).splitlines()) == 4
 
 
@@ -230,8 +238,8 @@ def _error_on_every_rank(case):
     try:
         schedule = get_schedule("1f1b", stages=4, microbatches=4)
         model, x, y = _model(), *_batch()
-        if case == "deadlock":
-            schedule = Schedule.from_text("0F0 0B0 \n 1B0 1F0 \n 2F0 2B0 \n 3F0 3B0")
+        if case == "hang":  # valid on each device, but devices 0 and 1 wait on each other
+            schedule = Schedule.from_text("0F0 0B0 0F1 0B1\n" + "\n".join(f"{d}F0 {d}F1 {d}B0 {d}B1" for d in (1, 2, 3)))
         if case == "stage count":
             schedule = get_schedule("1f1b", stages=3, microbatches=4)
         if case == "split":
@@ -239,7 +247,7 @@ def _error_on_every_rank(case):
         stages = split_stages(model, schedule, dist.get_rank() % schedule.num_devices)
         if case == "shapes" and 1 in stages:
             stages[1] = nn.Sequential(nn.Linear(9, 4), nn.Tanh()).double()  # stage 0 sends width 6
-        runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=30)
+        runner = PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=30)
         if case == "rows":
             x, y = x[:3], y[:3]
         if case == "no inputs":
@@ -251,7 +259,9 @@ def _error_on_every_rank(case):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("deadlock", r"invalid schedule.*"),
+    ("hang", r"cannot lower schedule: it would hang: device 0 waits at 0RECV_B0 \(the input of 0B0\), but device 1 "
+             r"never reaches 1SEND_B0; device 1 waits at 1RECV_F1 \(the input of 1F1\), but device 0 never reaches "
+             r"0SEND_F1"),
     ("stage count", r"schedule 1f1b has 3 devices but the pipeline group has 4 processes"),
     ("split", r"model has 3 layers and cannot be split into 4 stages"),
     ("rows", r"inputs has 3 rows \(dim 0\) but the schedule has 4 microbatches"),
@@ -268,21 +278,82 @@ def test_bad_input_same_error_on_every_rank(cluster, case, message):
     assert re.search(message, errors[0]), errors[0]
 
 
+# --- messages checked, collectives bounded by the timeout --------------------------------------
+def _swapped_receives_and_a_missing_rank():
+    """Two faults, each on its own new group, each ending every rank within a 1 s timeout."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[dist.get_rank() // 2]
+    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    runner = PipelineRunner(schedule, split_stages(_model(), schedule, dist.get_rank(group)), F.mse_loss, group,
+                            timeout=1)
+    if dist.get_rank(group) == 1:  # post the first two receives in the wrong order (same shapes)
+        program = list(runner.programs[1])
+        assert [str(op) for op in program[:2]] == ["1RECV_F0", "1RECV_F1"]
+        program[:2] = program[1::-1]
+        runner.programs = (runner.programs[0], tuple(program))
+    out = {}
+    try:
+        runner.step(*_batch())
+    except (RuntimeError, TimeoutError) as err:
+        out["swapped"] = f"{type(err).__name__}: {err}"
+    group = dist.new_group([0, 1, 2, 3])
+    if dist.get_rank() != 3:  # rank 3 never calls step: the others time out in the batch exchange
+        runner = PipelineRunner(get_schedule("gpipe", stages=4, microbatches=2), split_stages(
+            _model(), get_schedule("gpipe", stages=4, microbatches=2), dist.get_rank(group)), F.mse_loss, group,
+            timeout=1)
+        start = time.monotonic()
+        try:
+            runner.step(*_batch())
+        except TimeoutError as err:
+            out["missing"] = (str(err), time.monotonic() - start)
+    return out
+
+
+def test_message_check_and_collective_timeout_name_the_fault(cluster):
+    results = cluster.run(_swapped_receives_and_a_missing_rank)
+    for rank in (1, 3):  # device 1 of each pair: the first receive it waits on holds the other microbatch
+        assert results[rank]["swapped"] == (
+            f"RuntimeError: rank {rank} (pipeline device 1) received message #1, the activation of microbatch 1 "
+            f"from stage 0 from rank {rank - 1} (pipeline device 0) where it expected message #1, the activation of "
+            f"microbatch 0 from stage 0 (1RECV_F0 (the activation of microbatch 0 from stage 0)): the two ends' "
+            f"programs post this pair's messages in different orders")
+    for rank in (0, 2):  # device 0 waits for a gradient that never comes
+        assert results[rank]["swapped"].startswith(
+            f"TimeoutError: rank {rank} (pipeline device 0) waited 1 s for 0RECV_B0 (the gradient of microbatch 0 "
+            f"from stage 1) from rank {rank + 1}; the last operations it completed: 0F0, 0SEND_F0, 0F1, 0SEND_F1, "
+            f"0RECV_B0, 0RECV_B1")
+    for rank in (0, 1, 2):
+        message, elapsed = results[rank]["missing"]
+        assert message.startswith(f"rank {rank} (pipeline device {rank}) waited 1 s for the batch shapes (an "
+                                  f"all-reduce over the pipeline group); the last operations it completed: nothing yet")
+        assert elapsed < 1 + 5
+
+
 # --- a stage that raises: every rank ends, the caller sees the original error ------------------
 def _raise_on_rank_1(catch):
     schedule = get_schedule("1f1b", stages=4, microbatches=4)
     stages = split_stages(_model(), schedule, dist.get_rank())
     if 1 in stages:
         stages[1] = _BoomLater(stages[1])
-    runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=2)
+    runner = PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=2)
     start = time.monotonic()
     try:
         runner.step(*_batch())
     except Exception as err:
         if not catch:
             raise
-        return type(err).__name__, str(err), "\n".join(getattr(err, "__notes__", [])), time.monotonic() - start
-    return "no error", "", "", time.monotonic() - start
+        failed = type(err).__name__, str(err), "\n".join(getattr(err, "__notes__", [])), time.monotonic() - start
+    else:
+        return "no error", "", "", time.monotonic() - start, "", ""
+    try:  # the runner refuses another step: a message of the failed one could meet it
+        runner.step(*_batch())
+    except RuntimeError as err:
+        again = str(err)
+    try:  # and so does a new runner on the same group
+        PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=2)
+    except ValueError as err:
+        rebuilt = str(err)
+    return (*failed, again, rebuilt)
 
 
 class _BoomLater(nn.Module):
@@ -303,17 +374,22 @@ class _BoomLater(nn.Module):
 def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
     results = cluster.run(_raise_on_rank_1, True)
     cluster.close()  # the timed-out receives broke the gloo pairs: the next run starts fresh ranks
-    kind, message, notes, elapsed = results[1]
+    kind, message, notes, elapsed, _, _ = results[1]
     assert kind == "KeyError" and "boom in stage 1" in message
-    assert "while running action 1F2 on rank 1" in notes
+    assert "while running 1F2 on rank 1 (pipeline device 1)" in notes
     for rank in (0, 2, 3):
-        kind, message, _, elapsed = results[rank]
+        kind, message, _, elapsed, _, _ = results[rank]
         assert kind == "TimeoutError", results[rank]
-        assert f"rank {rank} (pipeline device {rank}) waited 2 s for the" in message
+        assert f"rank {rank} (pipeline device {rank}) waited 2 s for " in message
+        assert "the last operations it completed: " in message
         assert elapsed < 2 + 10
-    # rank 2 names the forward it waited on (2F2 normally; an earlier one if rank 1's last sends
-    # were still in flight when it failed)
-    assert re.search(r"for action 2F[0-2]\) from rank 1", results[2][1]), results[2][1]
+    # rank 2 names the receive it waited on (2RECV_F2 normally; an earlier one if rank 1's last
+    # sends were still in flight when it failed) and what it had done
+    assert re.search(r"waited 2 s for 2RECV_F[0-2] \(the activation of microbatch [0-2] from stage 1\) from rank 1; "
+                     r"the last operations it completed: .*2F[01]", results[2][1]), results[2][1]
+    for rank, result in enumerate(results):
+        assert result[4].startswith("a step of this PipelineRunner failed (") and "build a new process group" in result[4]
+        assert result[5].startswith("group: a pipeline step failed on this group (")
 
 
 def test_failing_stage_reaches_the_caller_with_its_rank(cluster):

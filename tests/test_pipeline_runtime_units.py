@@ -1,6 +1,8 @@
-"""The runtime's pieces in one process: split backward, stages, microbatch sizes, tags, prediction, CLI."""
+"""The runtime's pieces in one process: split backward, stages, microbatch sizes, the one-process
+runner (group None) and its hooks, prediction, CLI."""
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -9,12 +11,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from modelpar.cli import main
-from modelpar.pipeline import PipelineStage, even_balance, measured_durations, predict, split_stages
-from modelpar.pipeline.p2p import act_tag, grad_tag
+from modelpar.pipeline import LocalStage, PipelineRunner, even_balance, measured_durations, predict, split_stages
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.pipeline.split_backward import backward_input
-from modelpar.schedules import Kind, get_schedule
-from modelpar.simulate import Costs, Event, Timeline, simulate
+from modelpar.schedules import Kind, get_schedule, on_one_device
+from modelpar.simulate import Costs, Event, Timeline, pipeline_speedup, simulate
 
 
 def _mlp(widths, seed, tie=False):
@@ -72,7 +73,7 @@ def test_split_backward_defers_the_weight_products():
 def test_stage_forward_backward_scales_the_loss_and_holds_microbatches():
     torch.manual_seed(0)
     module = nn.Linear(3, 1).double()
-    stage = PipelineStage(1, module, num_stages=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    stage = LocalStage(1, module, num_stages=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
     loss = stage.forward(0, x, t, scale=0.25)
     assert stage.held == 1 and not loss.requires_grad
@@ -94,10 +95,46 @@ def test_microbatch_sizes_match_tensor_split(rows, m):
     assert sum(sizes) == rows and max(sizes) - min(sizes) <= 1
 
 
-def test_tags_are_unique_per_message():
-    m = 8
-    tags = {act_tag(s, j, m) for s in range(6) for j in range(m)} | {grad_tag(s, j, m) for s in range(6) for j in range(m)}
-    assert len(tags) == 2 * 6 * m
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_one_process_runner_equals_the_plain_model(name):
+    """group None: a schedule's work on one device, in the simulator's order, through the real runtime."""
+    schedule = on_one_device(get_schedule(name, stages=2, microbatches=4, chunks=2 if name == "interleaved" else 1))
+    model, ref = _mlp([3, 5, 4, 6, 2], 0), _mlp([3, 5, 4, 6, 2], 0)
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(7, 3, generator=gen, dtype=torch.float64), torch.randn(7, 2, generator=gen, dtype=torch.float64)
+    runner = PipelineRunner(schedule, split_stages(model, schedule, 0), torch.nn.functional.mse_loss, None)
+    seen = []
+
+    @contextmanager
+    def hook(action, last_backward):
+        seen.append((str(action), last_backward, "before"))
+        yield
+        seen.append((str(action), last_backward, "after"))
+
+    handle = runner.register_action_hook(hook)
+    losses = runner.step(x, y)
+    ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+    ref_loss.backward()
+    assert len(losses) == 4 and abs(runner.last_loss.item() - ref_loss.item()) < 1e-15
+    assert max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-15
+    actions = [str(a) for a in schedule.actions[0]]
+    assert [a for a, _, when in seen if when == "before"] == actions == [a for a, _, when in seen if when == "after"]
+    weight = "W" if name == "zb-h1" else "B"
+    finals = [a for a, last, when in seen if last and when == "after"]
+    assert finals == [a for i, a in enumerate(actions)  # each stage's last weight-gradient action, once
+                      if a[1:-1] == weight and not any(b[1:-1] == weight and b[0] == a[0] for b in actions[i + 1:])]
+    assert len(finals) == schedule.num_stages
+    handle.remove()
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(ref(x), y).item()
+    assert abs(runner.evaluate(x, y).item() - expected) < 1e-15 and len(seen) == 2 * len(actions)
+
+
+def test_one_process_runner_needs_a_one_device_schedule():
+    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"group None runs a one-device schedule in this process, but schedule "
+                                         r"'1f1b' has 2 devices: pass the pipeline process group"):
+        PipelineRunner(schedule, {0: nn.Linear(2, 2)}, torch.nn.functional.mse_loss, None)
 
 
 def test_split_stages_even_and_interleaved_placement():
@@ -124,8 +161,9 @@ def test_prediction_from_measured_costs_reproduces_the_simulator():
     assert durations[Kind.F] == [1.0] * 4 and durations[Kind.B] == [2.0] * 4
     predicted = predict(schedule, durations)
     assert predicted.step_time == 33 and round(predicted.bubble, 3) == 0.273  # §4.1: 33 units, 27.3 %
-    with_transfer = predict(schedule, durations, transfer=0.5)
-    assert with_transfer.step_time > 33
+    gpipe = get_schedule("gpipe", stages=4, microbatches=8)
+    with_transfer = predict(gpipe, durations, [0.0, 0.5, 0.5, 0.5])  # one message: 0.5 units
+    assert with_transfer.step_time == 36 == 3 * 4 * 8 / pipeline_speedup(stages=4, microbatches=8, comm=0.5)
     shifted = Timeline.from_events([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
     assert shifted.step_time == 33  # measured clocks start anywhere
 

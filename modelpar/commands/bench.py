@@ -9,7 +9,7 @@ import importlib
 BENCHES: dict[str, str] = {
     "microbatch": "modelpar.commands.bench_microbatch",
     "pipeline": "modelpar.commands.bench_pipeline",
-    "recompute": "modelpar.recompute.bench",
+    "recompute": "modelpar.commands.bench_recompute",
 }
 
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from modelpar._validate import check_int
-    from modelpar.pipeline.microbatch import microbatch_table, mlp_stage
+    from modelpar.bench import microbatch_table, mlp_stage
 
     stages = check_int("--stages", args.stages, minimum=1)
     batch = check_int("--batch", args.batch, minimum=2)

@@ -1,7 +1,8 @@
 """``modelpar bench pipeline``: run a schedule on K local processes, measured vs simulated.
 
-Starts K processes (gloo), runs the built-in MLP through the schedule for a few steps, then feeds
-the measured per-action costs and transfer time to the simulator and prints both side by side,
+Starts K processes (gloo) — or, under torchrun, runs as one of its ranks (``--backend nccl`` on
+GPUs) — runs the built-in MLP through the schedule for a few steps, then feeds the measured
+per-action costs and per-message transfer times to the simulator and prints both side by side,
 with the measured timeline drawn as the reference's ASCII chart (§4.1, §4.2).
 """
 
@@ -30,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rows", type=int, default=256, help="batch rows N (default 256)")
     parser.add_argument("--recompute", default=None, help="per-stage recomputation: full, sqrt or k (default none)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck rank is an error")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="under torchrun: process-group backend (auto: nccl with GPUs, stages on each rank's GPU)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON only")
     parser.add_argument("--png", metavar="FILE", help="also draw measured and simulated timelines (.png/.svg)")
     parser.add_argument("--trace", metavar="FILE", help="also write both as a Chrome trace (JSON)")
@@ -43,11 +46,15 @@ def _recompute(text: str | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.pipeline.mlp_bench import MLPBench, summarize
+    from modelpar.bench.pipeline import MLPBench, summarize
+    from modelpar.distributed import is_torchrun
 
+    torchrun = is_torchrun()
+    backend = None if args.backend == "auto" else args.backend
+    cuda = torchrun and (backend == "nccl" or (backend is None and _cuda_available()))
     cfg = MLPBench(schedule=args.schedule, stages=args.stages, microbatches=args.microbatches,
                    chunks=args.chunks, width=args.width, blocks=args.blocks, rows=args.rows,
-                   steps=args.steps, recompute=_recompute(args.recompute), timeout=args.timeout)
+                   steps=args.steps, recompute=_recompute(args.recompute), timeout=args.timeout, cuda=cuda)
     cfg.build_schedule()  # bad schedule arguments fail here, before any process starts
     if args.png:
         check_output_path("--png", args.png, (".png", ".svg"))
@@ -58,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
         plan_recompute(3 * (cfg.blocks // cfg.chunks), cfg.recompute)
 
+    from modelpar.bench.pipeline import bench_rank
     from modelpar.distributed import launch
-    from modelpar.pipeline.mlp_bench import bench_rank
 
-    result = launch(bench_rank, cfg.stages, cfg, timeout=cfg.timeout, run_timeout=None)[0]
+    if torchrun:
+        result = _under_torchrun(cfg, backend)
+        if result is None:
+            return 0  # not rank 0: rank 0 prints
+    else:
+        result = launch(bench_rank, cfg.stages, cfg, timeout=cfg.timeout, run_timeout=None)[0]
     s = summarize(cfg, result)
     if args.png:
         from modelpar.simulate.plot import plot_timelines
@@ -81,6 +93,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _under_torchrun(cfg: Any, backend: str | None) -> Any:
+    """Run ``bench_rank`` as one of torchrun's ranks; rank 0's result, None elsewhere."""
+    import torch.distributed as dist
+
+    from modelpar.bench.pipeline import bench_rank
+    from modelpar.distributed import init_from_env
+
+    init_from_env("nccl" if cfg.cuda else (backend or "gloo"), timeout=cfg.timeout)
+    try:
+        if dist.get_world_size() != cfg.stages:
+            raise ValueError(f"--stages ({cfg.stages}) must equal torchrun's processes ({dist.get_world_size()})")
+        return bench_rank(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
 def report(cfg: Any, s: dict[str, Any]) -> str:
     """The side-by-side table and the measured chart, as text."""
     from modelpar.simulate.ascii import ascii_chart
@@ -97,10 +131,11 @@ def report(cfg: Any, s: dict[str, Any]) -> str:
     measured = s["measured"]
     unit = measured.step_time / 100
     return (
-        f"{cfg.schedule} (K = {cfg.stages}, M = {cfg.microbatches}{v}) on {cfg.stages} gloo processes: "
+        f"{cfg.schedule} (K = {cfg.stages}, M = {cfg.microbatches}{v}) on {cfg.stages} "
+        f"{'NCCL processes (one GPU each)' if cfg.cuda else 'gloo processes'}: "
         f"MLP width {cfg.width}, {cfg.blocks} blocks per process, {cfg.rows} rows, median of {cfg.steps} steps\n"
-        f"simulated = the simulator fed this run's mean action times and a measured transfer of "
-        f"{s['transfer_s'] * 1e3:.3f} ms (one way)\n\n{table}\n"
+        f"simulated = the simulator fed this run's mean action times and measured messages "
+        f"({s['transfer_s'] * 1e3:.3f} ms one way, latency + bytes / bandwidth)\n\n{table}\n"
         f"(wall-clock step incl. entry and send completion: {s['wall_step_s'] * 1e3:.2f} ms)\n\n"
         f"Measured timeline, one cell = {unit * 1e3:.3f} ms:\n{ascii_chart(measured, unit=unit)}"
     )

@@ -1,33 +1,40 @@
-"""The one loop that runs a rank's action list: receive, compute, send — and time every action.
+"""The one loop that runs a device's lowered program: post, compute, send — and time every action.
 
-Scheduling is data (``Schedule``); this loop only dispatches it, like torch.distributed.pipelining's
-``_PipelineScheduleRuntime`` and unlike Megatron's hand-written warm-up / steady / cool-down loops::
+Scheduling is data; this loop only walks the plan of the lowered program
+(``modelpar.schedules.lower``), like torch.distributed.pipelining's ``_PipelineScheduleRuntime``
+and unlike Megatron's hand-written warm-up / steady / cool-down loops::
 
-    F  s m : x = input microbatch (s = 0) | activation from stage s-1    → run → send to s+1
-             (the last stage computes the loss instead of sending)
-    B  s m : g = loss (s = last) | gradient from stage s+1               → backward → send to s-1
-    I  s m : as B, but only the input gradient; the weight part is kept as a closure
-    W  s m : run that closure
+    RECV  post the receive into its buffer (the program puts it as early as the pair order allows)
+    SEND  send the output just computed (the program puts it right after its producer)
+    F s m : x = input microbatch (s = 0) | stage s-1's output (same device) | the receive
+            → run; the last stage computes the loss
+    B s m : g = loss (s = last) | stage s+1's gradient (same device) | the receive → backward
+    I s m : as B, but only the input gradient; the weight part is kept as a closure
+    W s m : run that closure
 
-Neighbouring stages on the same device (interleaved with K = 1, V shapes) hand tensors over
-in memory. Receives are posted ``lookahead`` actions ahead so transfers overlap compute.
+Stages on the same device hand tensors over in memory. Action hooks wrap each compute action
+(``PipelineRunner.register_action_hook``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from modelpar.pipeline.p2p import P2P, act_tag, grad_tag
-from modelpar.pipeline.shapes import TensorSpec
-from modelpar.pipeline.stage import PipelineStage
+from modelpar.pipeline.collectives import FlightRecorder
+from modelpar.pipeline.p2p import P2P, Posted
+from modelpar.pipeline.plan import COMPUTE, SEND, Planned
+from modelpar.pipeline.stage import LocalStage
+from modelpar.pipeline.timing import CudaTimer, HostTimer
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.schedule import Schedule
 
-__all__ = ["StepRecord", "run_actions"]
+__all__ = ["ActionHook", "StepContext", "StepRecord", "run_plan"]
+
+ActionHook = Callable[[Action, bool], "AbstractContextManager[Any] | None"]
 
 
 @dataclass
@@ -40,112 +47,108 @@ class StepRecord:
     peak_held_until_w: int = 0  # the same, counting a split backward as held until its W
 
 
-@dataclass(frozen=True)
-class _Recv:
-    device: int  # the peer device
-    tag: int
-    spec: TensorSpec
-    what: str
+class StepContext:
+    """What a step runs with: this device's stages, its messenger, its timer and the hooks."""
+
+    def __init__(self, stages: dict[int, LocalStage], p2p: P2P | None, timer: HostTimer | CudaTimer,
+                 recorder: FlightRecorder, hooks: Sequence[ActionHook], timeout: float) -> None:
+        self.stages, self.p2p, self.timer, self.recorder = stages, p2p, timer, recorder
+        self.hooks, self.timeout = hooks, timeout
 
 
-def _plan_receives(actions: Sequence[Action], schedule: Schedule, me: int,
-                   specs: dict[tuple[int, int], TensorSpec], rows: Sequence[int]) -> list[_Recv | None]:
-    """For each action: the receive it needs from another device, if any."""
-    dev, last, m_count = schedule.stage_to_device, schedule.num_stages - 1, schedule.num_microbatches
-    grad_kinds = (Kind.B, Kind.I)
-    plan: list[_Recv | None] = []
-    for a in actions:
-        s, m = a.stage, a.microbatch
-        if a.kind is Kind.F and s > 0 and dev[s - 1] != me:
-            plan.append(_Recv(dev[s - 1], act_tag(s, m, m_count), specs[s - 1, rows[m]],
-                              f"the activation of microbatch {m} from stage {s - 1} (for action {a})"))
-        elif a.kind in grad_kinds and s < last and dev[s + 1] != me:
-            plan.append(_Recv(dev[s + 1], grad_tag(s + 1, m, m_count), specs[s, rows[m]],
-                              f"the gradient of microbatch {m} from stage {s + 1} (for action {a})"))
-        else:
-            plan.append(None)
-    return plan
-
-
-def run_actions(
-    schedule: Schedule,
-    stages: dict[int, PipelineStage],
-    p2p: P2P,
-    specs: dict[tuple[int, int], TensorSpec],
-    rows: Sequence[int],
-    inputs: Sequence[torch.Tensor] | None,
-    targets: Sequence[torch.Tensor] | None,
-    lookahead: int = 3,
-) -> StepRecord:
-    """Run this device's actions of ``schedule`` once; ``rows[m]`` is microbatch m's size."""
-    return _Step(schedule, stages, p2p, rows, inputs, targets).run(specs, lookahead)
+def run_plan(ctx: StepContext, plan: Sequence[Planned], inputs: Sequence[torch.Tensor] | None,
+             targets: Sequence[torch.Tensor] | None, scale: Sequence[float], for_backward: bool = True) -> StepRecord:
+    """Run one step of a device's plan; ``scale[m]`` weighs microbatch m's loss (its share of the rows)."""
+    return _Step(ctx, inputs, targets, scale, for_backward).run(plan)
 
 
 class _Step:
-    """State of one step on one device: held tensors, posted receives, the record."""
+    """One step on one device: the tensors between operations, and what was measured."""
 
-    def __init__(self, schedule: Schedule, stages: dict[int, PipelineStage], p2p: P2P, rows: Sequence[int],
-                 inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> None:
-        self.schedule, self.stages, self.p2p = schedule, stages, p2p
-        self.rows, self.inputs, self.targets = list(rows), inputs, targets
-        self.scale = [n / sum(rows) for n in rows]  # each loss weighted by its share of the batch
-        self.dev, self.me, self.last = schedule.stage_to_device, p2p.device, schedule.num_stages - 1
-        self.local: dict[tuple[str, int, int], torch.Tensor | None] = {}
+    def __init__(self, ctx: StepContext, inputs: Sequence[torch.Tensor] | None,
+                 targets: Sequence[torch.Tensor] | None, scale: Sequence[float], for_backward: bool) -> None:
+        self.ctx, self.inputs, self.targets, self.scale = ctx, inputs, targets, scale
+        self.for_backward = for_backward
+        self.local: dict[Any, Any] = {}  # hand-overs between stages of this device
+        self.inbox: dict[Any, Posted] = {}  # receives posted, not yet used
+        self.outbox: dict[Any, torch.Tensor] = {}  # outputs computed, not yet sent
+        self.marks: list[tuple[Action, Any, Any]] = []
         self.rec = StepRecord()
 
-    def run(self, specs: dict[tuple[int, int], TensorSpec], lookahead: int) -> StepRecord:
-        actions = self.schedule.actions[self.me]
-        plan = _plan_receives(actions, self.schedule, self.me, specs, self.rows)
-        posted: dict[int, tuple] = {}
-        nxt, rec = 0, self.rec
-        for i, a in enumerate(actions):
-            try:
-                while nxt < len(actions) and (nxt <= i or len(posted) < lookahead):
-                    r = plan[nxt]
-                    if r is not None:
-                        posted[nxt] = self.p2p.post_recv(*r.spec, r.device, r.tag)
-                    nxt += 1
-                r = plan[i]
-                received = self.p2p.wait(posted.pop(i), r.device, r.what) if r is not None else None
-                start, end = self._run_one(a, received)
-            except Exception as err:
-                for st in self.stages.values():
-                    st.clear()
-                err.add_note(f"while running action {a} on rank {self.p2p.rank} (pipeline device {self.me})")
-                raise
-            rec.events.append((a, start, end))
-            rec.peak_held = max(rec.peak_held, sum(st.held_graphs for st in self.stages.values()))
-            rec.peak_held_until_w = max(rec.peak_held_until_w, sum(st.held for st in self.stages.values()))
-        return rec
+    def run(self, plan: Sequence[Planned]) -> StepRecord:
+        ctx, p2p = self.ctx, self.ctx.p2p
+        ctx.timer.start_step()
+        p = None
+        try:
+            for p in plan:
+                if p.code == COMPUTE:
+                    self.compute(p)
+                elif p.code == SEND:
+                    p2p.send(self.outbox.pop(p.key), p.peer, p.key, p.what)  # type: ignore[union-attr, arg-type]
+                else:
+                    self.inbox[p.key] = p2p.post_recv(p.buffer, p.peer, p.key, p.what)  # type: ignore[union-attr, arg-type]
+                ctx.recorder.completed(p.text)
+            if p2p is not None:
+                p2p.finish()
+        except BaseException as err:  # KeyboardInterrupt too: leave nothing held
+            for st in ctx.stages.values():
+                st.clear()
+            if p2p is not None:
+                p2p.abandon()
+            if p is not None:
+                err.add_note(f"while running {p.text} on {ctx.recorder.where}")
+            raise
+        times = ctx.timer.resolve([t for _, s, e in self.marks for t in (s, e)], ctx.timeout, self.stuck)
+        self.rec.events = [(a, times[2 * i], times[2 * i + 1]) for i, (a, _, _) in enumerate(self.marks)]
+        return self.rec
 
-    def _run_one(self, a: Action, received: torch.Tensor | None) -> tuple[float, float]:
-        """Run one action; return when its compute started (input there) and ended (before sending)."""
-        stage, s, m, kind, dev, me = self.stages[a.stage], a.stage, a.microbatch, a.kind, self.dev, self.me
-        if kind is Kind.F:
-            if s == 0:
-                x = self.inputs[m]  # type: ignore[index]
-            else:
-                x = received if received is not None else self.local.pop(("act", s, m))
-            start = time.perf_counter()
-            y = stage.forward(m, x, self.targets[m] if s == self.last else None, self.scale[m])  # type: ignore[index]
-            end = time.perf_counter()
-            if s == self.last:
-                self.rec.losses[m] = y
-            elif dev[s + 1] == me:
-                self.local["act", s + 1, m] = y
-            else:
-                self.p2p.send(y, dev[s + 1], act_tag(s + 1, m, len(self.rows)), f"the send of action {a}")
-            return start, end
-        if kind is Kind.W:
-            start = time.perf_counter()
-            stage.backward_weight(m)
-            return start, time.perf_counter()
-        g = None if s == self.last else received if received is not None else self.local.pop(("grad", s, m))
-        start = time.perf_counter()
-        gx = stage.backward(m, g) if kind is Kind.B else stage.backward_input(m, g)
-        end = time.perf_counter()
-        if s > 0 and dev[s - 1] == me:
-            self.local["grad", s - 1, m] = gx
-        elif s > 0:
-            self.p2p.send(gx, dev[s - 1], grad_tag(s, m, len(self.rows)), f"the send of action {a}")
-        return start, end
+    def compute(self, p: Planned) -> None:
+        """Take the action's input, run it inside the hooks, put its output where it goes."""
+        a, ctx = p.op, self.ctx
+        assert isinstance(a, Action)
+        x: Any = None
+        if p.source == "input":
+            x = self.inputs[a.microbatch]  # type: ignore[index]
+        elif p.source == "local":
+            x = self.local.pop(p.source_key)
+        elif p.source == "recv":
+            x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
+        stage = ctx.stages[a.stage]
+        with ExitStack() as around:
+            for hook in ctx.hooks:
+                cm = hook(a, p.final)
+                if cm is not None:
+                    around.enter_context(cm)
+            start = ctx.timer.mark()
+            y = self.call(stage, a, x)
+            end = ctx.timer.mark()
+        self.marks.append((a, start, end))
+        if p.sink == "loss":
+            self.rec.losses[a.microbatch] = y
+        elif p.sink == "local":
+            self.local[p.key] = y
+        elif p.sink == "send":
+            self.outbox[p.key] = y
+        held = ctx.stages.values()
+        self.rec.peak_held = max(self.rec.peak_held, sum(st.held_graphs for st in held))
+        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held for st in held))
+
+    def call(self, stage: LocalStage, a: Action, x: Any) -> Any:
+        """A forward's output (the loss on the last stage), or a backward's input gradient."""
+        m = a.microbatch
+        if a.kind is Kind.F:
+            target = self.targets[m] if stage.is_last else None  # type: ignore[index]
+            return stage.forward(m, x, target, self.scale[m], self.for_backward)
+        if a.kind is Kind.B:
+            return stage.backward(m, x)
+        if a.kind is Kind.I:
+            return stage.backward_input(m, x)
+        stage.backward_weight(m)
+        return None
+
+    def stuck(self) -> BaseException:
+        """The error when the step's GPU work does not finish within the timeout."""
+        p2p = self.ctx.p2p
+        pending = p2p.unfinished() if p2p is not None else None
+        what = f"the step's GPU work to finish (first unfinished: {pending or 'compute'})"
+        return self.ctx.recorder.timeout(self.ctx.timeout, what)

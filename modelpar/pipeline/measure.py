@@ -2,35 +2,37 @@
 
 The runtime records every action's start and end on every rank; ``gather_timeline`` collects
 them into the same ``Timeline`` the simulator produces, so the ASCII / PNG / trace renderers draw
-the real run. ``measured_durations`` averages the run's cost of each (kind, stage), and
-``predict`` feeds those costs (plus a measured transfer time) back to the simulator: the step
-time and bubble the schedule *should* have had with these compute costs, to set beside the
+the real run. ``measured_durations`` averages the run's cost of each (kind, stage);
+``measure_link`` times messages of a few sizes between two devices of the group (ping-pong) and
+fits latency + bytes / bandwidth; ``predict`` feeds both back to the simulator: the step time and
+bubble the schedule *should* have had with these compute and transfer costs, to set beside the
 measured ones.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
-from modelpar.simulate.costs import Costs
 from modelpar.simulate.timeline import Event, Timeline
 
-__all__ = ["gather_timeline", "measured_durations", "predict"]
+__all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "predict"]
 
 
-def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any) -> Timeline:
+def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,
+                    timeout: float, recorder: Any) -> Timeline:
     """Collective over ``group``: every device's (action, start, end) of one step, as a Timeline."""
-    import torch.distributed as dist
+    from modelpar.pipeline.collectives import all_gather_object
 
     mine = [(str(a), float(s), float(e)) for a, s, e in events]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return Timeline(
+    everyone = all_gather_object(mine, group, timeout, "the timeline gather", recorder)
+    return Timeline.from_events(
         [Event(d, Action.parse(a), s, e) for d, rows in enumerate(everyone) for a, s, e in rows],
         schedule.num_devices,
         schedule,
@@ -55,7 +57,68 @@ def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]
     return {k: [statistics.fmean(x) if x else 0.0 for x in per_stage] for k, per_stage in samples.items()}
 
 
-def predict(schedule: Schedule, durations: dict[Kind, list[float]], transfer: float = 0.0) -> Timeline:
-    """Simulate ``schedule`` with measured per-(kind, stage) ``durations`` and a cross-device ``transfer``."""
-    starts, ends = execute(schedule, durations, Costs(transfer=transfer).transfer_in(schedule))
-    return Timeline.from_columns(schedule, starts, ends, unit="s")
+@dataclass(frozen=True)
+class Link:
+    """One message's time between two pipeline devices: ``latency + bytes · seconds_per_byte``."""
+
+    latency: float  # seconds
+    seconds_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes * self.seconds_per_byte
+
+
+def measure_link(group: Any, sizes: Sequence[int], timeout: float, recorder: Any, repeats: int = 10) -> Link:
+    """Collective: ping-pong messages of ``sizes`` bytes between devices 0 and 1, fit latency + bytes/bandwidth.
+
+    One-way time = half the median round trip; least squares over the sizes. Every rank returns
+    device 0's fit. With fewer than two devices, or ``group`` None, there is no link: zero.
+    """
+    if group is None:
+        return Link(0.0, 0.0)
+    import torch
+    import torch.distributed as dist
+
+    from modelpar.pipeline.collectives import broadcast_object, comm_device, is_nccl, wait
+
+    if dist.get_world_size(group) < 2:
+        return Link(0.0, 0.0)
+    me, ranks, nccl = dist.get_rank(group), dist.get_process_group_ranks(group), is_nccl(group)
+    sizes = sorted({int(s) for s in sizes})
+    one_way = []
+    for size in sizes:
+        buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=comm_device(group))
+        times = []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            if me in (0, 1):
+                ops = (dist.isend, dist.irecv) if me == 0 else (dist.irecv, dist.isend)
+                for op in ops:
+                    wait(op(buf, ranks[1 - me], group=group), timeout, "the link ping-pong", recorder, nccl)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        one_way.append(statistics.median(times) / 2)
+    fit = None
+    if me == 0:
+        if len(sizes) > 1:
+            slope, intercept = statistics.linear_regression([float(s) for s in sizes], one_way)
+            fit = (max(intercept, 0.0), max(slope, 0.0))
+        else:
+            fit = (one_way[0], 0.0)
+    latency, per_byte = broadcast_object(fit, 0, group, timeout, "the link fit", recorder)
+    return Link(latency, per_byte)
+
+
+def predict(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
+            transfer_in: Sequence[float] | float = 0.0) -> Timeline:
+    """Simulate ``schedule`` with measured per-(kind, stage) ``durations`` and transfer times.
+
+    ``transfer_in[s]`` is one message's time into stage s (activation in, gradient back; 0 on
+    the same device), e.g. from ``PipelineRunner.transfer_times``; a number applies to every
+    boundary that crosses devices.
+    """
+    dev = schedule.stage_to_device
+    if isinstance(transfer_in, (int, float)):
+        transfer_in = [float(transfer_in) if s and dev[s] != dev[s - 1] else 0.0 for s in range(len(dev))]
+    starts, ends = execute(schedule, durations, transfer_in)
+    return Timeline(schedule.actions, starts, ends, schedule, unit="s")

@@ -1,100 +1,148 @@
-"""Point-to-point transfers between pipeline devices: async sends, early receives, tagged.
+"""Point-to-point messages between pipeline devices: tag-free, matched by the order of the program.
 
 A device is a rank of the pipeline process GROUP (group rank d runs the schedule's device d);
 torch.distributed addresses peers by GLOBAL rank, so every peer is translated once. In a
-(pp, dp, tp) mesh the pp group holds ranks with equal dp and tp indices, so each tensor-parallel
-rank of a stage talks to the same tensor-parallel rank of its neighbours.
+(pp, dp, tp) mesh each tensor-parallel rank of a stage talks to the same tensor-parallel rank of
+its neighbours through its own pp group.
 
-Each message carries a tag naming what it is, so receives can be posted in any order and
-matched by (source, tag), never by arrival order::
+Every message of a pair of devices is posted in the order of the lowered programs
+(``modelpar.schedules.lower``), which is the same at both ends, so one tag serves them all: NCCL
+pairs them by order (it ignores tags) and gloo does too with a single tag. The same code runs on
+both backends. Under NCCL tensors stay on the GPU and waits only order the streams; a gloo group
+for GPU tensors stages them through host memory.
 
-    tag = 2 · (stage · M + microbatch) + 0    activation entering ``stage``
-    tag = 2 · (stage · M + microbatch) + 1    gradient leaving ``stage`` (to stage - 1)
-
-Sends never block (``isend``); a receive blocks only when the action that needs it starts, so a
-schedule that passes ``Schedule.validate`` cannot deadlock. Waits have a timeout that turns a
-hang into a ``TimeoutError`` naming this rank, the peer and the action that waited.
+``check_messages`` sends a small header before each tensor — its sequence number on the pair,
+what it is, its stage and microbatch — and the receiver asserts it, so a message that meets the
+wrong receive is named at once (rank, peer, operation) instead of corrupting a gradient.
 """
 
 from __future__ import annotations
 
-import datetime
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2P", "act_tag", "comm_device", "grad_tag", "matches_by_tag"]
+from modelpar.pipeline.collectives import FlightRecorder, comm_device, is_nccl, wait
+
+__all__ = ["P2P", "Posted"]
+
+_KIND = {"F": 0, "B": 1}
 
 
-def comm_device(group: Any) -> torch.device:
-    """Where this rank's communication buffers live: its current GPU under NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)):  # "nccl", or a mixed "cpu:gloo,cuda:nccl"
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+@dataclass
+class Posted:
+    """A receive in flight: its work, the buffer it fills, and its header when messages are checked."""
 
-
-def matches_by_tag(group: Any) -> bool:
-    """Gloo matches point-to-point messages by tag; NCCL ignores tags and pairs them by order."""
-    return "nccl" not in str(dist.get_backend(group))
-
-
-def act_tag(stage: int, microbatch: int, num_microbatches: int) -> int:
-    """Tag of the activation that enters ``stage`` for ``microbatch``."""
-    return 2 * (stage * num_microbatches + microbatch)
-
-
-def grad_tag(stage: int, microbatch: int, num_microbatches: int) -> int:
-    """Tag of the gradient that ``stage`` sends back to ``stage - 1`` for ``microbatch``."""
-    return 2 * (stage * num_microbatches + microbatch) + 1
+    work: Any
+    buffer: torch.Tensor
+    peer: int
+    seq: int
+    message: tuple[str, int, int]
+    what: str
+    header: tuple[Any, torch.Tensor] | None = None
 
 
 class P2P:
     """Sends and receives between the devices (group ranks) of one pipeline group."""
 
-    def __init__(self, group: Any, timeout: float, compute_device: torch.device | None = None) -> None:
+    def __init__(self, group: Any, timeout: float, compute_device: torch.device, recorder: FlightRecorder,
+                 check_messages: bool = False) -> None:
         self.group = group
-        self.ranks: list[int] = dist.get_process_group_ranks(group)  # device -> global rank
-        self.device = dist.get_rank(group)
+        self.ranks: list[int] = dist.get_process_group_ranks(group)  # group rank -> global rank
+        self.group_rank = dist.get_rank(group)
         self.rank = dist.get_rank()
-        self.buffer_device = comm_device(group)  # the CPU for gloo: GPU tensors are staged through it
-        self.compute_device = compute_device or self.buffer_device  # where received tensors are used
-        self.timeout = datetime.timedelta(seconds=timeout)
-        self._sends: list[tuple[Any, torch.Tensor, str]] = []
+        self.nccl = is_nccl(group)
+        self.buffer_device = comm_device(group)  # the CPU under gloo: GPU tensors are staged through it
+        self.compute_device = compute_device  # where received tensors are used
+        self.timeout = timeout
+        self.recorder = recorder
+        self.check_messages = check_messages
+        self.sends: list[tuple[Any, torch.Tensor, str]] = []  # in flight: kept alive until complete
+        self.sent = [0] * len(self.ranks)  # messages sent to / received from each peer, ever
+        self.received = [0] * len(self.ranks)
 
-    def send(self, tensor: torch.Tensor, device: int, tag: int, what: str) -> None:
-        """Start sending ``tensor`` to ``device``; it is kept alive until the send completes."""
+    def connect(self, peers: list[int]) -> None:
+        """Exchange one tiny message with each peer, pairs in one global order, before any step.
+
+        NCCL creates a pair's communicator at its first operation and both ends block until the
+        other arrives; doing it here, in an order every rank follows, cannot deadlock.
+        """
+        one = torch.zeros(1, device=self.buffer_device)
+        for peer in sorted(peers):
+            low = self.group_rank < peer
+            op = dist.isend if low else dist.irecv
+            work = op(one, self.ranks[peer], group=self.group)
+            wait(work, self.timeout, f"the first message with rank {self.ranks[peer]}", self.recorder, self.nccl)
+
+    def send(self, tensor: torch.Tensor, peer: int, message: tuple[str, int, int], what: str) -> None:
+        """Start sending ``tensor`` to group rank ``peer``; it is kept alive until the send completes."""
         tensor = tensor.to(self.buffer_device).contiguous()
-        work = dist.isend(tensor, dst=self.ranks[device], group=self.group, tag=tag)
-        self._sends.append((work, tensor, what))
-        if len(self._sends) > 8:  # drop finished sends so their tensors can be freed
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+        seq = self.sent[peer]
+        self.sent[peer] += 1
+        if self.check_messages:
+            header = self._header(seq, message)
+            self.sends.append((dist.isend(header, self.ranks[peer], group=self.group), header, what))
+        self.sends.append((dist.isend(tensor, self.ranks[peer], group=self.group), tensor, what))
 
-    def post_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: int, tag: int) -> tuple[Any, torch.Tensor]:
-        """Post a receive into a fresh buffer; ``wait`` it when the data is needed."""
-        buf = torch.empty(shape, dtype=dtype, device=self.buffer_device)
-        return dist.irecv(buf, src=self.ranks[device], group=self.group, tag=tag), buf
+    def post_recv(self, buffer: torch.Tensor, peer: int, message: tuple[str, int, int], what: str) -> Posted:
+        """Post a receive into ``buffer`` from group rank ``peer``; ``wait`` for it when the data is needed."""
+        seq = self.received[peer]
+        self.received[peer] += 1
+        header = None
+        if self.check_messages:
+            buf = torch.empty(4, dtype=torch.int64, device=self.buffer_device)
+            header = (dist.irecv(buf, self.ranks[peer], group=self.group), buf)
+        work = dist.irecv(buffer, self.ranks[peer], group=self.group)
+        return Posted(work, buffer, peer, seq, message, what, header)
 
-    def wait(self, posted: tuple[Any, torch.Tensor], device: int, what: str) -> torch.Tensor:
-        """Block until a posted receive completes, or raise TimeoutError naming ``what``."""
-        work, buf = posted
-        self._wait(work, f"{what} from rank {self.ranks[device]}")
-        return buf.to(self.compute_device)
+    def wait(self, posted: Posted) -> torch.Tensor:
+        """The received tensor, on the compute device; a TimeoutError names what never came."""
+        where = f"{posted.what} from rank {self.ranks[posted.peer]}"
+        if posted.header is not None:
+            work, buf = posted.header
+            wait(work, self.timeout, where, self.recorder, self.nccl)
+            self._check(buf.tolist(), posted)
+        if self.nccl:
+            posted.work.wait()  # the compute stream waits for the receive; the host goes on
+        else:
+            wait(posted.work, self.timeout, where, self.recorder)
+        return posted.buffer.to(self.compute_device)
 
     def finish(self) -> None:
-        """Wait for every send still in flight (end of a step)."""
-        sends, self._sends = self._sends, []
+        """Wait for every send still in flight (end of a step); under NCCL, order the stream after them."""
+        sends, self.sends = self.sends, []
         for work, _, what in sends:
-            self._wait(work, what)
+            if self.nccl:
+                work.wait()
+            else:
+                wait(work, self.timeout, what, self.recorder)
 
-    def _wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as err:  # gloo: "Timed out waiting ... for recv operation"
-            if "imed out" not in str(err) and "imeout" not in str(err):
-                raise
-            seconds = self.timeout.total_seconds()
-            raise TimeoutError(
-                f"rank {self.rank} (pipeline device {self.device}) waited {seconds:g} s for {what}; "
-                "the peer failed or hung (its error names the cause)"
-            ) from None
+    def unfinished(self) -> str | None:
+        """The first send still in flight, for the error when a step's end never comes."""
+        return next((what for work, _, what in self.sends if not work.is_completed()), None)
+
+    def abandon(self) -> None:
+        """Forget every send of a failed step (its peers may never receive them)."""
+        self.sends = []
+
+    def _header(self, seq: int, message: tuple[str, int, int]) -> torch.Tensor:
+        kind, stage, microbatch = message
+        return torch.tensor([seq, _KIND[kind], stage, microbatch], dtype=torch.int64, device=self.buffer_device)
+
+    def _check(self, got: list[int], posted: Posted) -> None:
+        kind, stage, microbatch = posted.message
+        expected = [posted.seq, _KIND[kind], stage, microbatch]
+        if got != expected:
+            names = {v: k for k, v in _KIND.items()}
+
+            def describe(h: list[int]) -> str:
+                what = "activation" if names.get(h[1]) == "F" else "gradient"
+                return f"message #{h[0]}, the {what} of microbatch {h[3]} from stage {h[2]}"
+
+            raise RuntimeError(
+                f"{self.recorder.where} received {describe(got)} from rank {self.ranks[posted.peer]} "
+                f"(pipeline device {posted.peer}) where it expected {describe(expected)} ({posted.what}): "
+                "the two ends' programs post this pair's messages in different orders"
+            )

@@ -4,34 +4,53 @@ Every rank of the group builds a runner with the same schedule and its own stage
 ``step`` with the same arguments structure: the first stage's rank passes the inputs, the last
 stage's rank the targets (others may pass them too; they are ignored)::
 
-    runner = PipelineRunner(get_schedule("1f1b", stages=4, microbatches=8), split_stages(model, schedule), F.mse_loss)
+    runner = PipelineRunner(get_schedule("1f1b", stages=4, microbatches=8), stages, F.mse_loss, group)
     losses = runner.step(x, y)       # grads accumulated for the whole batch
     optimizer.step(); optimizer.zero_grad()
+    val = runner.evaluate(x, y)      # forward-only schedule, no_grad, eval mode: the batch's mean loss
     timeline = runner.timeline()     # collective: what every rank did, for the renderers
 
-The batch is cut into M microbatches along dim 0 (``torch.tensor_split``: sizes differ by at
-most one) and each microbatch loss is weighted by its share of the rows, so the accumulated
+The schedule is lowered once (``modelpar.schedules.lower``): each rank walks its program of
+compute actions, sends and receives, matched by order with its peers' — the same code on gloo
+and NCCL. The batch is cut into M microbatches along dim 0 (``torch.tensor_split``: sizes differ
+by at most one) and each microbatch loss is weighted by its share of the rows, so the accumulated
 gradient is that of the whole batch's mean loss (reference §2.1). The optimizer step is yours.
+
+``group`` is the pipeline process group (or a 1-D DeviceMesh); ``None`` runs a one-device
+schedule in this process, with no communication.
 """
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from modelpar._validate import check_int, check_number
+from modelpar._validate import check_number
 from modelpar.pipeline.clock import clock_offset
-from modelpar.pipeline.executor import StepRecord, run_actions
-from modelpar.pipeline.p2p import P2P, matches_by_tag
-from modelpar.pipeline.shapes import BatchSpec, dry_run, exchange_batch, microbatch_sizes
-from modelpar.pipeline.stage import LossFn, PipelineStage
+from modelpar.pipeline.collectives import FlightRecorder
+from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
+from modelpar.pipeline.measure import gather_timeline, measure_link
+from modelpar.pipeline.p2p import P2P
+from modelpar.pipeline.plan import Planned, build_plan
+from modelpar.pipeline.shapes import BatchSpec, TensorSpec, dry_run, exchange_batch, microbatch_sizes
+from modelpar.pipeline.stage import LocalStage, LossFn
+from modelpar.pipeline.timing import timer_for
+from modelpar.schedules.derive import forward_only
+from modelpar.schedules.lower import Transfer, lower
 from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PipelineRunner"]
+__all__ = ["CHECK_MESSAGES_ENV", "PipelineRunner"]
+
+CHECK_MESSAGES_ENV = "MODELPAR_CHECK_MESSAGES"  # "1": every runner checks message sequence numbers
+_FAILED_GROUPS: dict[str, str] = {}  # pipeline groups a step failed on (in this process) -> why
 
 
 class PipelineRunner:
@@ -42,58 +61,71 @@ class PipelineRunner:
         schedule: Schedule,
         stage_modules: Mapping[int, nn.Module],
         loss_fn: LossFn,
-        group: Any = None,
+        group: Any,
         *,
         timeout: float = 60.0,
-        lookahead: int = 3,
+        check_messages: bool | None = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a modelpar Schedule, got {type(schedule).__name__}")
-        self.schedule = schedule.validate()
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
         self.timeout = check_number("timeout", timeout, 0.0, strict=True)
-        self.lookahead = check_int("lookahead", lookahead, minimum=1)
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("torch.distributed must be initialised before a PipelineRunner is built "
-                             "(init_process_group, or modelpar.distributed.launch / LocalCluster)")
-        self.group = group if group is not None else dist.group.WORLD
-        size = dist.get_world_size(self.group)
-        if size != schedule.num_devices:
-            raise ValueError(
-                f"schedule {schedule.name or ''!s} has {schedule.num_devices} devices but the pipeline "
-                f"group has {size} processes; they must be equal"
-            )
-        self.device = dist.get_rank(self.group)
-        if self.device < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline group")
+        self.programs = lower(schedule)  # validates; a schedule that would hang fails here, on every rank
+        self.schedule = schedule
+        self.group = group.get_group() if hasattr(group, "get_group") else group  # a 1-D DeviceMesh
+        self.group_rank, rank = self._check_group(schedule)
         self._check_modules(stage_modules)
-        if not matches_by_tag(self.group):
-            raise ValueError(
-                "the pipeline group must use gloo (tags match messages; NCCL ignores tags and orders "
-                "point-to-point operations per communicator, which receives posted ahead can deadlock): "
-                "give the pp dimension a gloo group, e.g. ParallelDims.build_mesh('cuda', "
-                "pipeline_backend='gloo'); activations are then staged through host memory"
-            )
         last = schedule.num_stages - 1
-        self.stages = {s: PipelineStage(s, m, schedule.num_stages, loss_fn if s == last else None)
+        self.stages = {s: LocalStage(s, m, schedule.num_stages, loss_fn if s == last else None)
                        for s, m in sorted(stage_modules.items())}
         self.loss_fn = loss_fn
-        self.p2p = P2P(self.group, self.timeout, compute_device=_device_of(stage_modules.values()))
-        ranks = self.p2p.ranks
-        self._owners = (ranks[schedule.device_of(0)], ranks[schedule.device_of(last)])
+        self.recorder = FlightRecorder(rank, self.group_rank)
+        compute_device = _device_of(stage_modules.values())
+        if check_messages is None:
+            check_messages = os.environ.get(CHECK_MESSAGES_ENV, "") not in ("", "0")
+        self.p2p = (P2P(self.group, self.timeout, compute_device, self.recorder, check_messages)
+                    if schedule.num_devices > 1 else None)
+        self.timer = timer_for(compute_device)
+        self._owners = (schedule.device_of(0), schedule.device_of(last))  # group ranks
+        self._hooks: OrderedDict[int, ActionHook] = OrderedDict()  # a dict RemovableHandle can refer to weakly
         self._batch: BatchSpec | None = None
-        self._specs: dict[tuple[int, int], Any] = {}
-        self.record = StepRecord()  # the last step on this rank
-        self.last_loss: torch.Tensor | None = None  # whole-batch mean loss (last stage's rank)
+        self._specs: dict[tuple[int, int], TensorSpec] = {}
+        self._plans: dict[str, list[Planned]] = {}  # "train" / "eval" -> plan for the learned batch shape
         self._clock: float | None = None  # offset of this rank's perf_counter to device 0's
+        self._failed: str | None = None
+        self.record = StepRecord()  # the last training step on this rank
+        self.last_loss: torch.Tensor | None = None  # whole-batch mean loss (last stage's rank)
+
+    def _check_group(self, schedule: Schedule) -> tuple[int, int]:
+        """This rank's (group rank, global rank); ValueError unless the group fits the schedule."""
+        if self.group is None:
+            if schedule.num_devices != 1:
+                raise ValueError(f"group None runs a one-device schedule in this process, but schedule "
+                                 f"{schedule.name!r} has {schedule.num_devices} devices: pass the pipeline process group")
+            return 0, dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("torch.distributed must be initialised before a PipelineRunner is built on a group "
+                             "(init_process_group, or modelpar.distributed.launch / LocalCluster)")
+        size = dist.get_world_size(self.group)
+        if size != schedule.num_devices:
+            raise ValueError(f"schedule {schedule.name or ''!s} has {schedule.num_devices} devices but the pipeline "
+                             f"group has {size} processes; they must be equal")
+        me = dist.get_rank(self.group)
+        if me < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline group")
+        failed = _FAILED_GROUPS.get(_name(self.group))
+        if failed:
+            raise ValueError(f"group: a pipeline step failed on this group ({failed}); messages of that step may "
+                             "still be in flight on it, so build a new process group (dist.new_group)")
+        return me, dist.get_rank()
 
     def _check_modules(self, stage_modules: Mapping[int, nn.Module]) -> None:
-        want = self.schedule.stages_on(self.device)
+        want = self.schedule.stages_on(self.group_rank)
         if not isinstance(stage_modules, Mapping) or sorted(stage_modules) != want:
             got = sorted(stage_modules) if isinstance(stage_modules, Mapping) else type(stage_modules).__name__
             raise ValueError(
-                f"stage_modules on pipeline device {self.device} must map exactly its stages {want} "
+                f"stage_modules on pipeline device {self.group_rank} must map exactly its stages {want} "
                 f"to modules, got keys {got}"
             )
         for s, m in stage_modules.items():
@@ -107,44 +139,168 @@ class PipelineRunner:
 
     def reset_shapes(self) -> None:
         """Forget the batch shape: the next ``step`` learns it again (call on every rank)."""
-        self._batch = None
+        self._batch, self._plans = None, {}
+
+    def register_action_hook(self, hook: ActionHook) -> RemovableHandle:
+        """Call ``hook(action, last_backward)`` around every compute action of this rank; remove with
+        the handle's ``remove()``.
+
+        The hook returns a context manager (or None): its body is the action, so code before its
+        ``yield`` runs when the action is about to run and code after when it has run.
+        ``last_backward`` is True for the stage's last action of the step that adds to its weight
+        gradients (its last B, or its last W with a split backward): after it the stage's gradients
+        are final, e.g. to start their data-parallel all-reduce while the pipeline drains.
+        """
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
 
     def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run the schedule once; return the per-microbatch losses (on the last stage's rank, else [])."""
-        me = dist.get_rank()
-        first_owner, last_owner = self._owners
-        if self._batch is None:
-            self._batch = exchange_batch(inputs, targets, self._owners, self.schedule.num_microbatches, self.group)
-            modules = {s: st.module for s, st in self.stages.items()}
-            self._specs = dry_run(modules, self.schedule.stage_to_device, self._batch,
-                                  self.schedule.num_microbatches, self.loss_fn, self.group)
-            if self._clock is None:
-                self._clock = clock_offset(self.group)
-        (in_shape, in_dtype), (tg_shape, tg_dtype) = self._batch
-        if me == first_owner:
-            _same("inputs", inputs, in_shape, in_dtype)
-        if me == last_owner:
-            _same("targets", targets, tg_shape, tg_dtype)
-        m = self.schedule.num_microbatches
-        rows = microbatch_sizes(in_shape[0], m)
-        xs = list(torch.tensor_split(inputs, m)) if me == first_owner else None  # type: ignore[arg-type]
-        ys = list(torch.tensor_split(targets, m)) if me == last_owner else None  # type: ignore[arg-type]
-        record = run_actions(self.schedule, self.stages, self.p2p, self._specs, rows, xs, ys, self.lookahead)
-        self.p2p.finish()
-        record.events = [(a, s + self._clock, e + self._clock) for a, s, e in record.events]
+        record, rows = self._run("train", inputs, targets)
         self.record = record
-        if me != last_owner:
+        if self.group_rank != self._owners[1]:
             self.last_loss = None
             return []
-        losses = [record.losses[j] for j in range(m)]
-        self.last_loss = sum(loss * (n / in_shape[0]) for loss, n in zip(losses, rows))  # type: ignore[assignment]
+        losses = [record.losses[j] for j in range(len(rows))]
+        self.last_loss = _weighted(losses, rows)
         return losses
 
-    def timeline(self) -> Any:
-        """Collective over the group: every rank's measured events of the last step, as a Timeline."""
-        from modelpar.pipeline.measure import gather_timeline
+    def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The batch's mean loss through the forward-only schedule (no_grad, modules in eval mode).
 
-        return gather_timeline(self.record.events, self.schedule, self.group)
+        Same microbatches, lowered communication and loss weighting as ``step``; the loss on the
+        last stage's rank, None elsewhere. Gradients and ``record`` are untouched.
+        """
+        modules = [m for st in self.stages.values() for m in st.module.modules()]
+        modes = [m.training for m in modules]
+        try:
+            for m in modules:
+                m.eval()
+            with torch.no_grad():
+                record, rows = self._run("eval", inputs, targets)
+        finally:
+            for m, training in zip(modules, modes):
+                m.train(training)
+        if self.group_rank != self._owners[1]:
+            return None
+        return _weighted([record.losses[j] for j in range(len(rows))], rows)
+
+    def _run(self, mode: str, inputs: Any, targets: Any) -> tuple[StepRecord, list[int]]:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"a step of this PipelineRunner failed ({self._failed}); its messages may still be in flight on "
+                "the group, so the runner runs no more steps: build a new process group and a new runner"
+            )
+        try:
+            self._learn_shapes(inputs, targets)
+        except ValueError:  # raised alike on every rank after the exchange: nothing is in flight
+            self.reset_shapes()
+            raise
+        except BaseException as err:
+            self._fail(err)
+            raise
+        try:
+            (in_shape, in_dtype), (tg_shape, tg_dtype) = self._batch  # type: ignore[misc]
+            m = self.schedule.num_microbatches
+            first, last = (self.group_rank == owner for owner in self._owners)
+            if first:
+                _same("inputs", inputs, in_shape, in_dtype)
+            if last:
+                _same("targets", targets, tg_shape, tg_dtype)
+            rows = microbatch_sizes(in_shape[0], m)
+            xs = list(torch.tensor_split(inputs, m)) if first else None
+            ys = list(torch.tensor_split(targets, m)) if last else None
+            ctx = StepContext(self.stages, self.p2p, self.timer, self.recorder, list(self._hooks.values()),
+                              self.timeout)
+            scale = [n / in_shape[0] for n in rows]
+            record = run_plan(ctx, self._plan(mode), xs, ys, scale, for_backward=mode == "train")
+        except BaseException as err:
+            self._fail(err)
+            raise
+        offset = self._clock or 0.0
+        record.events = [(a, s + offset, e + offset) for a, s, e in record.events]
+        return record, rows
+
+    def _learn_shapes(self, inputs: Any, targets: Any) -> None:
+        """First step (or after ``reset_shapes``): batch exchange, dry run, clock, first messages."""
+        if self._batch is not None:
+            return
+        m = self.schedule.num_microbatches
+        batch = exchange_batch(inputs, targets, self._owners, m, self.group, self.timeout, self.recorder)
+        modules = {s: st.module for s, st in self.stages.items()}
+        self._specs = dry_run(modules, self.schedule.stage_to_device, batch, m, self.loss_fn, self.group,
+                              self.timeout, self.recorder)
+        if self._clock is None:
+            self._clock = clock_offset(self.group, self.timeout, self.recorder)
+            if self.p2p is not None:
+                dev = self.schedule.stage_to_device
+                self.p2p.connect(sorted({dev[op.peer_stage] for op in self.programs[self.group_rank]
+                                         if isinstance(op, Transfer)}))
+        self._batch, self._plans = batch, {}
+
+    def _plan(self, mode: str) -> list[Planned]:
+        """This rank's plan for ``mode``, built once per batch shape (its receive buffers reused)."""
+        if mode not in self._plans:
+            program = self.programs[self.group_rank]
+            schedule = self.schedule
+            if mode == "eval":
+                schedule = forward_only(self.schedule)
+                program = lower(schedule)[self.group_rank]
+            assert self._batch is not None
+            rows = microbatch_sizes(self._batch[0][0][0], schedule.num_microbatches)
+            buffer_device = self.p2p.buffer_device if self.p2p is not None else torch.device("cpu")
+            self._plans[mode] = build_plan(program, schedule, self.group_rank, self._specs, rows, buffer_device)
+        return self._plans[mode]
+
+    def _fail(self, err: BaseException) -> None:
+        """After a failed step: refuse further steps on this runner, and new runners on this group."""
+        if self.p2p is None:
+            return  # one device: nothing was in flight
+        self._failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        _FAILED_GROUPS[_name(self.group)] = self._failed
+
+    # --- measuring -------------------------------------------------------------------------
+    def timeline(self) -> Timeline:
+        """Collective over the group: every rank's measured events of the last step, as a Timeline."""
+        return gather_timeline(self.record.events, self.schedule, self.group, self.timeout, self.recorder)
+
+    def message_bytes(self) -> list[float]:
+        """Bytes of one message into each stage (its activation, and the gradient going back), the
+        mean over microbatches; 0 where the stage before is on the same device. After a step."""
+        if self._batch is None:
+            raise ValueError("message_bytes needs the batch shape: run a step first")
+        dev, m = self.schedule.stage_to_device, self.schedule.num_microbatches
+        rows = microbatch_sizes(self._batch[0][0][0], m)
+        out = [0.0] * len(dev)
+        for s in range(1, len(dev)):
+            if dev[s] != dev[s - 1]:
+                sizes = [self._specs[s - 1, r] for r in rows]
+                out[s] = sum(_nbytes(spec) for spec in sizes) / m
+        return out
+
+    def transfer_times(self, repeats: int = 10) -> list[float]:
+        """Collective: time messages on this group (ping-pong, latency + bytes/bandwidth) and return
+        one message's time into each stage — the ``transfer_in`` of ``measure.predict``."""
+        nbytes = self.message_bytes()
+        largest = max(nbytes, default=0.0)
+        link = measure_link(self.group, [64, int(largest) // 4, int(largest)], self.timeout, self.recorder, repeats)
+        return [link.time(b) if b else 0.0 for b in nbytes]
+
+
+def _weighted(losses: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+    """The whole batch's mean loss from the microbatch means, each weighted by its share of the rows."""
+    total = sum(rows)
+    return sum(loss * (n / total) for loss, n in zip(losses, rows))  # type: ignore[return-value]
+
+
+def _nbytes(spec: TensorSpec) -> float:
+    shape, dtype = spec
+    return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+
+
+def _name(group: Any) -> str:
+    return str(getattr(group, "group_name", id(group)))
 
 
 def _same(name: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:

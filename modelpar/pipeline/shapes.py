@@ -10,7 +10,8 @@ rank must allocate receive buffers and every rank must raise the same error on b
    its module once on zeros (eval mode, no grad, random state restored) and broadcasts the
    output's shape and dtype — or its error, which every rank then raises.
 
-Both run once per batch shape (the first step), not every step.
+Both run once per batch shape (the first step), not every step, and wait at most the runner's
+timeout. ``group=None`` is one process: the same checks, no communication.
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelpar._tensor_meta import DTYPES, MAX_DIMS, META_LEN, decode_meta, encode_meta
+from modelpar.pipeline.collectives import FlightRecorder, all_reduce_ints, broadcast_object
+
 __all__ = ["BatchSpec", "TensorSpec", "dry_run", "exchange_batch", "microbatch_sizes"]
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 BatchSpec = tuple[TensorSpec, TensorSpec]  # (inputs, targets)
 
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool]
-_MAX_DIMS = 8
-_FIELDS = 3 + _MAX_DIMS  # status, ndim, dtype, shape...
+_FIELDS = 1 + META_LEN  # status, then the tensor's meta
 _OK, _MISSING, _NOT_TENSOR, _BAD = 1, 2, 3, 4
 
 
@@ -42,17 +43,16 @@ def microbatch_sizes(rows: int, num_microbatches: int) -> list[int]:
 
 def _encode(value: Any) -> list[int]:
     if value is None:
-        return [_MISSING] + [0] * (_FIELDS - 1)
+        return [_MISSING] + [0] * META_LEN
     if not isinstance(value, torch.Tensor):
-        return [_NOT_TENSOR] + [0] * (_FIELDS - 1)
-    if value.dim() == 0 or value.dim() > _MAX_DIMS or value.dtype not in _DTYPES:
-        return [_BAD, value.dim()] + [0] * (_FIELDS - 2)
-    shape = list(value.shape) + [0] * (_MAX_DIMS - value.dim())
-    return [_OK, value.dim(), _DTYPES.index(value.dtype)] + shape
+        return [_NOT_TENSOR] + [0] * META_LEN
+    meta = encode_meta(value)
+    ok = 0 < value.dim() <= MAX_DIMS and value.dtype in DTYPES
+    return [_OK if ok else _BAD, *meta]
 
 
 def _decode(name: str, field: list[int], owner: int) -> TensorSpec:
-    status, ndim, dtype = field[:3]
+    status, ndim = field[0], field[1]
     where = f"on rank {owner}, which runs its stage"
     if status == _MISSING:
         raise ValueError(f"{name} must be a tensor {where}, got None")
@@ -60,31 +60,29 @@ def _decode(name: str, field: list[int], owner: int) -> TensorSpec:
         raise ValueError(f"{name} must be a torch.Tensor {where}, got another type")
     if status == _BAD:
         raise ValueError(
-            f"{name} must have 1..{_MAX_DIMS} dimensions (a batch dimension first) and a standard "
+            f"{name} must have 1..{MAX_DIMS} dimensions (a batch dimension first) and a standard "
             f"dtype {where}, got {ndim} dimensions"
         )
-    return tuple(field[3 : 3 + ndim]), _DTYPES[dtype]
+    shape, dtype = decode_meta(field[1:])
+    assert dtype is not None
+    return shape, dtype
 
 
-def exchange_batch(inputs: Any, targets: Any, owners: tuple[int, int], num_microbatches: int,
-                   group: Any) -> BatchSpec:
+def exchange_batch(inputs: Any, targets: Any, owners: tuple[int, int], num_microbatches: int, group: Any,
+                   timeout: float, recorder: FlightRecorder) -> BatchSpec:
     """All ranks learn the (shape, dtype) of inputs and targets; the same ValueError everywhere if bad.
 
-    ``owners`` are the global ranks holding the first and the last stage.
+    ``owners`` are the group ranks holding the first and the last stage.
     """
-    me = dist.get_rank()
+    me = dist.get_rank(group) if group is not None else 0
     vec = [0] * (2 * _FIELDS)
     if me == owners[0]:
         vec[:_FIELDS] = _encode(inputs)
     if me == owners[1]:
         vec[_FIELDS:] = _encode(targets)
-    from modelpar.pipeline.p2p import comm_device
-
-    t = torch.tensor(vec, dtype=torch.int64, device=comm_device(group))
-    dist.all_reduce(t, group=group)
-    vec = t.tolist()
-    inp = _decode("inputs", vec[:_FIELDS], owners[0])
-    tgt = _decode("targets", vec[_FIELDS:], owners[1])
+    vec = all_reduce_ints(vec, group, timeout, "the batch shapes (an all-reduce over the pipeline group)", recorder)
+    inp = _decode("inputs", vec[:_FIELDS], _global(group, owners[0]))
+    tgt = _decode("targets", vec[_FIELDS:], _global(group, owners[1]))
     rows = inp[0][0]
     if rows < num_microbatches:
         raise ValueError(
@@ -96,6 +94,10 @@ def exchange_batch(inputs: Any, targets: Any, owners: tuple[int, int], num_micro
     return inp, tgt
 
 
+def _global(group: Any, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else 0
+
+
 def dry_run(
     modules: dict[int, nn.Module],
     stage_to_device: Sequence[int],
@@ -103,31 +105,31 @@ def dry_run(
     num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     group: Any,
+    timeout: float,
+    recorder: FlightRecorder,
 ) -> dict[tuple[int, int], TensorSpec]:
     """Return ``{(stage, rows): spec}``: the output of every stage but the last, per microbatch size.
 
     Every rank gets the same table. A stage that fails on its input raises ValueError on every
     rank, naming the stage, its rank and the input it was given.
     """
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank()
+    me = dist.get_rank(group) if group is not None else 0
     (in_shape, in_dtype), (tg_shape, tg_dtype) = batch
     last = len(stage_to_device) - 1
     specs: dict[tuple[int, int], TensorSpec] = {}
     for rows in sorted(set(microbatch_sizes(in_shape[0], num_microbatches))):
         spec: TensorSpec = ((rows, *in_shape[1:]), in_dtype)
         for s, device in enumerate(stage_to_device):
-            owner = ranks[device]
-            result: list[Any] = [None]
-            if me == owner:
+            result: Any = None
+            if me == device:
                 target = ((rows, *tg_shape[1:]), tg_dtype) if s == last else None
-                result[0] = _try_stage(modules[s], spec, target, loss_fn)
-            dist.broadcast_object_list(result, src=owner, group=group)
-            kind, value = result[0]
+                result = _try_stage(modules[s], spec, target, loss_fn)
+            kind, value = broadcast_object(result, device, group, timeout,
+                                           f"the dry run's output shape of stage {s}", recorder)
             if kind == "error":
                 source = "the inputs" if s == 0 else f"stage {s - 1}"
                 raise ValueError(
-                    f"stage {s} (rank {owner}) cannot run on the output of {source} "
+                    f"stage {s} (rank {_global(group, device)}) cannot run on the output of {source} "
                     f"(shape {tuple(spec[0])}, {spec[1]}): {value}"
                 )
             if s < last:

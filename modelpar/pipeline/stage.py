@@ -1,4 +1,4 @@
-"""One virtual pipeline stage on one rank: its module and the microbatches it holds for backward.
+"""One virtual pipeline stage held by this rank: its module and the microbatches it keeps for backward.
 
 An interleaved schedule gives a rank several of these (one per model chunk). Each forward
 detaches its input from the previous stage's graph, so a stage's backward ends at its own
@@ -15,13 +15,17 @@ from torch import nn
 
 from modelpar.pipeline.split_backward import backward_input
 
-__all__ = ["PipelineStage"]
+__all__ = ["LocalStage", "LossFn"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class PipelineStage:
-    """Virtual stage ``index`` of ``num_stages``: forward, backward, and the split I / W."""
+class LocalStage:
+    """Virtual stage ``index`` of ``num_stages`` on this rank: forward, backward, and the split I / W.
+
+    (torch.distributed.pipelining's ``PipelineStage`` also owns communication; this one only
+    computes: the executor moves the tensors.)
+    """
 
     def __init__(self, index: int, module: nn.Module, num_stages: int, loss_fn: LossFn | None = None) -> None:
         self.index = index
@@ -43,22 +47,26 @@ class PipelineStage:
         return len(self._saved) + len(self._weight)
 
     def forward(self, microbatch: int, x: torch.Tensor, target: torch.Tensor | None = None,
-                scale: float = 1.0) -> torch.Tensor:
+                scale: float = 1.0, for_backward: bool = True) -> torch.Tensor:
         """Run the module; return the detached output, or on the last stage the unscaled loss.
 
         The last stage keeps ``loss · scale`` for backward: with ``scale`` = rows / batch rows
         the microbatch gradients add up to the gradient of the whole batch's mean loss.
+        ``for_backward=False`` (evaluation, under no_grad) keeps nothing.
         """
-        needs_grad = not self.is_first and x.is_floating_point()
+        needs_grad = for_backward and not self.is_first and x.is_floating_point()
         x_in = x.detach().requires_grad_(needs_grad)
         out = self.module(x_in)
-        if self.is_last:
-            assert self.loss_fn is not None and target is not None
-            loss = self.loss_fn(out, target)
+        if not self.is_last:
+            if for_backward:
+                self._saved[microbatch] = (x_in if needs_grad else None, out)
+            return out.detach()
+        if self.loss_fn is None or target is None:
+            raise ValueError(f"the last stage ({self.index}) needs a loss_fn and targets")
+        loss = self.loss_fn(out, target)
+        if for_backward:
             self._saved[microbatch] = (x_in if needs_grad else None, loss * scale)
-            return loss.detach()
-        self._saved[microbatch] = (x_in if needs_grad else None, out)
-        return out.detach()
+        return loss.detach()
 
     def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """Full backward (B): accumulate weight grads, return the input grad (None on stage 0)."""

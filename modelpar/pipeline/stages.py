@@ -1,4 +1,4 @@
-"""Cut a model into a schedule's virtual stages and keep this device's; the built-in MLP.
+"""Cut a model into a schedule's virtual stages and keep this device's.
 
 Every rank builds the same whole model (same seed) and keeps only its stages, so a bad split
 raises the same ValueError on every rank before any communication. With interleaving, device d
@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from modelpar._validate import check_int
-from modelpar.pipeline.microbatch import mlp_stage
 from modelpar.pipeline.partition import split_sequential
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.recompute.plan import Strategy
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["even_balance", "mlp_model", "split_stages"]
+__all__ = ["even_balance", "split_stages"]
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
@@ -58,10 +56,3 @@ def split_stages(
 
         parts = [recompute_stage(p, recompute) for p in parts]
     return {s: parts[s] for s in schedule.stages_on(device)}
-
-
-def mlp_model(width: int, blocks: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
-    """``blocks`` MLP blocks width → 4·width → GELU → width (3 layers each), seeded alike on every rank."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(check_int("seed", seed))
-        return mlp_stage(width, blocks).to(dtype)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelpar._tensor_meta import META_LEN, describe_meta, encode_meta
 from modelpar.tensor_parallel.accounting import record
 
 __all__ = ["all_gather", "all_reduce", "check_same_shape", "group_rank", "group_size",
@@ -23,7 +24,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_META_LEN = 11  # ndim, dtype code, error flag, up to 8 sizes
 _shape_checks = True
 
 
@@ -75,27 +75,17 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str
         if local_error:
             raise ValueError(local_error)
         return
-    sizes = list(x.shape)[:8] + [-1] * (8 - min(x.dim(), 8))
-    meta = torch.tensor([x.dim(), _dtype_code(x.dtype), int(bool(local_error))] + sizes,
-                        dtype=torch.int64, device=x.device)
-    out = torch.empty(n * _META_LEN, dtype=torch.int64, device=x.device)
+    meta = torch.tensor([int(bool(local_error)), *encode_meta(x)], dtype=torch.int64, device=x.device)
+    out = torch.empty(n * (1 + META_LEN), dtype=torch.int64, device=x.device)
     _all_gather_single(out, meta, group=group)
     record("shape_check", "forward", out.numel(), 8, n, op="")
-    rows = out.view(n, _META_LEN).tolist()
-    flagged = [i for i, r in enumerate(rows) if r[2]]
+    rows = out.view(n, 1 + META_LEN).tolist()
+    flagged = [i for i, r in enumerate(rows) if r[0]]
     if flagged:
         raise ValueError(local_error or f"{what} is invalid on tensor-parallel rank(s) {flagged} (see their error)")
     if any(r != rows[0] for r in rows):
-        desc = ", ".join(f"rank {i}: {tuple(r[3:3 + r[0]])} {_DTYPES[r[1]]}" for i, r in enumerate(rows))
+        desc = ", ".join(f"rank {i}: {describe_meta(r[1:])}" for i, r in enumerate(rows))
         raise ValueError(f"{what} must have the same shape and dtype on every tensor-parallel rank, got {desc}")
-
-
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.uint8, torch.int8, torch.int16, torch.bool, torch.complex64, torch.complex128]
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, phase: str, op: str = "sum") -> torch.Tensor:

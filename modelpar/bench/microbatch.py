@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from time import perf_counter
 
 import torch
-from torch import nn
 
 from modelpar._validate import check_int, check_number
 
@@ -30,7 +29,6 @@ __all__ = [
     "fit_linear",
     "measure_stage_times",
     "microbatch_table",
-    "mlp_stage",
     "optimal_microbatches",
     "predicted_step_time",
 ]
@@ -97,15 +95,6 @@ def predicted_step_time(
     m = check_int("microbatches", microbatches, minimum=1, maximum=n)
     r = check_number("backward_ratio", backward_ratio, 0.0)
     return (1 + r) * (m + k - 1) * (alpha + beta * n / m)
-
-
-def mlp_stage(hidden: int, blocks: int = 1) -> nn.Sequential:
-    """``blocks`` MLP blocks h → 4h → GELU → h: the built-in stage that the benchmarks time."""
-    h = check_int("hidden", hidden, minimum=1)
-    layers: list[nn.Module] = []
-    for _ in range(check_int("blocks", blocks, minimum=1)):
-        layers += [nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)]
-    return nn.Sequential(*layers)
 
 
 def measure_stage_times(

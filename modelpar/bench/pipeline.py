@@ -2,8 +2,9 @@
 
 ``bench_rank`` runs on every rank (start it with ``LocalCluster`` / ``launch`` or torchrun);
 rank 0 returns the measured timelines. ``summarize`` (in the parent) feeds the measured
-per-action costs and transfer time back to the simulator (``measure.predict``) and puts the
-prediction beside the measurement. ``modelpar bench pipeline`` and ``benchmarks/`` use both.
+per-action costs and per-message transfer times (latency + bytes / bandwidth, from a ping-pong
+on the same group) back to the simulator (``measure.predict``) and puts the prediction beside
+the measurement. ``modelpar bench pipeline`` and ``benchmarks/`` use both.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class MLPBench:
     recompute: Strategy = None  # per-stage activation recomputation
     threads: int = 1  # torch intra-op threads per process
     timeout: float = 60.0  # seconds a rank may wait for a peer
+    cuda: bool = False  # stages on each rank's GPU (under torchrun with NCCL)
 
     def __post_init__(self) -> None:
         check_choice("schedule", self.schedule, SCHEDULES)
@@ -60,57 +62,52 @@ def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from modelpar.bench.mlp import mlp_model
     from modelpar.pipeline.runner import PipelineRunner
-    from modelpar.pipeline.stages import mlp_model, split_stages
+    from modelpar.pipeline.stages import split_stages
 
     torch.set_num_threads(cfg.threads)
     schedule = cfg.build_schedule()
-    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cuda else torch.device("cpu")
+    rank, group = dist.get_rank(), dist.group.WORLD
     per_stage = cfg.blocks // schedule.chunks
-    model = mlp_model(cfg.width, per_stage * schedule.num_stages)
+    model = mlp_model(cfg.width, per_stage * schedule.num_stages).to(device)
     stages = split_stages(model, schedule, rank, [3 * per_stage] * schedule.num_stages, cfg.recompute)
-    runner = PipelineRunner(schedule, stages, F.mse_loss, timeout=cfg.timeout)
+    runner = PipelineRunner(schedule, stages, F.mse_loss, group, timeout=cfg.timeout)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(cfg.rows, cfg.width, generator=gen)
-    y = torch.randn(cfg.rows, cfg.width, generator=gen)
-    transfer = ping_pong(torch.empty(-(-cfg.rows // cfg.microbatches), cfg.width)) if cfg.stages > 1 else 0.0
+    x = torch.randn(cfg.rows, cfg.width, generator=gen).to(device)
+    y = torch.randn(cfg.rows, cfg.width, generator=gen).to(device)
     timelines, walls, peaks = [], [], []
     for i in range(1 + cfg.steps):
         dist.barrier()
         start = time.perf_counter()
         runner.step(x, y)
-        wall = torch.tensor([time.perf_counter() - start])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
         for p in runner.parameters():
             p.grad = None
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         timeline = runner.timeline()
-        peak = [0] * dist.get_world_size()
-        dist.all_gather_object(peak, runner.record.peak_held)
         if i:
             timelines.append(timeline)
-            walls.append(wall.item())
-            peaks.append(peak)
+            walls.append(wall)
+            peaks.append(runner.record.peak_held)
+        if i == 0:
+            transfer_in = runner.transfer_times()  # on the same group, between the warm-up and the measured steps
+    everyone = gather_per_rank({"walls": walls, "peak": peaks[-1]})
     if rank:
         return None
-    return {"timelines": timelines, "walls": walls, "transfer": transfer, "peak_held": peaks[-1]}
+    return {"timelines": timelines, "walls": [max(w) for w in zip(*(r["walls"] for r in everyone))],
+            "transfer_in": transfer_in, "peak_held": [r["peak"] for r in everyone]}
 
 
-def ping_pong(buf: Any, repeats: int = 10) -> float:
-    """One-way time of ``buf`` between ranks 0 and 1 (half the median round trip); 0 elsewhere."""
+def gather_per_rank(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` of the bench (outside the timed steps)."""
     import torch.distributed as dist
 
-    rank, times = dist.get_rank(), []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1, tag=i)
-            dist.recv(buf, 1, tag=i)
-        elif rank == 1:
-            dist.recv(buf, 0, tag=i)
-            dist.send(buf, 0, tag=i)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) / 2 if rank in (0, 1) else 0.0
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
@@ -120,15 +117,16 @@ def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
     timelines: list[Timeline] = result["timelines"]
     order = sorted(range(len(timelines)), key=lambda i: timelines[i].step_time)
     median = timelines[order[len(order) // 2]]
-    predicted = predict(cfg.build_schedule(), measured_durations(timelines), result["transfer"])
+    predicted = predict(cfg.build_schedule(), measured_durations(timelines), result["transfer_in"])
     chunks = median.chunks
+    crossing = [t for t in result["transfer_in"] if t]
     return {
         "measured_step_s": median.step_time,
         "simulated_step_s": predicted.step_time,
         "measured_bubble": median.bubble,
         "simulated_bubble": predicted.bubble,
         "wall_step_s": statistics.median(result["walls"]),
-        "transfer_s": result["transfer"],
+        "transfer_s": statistics.fmean(crossing) if crossing else 0.0,  # one message, mean over boundaries
         "measured_peak_held": result["peak_held"],
         "simulated_peak_held": [round(p * chunks) for p in predicted.peak_activations],
         "measured": median,

@@ -1,0 +1,92 @@
+"""One device's lowered program resolved, once per batch shape, into what each operation needs.
+
+The runner builds it after the dry run and caches it: each send and receive gets its peer (a
+group rank) and its description; each receive gets a buffer, allocated once and reused by every
+step; each compute action knows where its input comes from (the batch, a stage on this device, a
+receive, or nothing) and where its output goes (the loss, a stage on this device, a send).
+Messages and hand-overs are keyed alike: ``("F", s, m)`` is stage s's output for microbatch m,
+``("B", s, m)`` the input gradient stage s sends back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from modelpar.pipeline.shapes import TensorSpec
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.lower import Op, Transfer
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["COMPUTE", "RECV", "SEND", "Planned", "build_plan"]
+
+COMPUTE, SEND, RECV = 0, 1, 2
+Key = tuple[str, int, int]
+
+
+@dataclass
+class Planned:
+    """One operation of the program, ready to run."""
+
+    op: Op
+    code: int  # COMPUTE, SEND or RECV
+    text: str  # ``1RECV_F3``: what the flight recorder keeps
+    what: str = ""  # the message, in words, for errors
+    peer: int = -1  # group rank at the other end (SEND, RECV)
+    key: Key | None = None  # the message (SEND, RECV), or the compute action's output
+    source: str = ""  # COMPUTE: "input", "local", "recv" or "" (none: W, the last stage's backward)
+    source_key: Key | None = None
+    sink: str = ""  # COMPUTE: "loss", "local", "send" or ""
+    buffer: torch.Tensor | None = None  # RECV: filled by every step
+    final: bool = False  # COMPUTE: the stage's last weight-gradient action of the step
+
+
+def _describe(key: Key) -> str:
+    kind, stage, microbatch = key
+    if kind == "F":
+        return f"the activation of microbatch {microbatch} from stage {stage}"
+    return f"the gradient of microbatch {microbatch} from stage {stage}"
+
+
+def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[tuple[int, int], TensorSpec],
+               rows: Sequence[int], buffer_device: torch.device) -> list[Planned]:
+    """The plan of device ``me``'s ``program``; ``specs[stage, rows]`` is what stage sends for that many rows."""
+    dev, last = schedule.stage_to_device, schedule.num_stages - 1
+    weight_kind = Kind.W if schedule.split_backward else Kind.B
+    final = {}
+    for i, op in enumerate(program):
+        if isinstance(op, Action) and op.kind is weight_kind:
+            final[op.stage] = i
+    plan: list[Planned] = []
+    for i, op in enumerate(program):
+        if isinstance(op, Transfer):
+            key = op.message
+            what = f"{op} ({_describe(key)})"
+            peer = dev[op.peer_stage]
+            if op.is_send:
+                plan.append(Planned(op, SEND, str(op), what, peer, key))
+            else:
+                spec = specs[key[1] if key[0] == "F" else op.stage, rows[op.microbatch]]
+                buffer = torch.empty(spec[0], dtype=spec[1], device=buffer_device)
+                plan.append(Planned(op, RECV, str(op), what, peer, key, buffer=buffer))
+            continue
+        s, m = op.stage, op.microbatch
+        p = Planned(op, COMPUTE, str(op), final=final.get(s) == i)
+        if op.kind is Kind.F:
+            p.key = ("F", s, m)
+            p.sink = "loss" if s == last else "local" if dev[s + 1] == me else "send"
+            if s == 0:
+                p.source = "input"
+            else:
+                p.source_key = ("F", s - 1, m)
+                p.source = "local" if dev[s - 1] == me else "recv"
+        elif op.kind is not Kind.W:  # B or I
+            p.key = ("B", s, m)
+            p.sink = "" if s == 0 else "local" if dev[s - 1] == me else "send"
+            if s < last:
+                p.source_key = ("B", s + 1, m)
+                p.source = "local" if dev[s + 1] == me else "recv"
+        plan.append(p)
+    return plan
