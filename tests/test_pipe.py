@@ -186,38 +186,48 @@ def test_pipe_is_usable_after_a_stage_raised():
         torch.testing.assert_close(pipe(torch.tensor([[5.0], [6.0]])), torch.tensor([[5.0], [6.0]]))
 
 
-def test_late_binding_lambda_is_wrong_and_pipe_is_right():
-    """Pitfall 3 of §3.3: a closure sees the loop variables' last values when it finally runs."""
-    assert [f() for f in [lambda: i for i in range(3)]] == [2, 2, 2]
-    assert [f() for f in [lambda i=i: i for i in range(3)]] == [0, 1, 2]
+class _HeldWorkers(StageWorkers):
+    """Starts nothing until the caller receives: every function of a wave runs after the whole wave
+    was submitted, when loop variables read late would hold the wave's last (i, j)."""
 
-    stages = [nn.Sequential(nn.Linear(2, 2)).double() for _ in range(3)]
-    batches = [torch.full((1, 2), float(i), dtype=torch.float64) for i in range(3)]
-    wave = [(2, 0), (1, 1), (0, 2)]  # clock_cycles(stages=3, microbatches=3), wave 2
+    def __init__(self, devices) -> None:
+        super().__init__(devices)
+        self.held: list = []
 
-    def run_wave(bind_early: bool) -> list[torch.Tensor]:
-        gate = threading.Event()
-        with StageWorkers(["cpu"] * 3) as workers, torch.no_grad():
-            for j in range(3):  # hold each worker until the submit loop is over: the bug shows every time
-                workers.submit(j, gate.wait)
-            for i, j in wave:
-                if bind_early:
-                    workers.submit(j, lambda m=stages[j], x=batches[i]: m(x))
-                else:
-                    workers.submit(j, lambda: stages[j](batches[i]))
-            gate.set()
-            for stage in range(3):  # the gates' results (not j: the lazy lambdas read j)
-                workers.receive(stage)
-            return [workers.receive(stage) for _, stage in wave]
+    def submit(self, stage, fn):
+        self.held.append((stage, fn))
 
-    with torch.no_grad():
-        right = [stages[j](batches[i]) for i, j in wave]
-    wrong = run_wave(bind_early=False)
-    assert all(torch.equal(w, stages[2](batches[0])) for w in wrong)  # (i, j) = (0, 2) three times
-    assert not torch.equal(wrong[0], right[0])
-    assert all(torch.equal(a, b) for a, b in zip(run_wave(bind_early=True), right))
+    def receive(self, stage):
+        for held in self.held:
+            super().submit(*held)
+        self.held = []
+        return super().receive(stage)
+
+
+class _Tagging(nn.Module):
+    """Records which micro-batch (its first value) reached this stage, then adds 10 ** stage."""
+
+    def __init__(self, index: int, seen: list) -> None:
+        super().__init__()
+        self.index, self.seen = index, seen
+
+    def forward(self, x):
+        self.seen.append((self.index, int(x[0, 0].item()) % 10))
+        return x + 10 ** (self.index + 1)
+
+
+def test_each_submitted_function_binds_its_stage_and_microbatch():
+    """Pitfall 3 of §3.3: with the workers held until a wave is fully submitted, every stage still
+    sees each micro-batch exactly once, in order, and the output is the sequential one."""
+    seen: list = []
+    stages = [_Tagging(j, seen) for j in range(3)]
+    x = torch.arange(4.0).repeat(2, 1).T.contiguous()  # micro-batch i starts with the value i
     with Pipe(stages, split_size=1) as pipe, torch.no_grad():
-        torch.testing.assert_close(pipe(torch.cat(batches)), run_sequential(stages, torch.cat(batches)))
+        pipe.workers.close()
+        pipe.workers = _HeldWorkers(["cpu"] * 3)
+        out = pipe(x)
+    assert [[i for j, i in seen if j == stage] for stage in range(3)] == [[0, 1, 2, 3]] * 3
+    assert torch.equal(out, x + 10 + 100 + 1000)
 
 
 @pytest.mark.parametrize(

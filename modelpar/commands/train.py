@@ -34,6 +34,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("microbatches", int, "micro-batches m per replica"),
         ("recompute", str, "activation recomputation per stage: none, full or k (every k layers)"),
         ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
+        ("pipeline_gloo", bool, "under NCCL: send pipeline activations over gloo through host memory "
+                                "(default: NCCL, tensors stay on the GPU)"),
     ],
     "optimisation (defaults: 300 steps, batch 16, AdamW lr 3e-3, clip 1.0)": [
         ("steps", int, "optimizer steps"),

@@ -76,11 +76,11 @@ class ParallelDims:
         """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named.
 
         ``pipeline_backend="gloo"`` gives the pp dimension its own gloo groups (NCCL runs keep NCCL
-        for tp and dp): the pipeline runtime matches messages by tag, which NCCL does not honour.
+        for tp and dp): pipeline activations are then staged through host memory, if one wants that.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_world(dist.get_world_size())
-        extra = {"backend_override": {"pp": pipeline_backend}} if pipeline_backend else {}  # torch >= 2.6
+        extra: dict[str, Any] = {"backend_override": {"pp": pipeline_backend}} if pipeline_backend else {}  # torch >= 2.6
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES, **extra)

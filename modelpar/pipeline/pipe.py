@@ -1,11 +1,11 @@
-"""HW5's ``Pipe``: GPipe's forward in one process, one worker thread per stage (reference §3.1).
+"""``Pipe``: GPipe's forward in one process, one worker thread per stage (reference §3.1, torchgpipe).
 
 The batch is split into micro-batches and run wave by wave along ``clock_cycles`` (§2.2)::
 
     batches = list(torch.split(inputs, split_size))
     for wave in clock_cycles(stages=len(stages), microbatches=len(batches)):
         for i, j in wave:            # first submit the whole wave: its stages run at once
-            submit(j, lambda m=stages[j], x=batches[i], d=devices[j]: m(x.to(d)))
+            submit(j, partial(run_stage, stages[j], batches[i], devices[j]))  # values bound now
         for i, j in wave:            # then receive in the same order
             batches[i] = receive(j)
     return torch.cat(batches)
@@ -18,6 +18,7 @@ submitted function, on the stage's own thread, so stages do not wait on each oth
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,6 +47,11 @@ def _stage_list(stages: Sequence[nn.Module] | nn.Sequential, balance: Sequence[i
         if not isinstance(stage, nn.Module):
             raise ValueError(f"stages[{j}] must be an nn.Module, got {type(stage).__name__}")
     return stage_list
+
+
+def _run_stage(stage: nn.Module, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One stage on one micro-batch, on the stage's thread: the copy to its device included."""
+    return stage(x.to(device))
 
 
 class Pipe(nn.Module):
@@ -94,7 +100,7 @@ class Pipe(nn.Module):
         devices = self.workers.devices
         for wave in clock_cycles(stages=len(self.stages), microbatches=len(batches)):
             for i, j in wave:
-                self.workers.submit(j, lambda m=self.stages[j], x=batches[i], d=devices[j]: m(x.to(d)))
+                self.workers.submit(j, partial(_run_stage, self.stages[j], batches[i], devices[j]))
             error: BaseException | None = None
             for i, j in wave:  # receive the whole wave even if one fails: no result is left queued
                 try:

@@ -18,14 +18,12 @@ W computes its gradient from the stage output instead (correct, just not split).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["backward_input"]
-
-Node = object  # torch.autograd.graph.Node; kept loose because C++ nodes have no common Python base
 
 
 def backward_input(
@@ -39,14 +37,13 @@ def backward_input(
     if out.grad_fn is None:  # nothing in this stage needs a gradient
         return (torch.zeros_like(x_in) if x_in is not None else None), lambda: None
     grads = [grad] if grad is not None else None
-    target = _accumulator(out.grad_fn, x_in) if x_in is not None else None
-    if target is None:  # the output does not depend on the input: everything is W
+    on_path = _leads_to(out.grad_fn, x_in) if x_in is not None else {}
+    if x_in is None or not on_path[out.grad_fn]:  # the output does not depend on the input: everything is W
         zero = torch.zeros_like(x_in) if x_in is not None else None
         return zero, lambda: torch.autograd.backward([out], grads)
-    on_path = _leads_to(out.grad_fn, target)
     groups, shared = _weight_groups(on_path)
     captured: dict[Node, tuple] = {}
-    handles = [n.register_prehook(_recorder(captured, n)) for n in groups]  # type: ignore[attr-defined]
+    handles = [n.register_prehook(_recorder(captured, n)) for n in groups]
     try:
         (gx,) = torch.autograd.grad([out], [x_in], grads, retain_graph=True)
     finally:
@@ -74,25 +71,23 @@ def _recorder(captured: dict[Node, tuple], node: Node) -> Callable[[tuple], None
 
 
 def _children(node: Node) -> list[Node]:
-    return [c for c, _ in node.next_functions if c is not None]  # type: ignore[attr-defined]
+    return [c for c, _ in node.next_functions if c is not None]
 
 
-def _accumulator(root: Node, leaf: torch.Tensor) -> Node | None:
-    """The AccumulateGrad node of ``leaf`` in the graph under ``root``, if it is there."""
+def _under(root: Node) -> Iterator[Node]:
+    """Every node under ``root`` (``root`` included), each once."""
     seen, stack = {root}, [root]
     while stack:
         n = stack.pop()
-        if getattr(n, "variable", None) is leaf:
-            return n
+        yield n
         for c in _children(n):
             if c not in seen:
                 seen.add(c)
                 stack.append(c)
-    return None
 
 
-def _leads_to(root: Node, target: Node) -> dict[Node, bool]:
-    """For every node under ``root``: does a path lead from it to ``target``? (post-order DFS)"""
+def _leads_to(root: Node, leaf: torch.Tensor) -> dict[Node, bool]:
+    """For every node under ``root``: does a path lead from it to ``leaf``'s AccumulateGrad? (post-order)"""
     memo: dict[Node, bool] = {}
     stack: list[tuple[Node, bool]] = [(root, False)]
     while stack:
@@ -100,7 +95,7 @@ def _leads_to(root: Node, target: Node) -> dict[Node, bool]:
         if n in memo:
             continue
         if expanded:
-            memo[n] = n is target or any(memo[c] for c in _children(n))
+            memo[n] = getattr(n, "variable", None) is leaf or any(memo[c] for c in _children(n))
         else:
             stack.append((n, True))
             stack.extend((c, False) for c in _children(n) if c not in memo)
@@ -134,14 +129,4 @@ def _weight_groups(on_path: dict[Node, bool]) -> tuple[dict[Node, list[torch.Ten
 
 def _leaves(node: Node) -> list[torch.Tensor]:
     """The leaf tensors (parameters) whose AccumulateGrad nodes lie under ``node``."""
-    out, seen, stack = [], {node}, [node]
-    while stack:
-        n = stack.pop()
-        var = getattr(n, "variable", None)
-        if var is not None:
-            out.append(var)
-        for c in _children(n):
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
-    return out
+    return [n.variable for n in _under(node) if getattr(n, "variable", None) is not None]  # type: ignore[attr-defined]

@@ -50,7 +50,7 @@ def split_stages(
         balance = even_balance(n, stages)
     elif isinstance(balance, (str, bytes)) or len(balance) != stages:
         raise ValueError(f"balance must give a layer count for each of the {stages} stages, got {balance!r}")
-    parts = split_sequential(model, balance)
+    parts: list[nn.Module] = list(split_sequential(model, balance))
     if recompute is not None:
         from modelpar.recompute import recompute_stage
 

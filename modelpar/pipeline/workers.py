@@ -1,6 +1,6 @@
 """One worker thread per pipeline stage: ``submit`` a function to a stage, ``receive`` its result.
 
-This is HW5 Problem 2.2's ``StageWorkers`` (reference text §3.1, §3.3). PyTorch releases the GIL
+The workers of the threaded ``Pipe`` (reference text §3.1, §3.3). PyTorch releases the GIL
 inside its operators, so stages on different threads (or devices) compute at the same time. Three
 things make it correct rather than merely fast (§3.3):
 
@@ -9,7 +9,7 @@ things make it correct rather than merely fast (§3.3):
 2. An exception raised in a stage is caught in the worker and re-raised by ``receive`` unchanged:
    the same object, so the same type and message, with the worker's traceback kept.
 3. The function runs later, on another thread: bind its values when creating it
-   (``lambda m=module, x=batch: m(x)``), not through a closure over a loop variable.
+   (``partial(run, module, batch)``), not through a closure over a loop variable.
 
 ``close()`` stops and joins every thread; no thread outlives it, also after a stage raised.
 """
@@ -65,6 +65,7 @@ def _worker_loop(device: torch.device, num_threads: int | None, tasks: queue.Que
             return
         fn, grad_enabled, autocast = task
         task = None
+        result: tuple[bool, Any] | None
         try:
             with ExitStack() as stack:
                 stack.enter_context(torch.set_grad_enabled(grad_enabled))

@@ -1,9 +1,10 @@
 """Measure a strategy: activations held at peak, layer forwards re-run, and the gradients.
 
 ``measure_chain`` runs one forward + backward of a ``Recompute`` chain under an
-``ActivationMeter``. ``measure_gpipe`` runs a small GPipe in one process (all M forwards, then
-all M backwards, every stage's graph cut at its input as between devices) with one meter per
-stage, to check GPipe's memory model (reference §4.3) on real tensors.
+``ActivationMeter``. ``measure_gpipe`` runs GPipe's schedule through the pipeline runtime in one
+process (every stage on one device, in the simulator's order; each stage's graph cut at its
+input as between devices) with one meter per stage, to check GPipe's memory model (reference
+§4.3) on real tensors.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.
     meter = ActivationMeter()
     with meter:
         out = loss(chain(x))
-        grads = list(torch.autograd.grad(out, inputs, allow_unused=True)) if inputs else []
+        grads: list[torch.Tensor | None] = list(torch.autograd.grad(out, inputs, allow_unused=True)) if inputs else []
     report = ChainReport(chain.plan.label, meter.peak_count, meter.peak_bytes, chain.stats.forwards, chain.stats.recomputed,
                          chain.stats.intermediates)
     return report, grads
@@ -78,7 +79,7 @@ def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn
     rows = [head + ("  fwd+bwd ms" if repeats else "")]
     for recompute in strategies:
         report, grads = measure_chain(layers, x, recompute)
-        equal = len(grads) == len(plain) and all(torch.equal(a, b) for a, b in zip(grads, plain))
+        equal = len(grads) == len(plain) and all(_same(a, b) for a, b in zip(grads, plain))
         expected = f" {chain_cost(len(layers), recompute).held:6}" if model else ""
         row = (f"{report.label:14} {report.held:5}{expected} "
                f"{report.held_bytes / 1024:10.0f} {report.extra_forwards:15} {report.intermediates:10}  {equal!s:13}")
@@ -92,6 +93,11 @@ def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn
             row += f"  {statistics.median(seconds) * 1e3:10.2f}"
         rows.append(row.rstrip())
     return "\n".join(rows)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise equal tensors, or both None (an unused input)."""
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
 
 
 def scaled_tanh_stages(layers: int, stages: int, width: int, recompute: Strategy, seed: int = 0) -> list[Recompute]:
@@ -116,35 +122,36 @@ class GPipeReport:
         return [peak.bytes / (width * itemsize) for peak in self.peaks]
 
 
+class _OwnStorage(nn.Module):
+    """Copies its input: each micro-batch gets its own storage, as if loaded on its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
 def measure_gpipe(stages: Sequence[nn.Module], batch: torch.Tensor, microbatches: int) -> GPipeReport:
-    """One GPipe step in one process: every micro-batch forward through every stage, then back.
+    """One GPipe step in one process, through ``PipelineRunner`` (group None), one meter per stage.
 
     A stage's input is the previous stage's output detached (what a device receives), so each
-    stage owns its graph and its meter sees only its own activations, re-runs included. The loss
-    is the sum of the last stage's outputs; the first stage's input needs no grad.
+    stage owns its graph and its meter — entered around every action of that stage, forward and
+    backward — sees only its own activations, re-runs included. The loss is the mean over rows
+    of the last stage's outputs summed; the first stage's input needs no grad.
     """
+    from modelpar.pipeline.runner import PipelineRunner
+    from modelpar.schedules import gpipe, on_one_device
+
     microbatches = check_int("microbatches", microbatches, minimum=1)
     check_divisible("batch rows", batch.shape[0], "microbatches", microbatches)
+    schedule = on_one_device(gpipe(stages=len(stages), microbatches=microbatches))
+    modules = {s: nn.Sequential(_OwnStorage(), stage) if s == 0 else stage for s, stage in enumerate(stages)}
+    runner = PipelineRunner(schedule, modules, _row_mean_of_sums, None)
     meters = [ActivationMeter() for _ in stages]
-    inputs: list[list[torch.Tensor]] = []
-    outputs: list[list[torch.Tensor]] = []
-    for chunk in batch.chunk(microbatches):  # GPipe: all forwards first (§4.1: M in flight)
-        h, ins, outs = chunk.clone(), [], []  # its own storage, as if loaded per micro-batch
-        for j, (stage, meter) in enumerate(zip(stages, meters)):
-            h = h if j == 0 else h.detach().requires_grad_()
-            with meter:
-                out = stage(h)
-            ins.append(h)
-            outs.append(out)
-            h = out
-        inputs.append(ins)
-        outputs.append(outs)
-    for ins, outs in zip(inputs, outputs):  # then all backwards, last stage first
-        grad = torch.ones_like(outs[-1])
-        for j in reversed(range(len(stages))):
-            with meters[j]:
-                outs[j].backward(grad)
-            grad = ins[j].grad
+    runner.register_action_hook(lambda action, _: meters[action.stage])
+    runner.step(batch, torch.zeros(batch.shape[0]))
     params = [p for stage in stages for p in stage.parameters()]
     grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
     return GPipeReport([meter.peak for meter in meters], grads)
+
+
+def _row_mean_of_sums(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return out.sum() / out.shape[0]

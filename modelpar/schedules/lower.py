@@ -222,7 +222,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
     posted: dict[tuple[int, int], deque[tuple[Transfer, int]]] = {}  # (device, peer) -> unmatched ops
     ready = list(range(n - 1, -1, -1))
 
-    def needs(op: Op, d: int) -> list[object]:
+    def needs(op: Op, d: int) -> list[Action | tuple[str, int, int]]:
         s, m = op.stage, op.microbatch
         if isinstance(op, Transfer):
             if not op.is_send:
@@ -268,7 +268,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
         if ptr[d] < len(programs[d]):
             op = programs[d][ptr[d]]
             missing = next(x for x in needs(op, d) if x not in done)
-            what = missing if isinstance(missing, Action) else _describe(missing)
+            what = str(missing) if isinstance(missing, Action) else _describe(missing)
             return f"device {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
     for (d, peer), queue in sorted(posted.items()):
         if queue:
@@ -277,7 +277,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
     return None
 
 
-def _describe(message: object) -> str:
-    kind, stage, microbatch = message  # type: ignore[misc]
+def _describe(message: tuple[str, int, int]) -> str:
+    kind, stage, microbatch = message
     what = "activation" if kind == "F" else "gradient"
     return f"the {what} of microbatch {microbatch} from stage {stage}"

@@ -36,6 +36,7 @@ class TrainConfig:
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
     recompute: str = "none"  # activation recomputation per stage: none, full, or k (every k layers)
     sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
+    pipeline_gloo: bool = False  # under NCCL: pipeline messages over gloo, staged through host memory
     steps: int = 300  # optimizer steps
     lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to lr/10)
     warmup: int = 20  # warm-up steps

@@ -31,7 +31,6 @@ from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.config import TrainConfig
-from modelpar.training.evaluate import evaluate
 from modelpar.training.grads import GradSync, param_groups
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.resume import CheckpointDir
@@ -130,8 +129,6 @@ class _Run:
         self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
         self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
-        seq = cfg.model.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
-        self.act_shape = (cfg.batch_size // cfg.dp, seq, cfg.model.hidden)
         self.timelines: list[Any] = []
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -171,8 +168,8 @@ class _Run:
         total = 0.0
         for i in range(self.cfg.eval_batches):
             xi, yi = self.batch("val", i)
-            loss = evaluate(self.modules, self.schedule, self.rs, xi, yi, self.act_shape, self.dtype)
-            total += _global_mean(loss, self.loss_weight, self.rs.device) / self.cfg.eval_batches
+            loss = self.runner.evaluate(xi, yi)  # the schedule's forward half, same lowered communication
+            total += _global_mean(None if loss is None else float(loss), self.loss_weight, self.rs.device) / self.cfg.eval_batches
         self.result.val.append((step, total))
         if self.emit:
             self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})

@@ -41,7 +41,7 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     dims = cfg.dims
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    mesh = dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend="gloo" if use_cuda else None)
+    mesh = dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend="gloo" if use_cuda and cfg.pipeline_gloo else None)
     coords = dims.coordinates(dist.get_rank())
     embed_group = None
     if cfg.model.tie_embeddings and cfg.pp > 1:
