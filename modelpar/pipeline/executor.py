@@ -114,14 +114,15 @@ class _Step:
         elif p.source == "recv":
             x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
         stage = ctx.stages[a.stage]
-        with ExitStack() as around:
-            for hook in ctx.hooks:
-                cm = hook(a, p.final)
-                if cm is not None:
-                    around.enter_context(cm)
-            start = ctx.timer.mark()
-            y = self.call(stage, a, x)
-            end = ctx.timer.mark()
+        if ctx.hooks:
+            with ExitStack() as around:
+                for hook in ctx.hooks:
+                    cm = hook(a, p.final)
+                    if cm is not None:
+                        around.enter_context(cm)
+                start, y, end = self.timed(stage, a, x)
+        else:
+            start, y, end = self.timed(stage, a, x)
         self.marks.append((a, start, end))
         if p.sink == "loss":
             self.rec.losses[a.microbatch] = y
@@ -132,6 +133,13 @@ class _Step:
         held = ctx.stages.values()
         self.rec.peak_held = max(self.rec.peak_held, sum(st.held_graphs for st in held))
         self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held for st in held))
+
+    def timed(self, stage: LocalStage, a: Action, x: Any) -> tuple[Any, Any, Any]:
+        """(start mark, result, end mark) of one action."""
+        timer = self.ctx.timer
+        start = timer.mark()
+        y = self.call(stage, a, x)
+        return start, y, timer.mark()
 
     def call(self, stage: LocalStage, a: Action, x: Any) -> Any:
         """A forward's output (the loss on the last stage), or a backward's input gradient."""
