@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
-from modelpar.schedules.validate import DeadlockError
+from modelpar.schedules.validate import DeadlockError, blocking_run
 
 __all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
 
@@ -107,8 +107,7 @@ def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
         schedule.validate()
     except DeadlockError:
         raise DeadlockError(_hang_message(schedule)) from None
-    programs, _ = _walk(schedule)
-    return tuple(_hoist_receives(p, schedule.stage_to_device) for p in programs)
+    return tuple(_hoist_receives(p, schedule.stage_to_device) for p in _programs(schedule))
 
 
 def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
@@ -121,38 +120,18 @@ def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Trans
     return []
 
 
-def _walk(schedule: Schedule) -> tuple[list[list[Op]], dict[int, tuple[Action, Action]]]:
-    """Run the devices as blocking processes, appending actions, sends and receives as they happen.
-
-    Returns the programs and, for a schedule that deadlocks, each stuck device's (action, the
-    dependency it waits for).
-    """
-    n = schedule.num_devices
-    programs: list[list[Op]] = [[] for _ in range(n)]
-    done: set[Action] = set()
-    ptr = [0] * n
-    parked: dict[Action, list[int]] = {}
-    stuck: dict[int, tuple[Action, Action]] = {}
-    ready = list(range(n - 1, -1, -1))
-    while ready:
-        d = ready.pop()
-        acts = schedule.actions[d]
-        while ptr[d] < len(acts):
-            a = acts[ptr[d]]
-            need = next((dep for dep in schedule.dependencies(a) if dep not in done), None)
-            if need is not None:
-                parked.setdefault(need, []).append(d)
-                stuck[d] = (a, need)
-                break
-            stuck.pop(d, None)
-            programs[d].append(a)
-            for peer, send, recv in _consumers(schedule, a):
-                programs[d].append(send)
-                programs[peer].append(recv)
-            done.add(a)
-            ready.extend(parked.pop(a, ()))
-            ptr[d] += 1
-    return programs, stuck
+def _programs(schedule: Schedule) -> list[list[Op]]:
+    """Each action appended when it runs (blocking execution), its SENDs after it, their RECVs at
+    the receivers at the same moment."""
+    programs: list[list[Op]] = [[] for _ in range(schedule.num_devices)]
+    dev = schedule.stage_to_device
+    for a in blocking_run(schedule)[0]:
+        d = dev[a.stage]
+        programs[d].append(a)
+        for peer, send, recv in _consumers(schedule, a):
+            programs[d].append(send)
+            programs[peer].append(recv)
+    return programs
 
 
 def _hoist_receives(program: list[Op], stage_to_device: Sequence[int]) -> tuple[Op, ...]:
@@ -186,11 +165,12 @@ def _send_for(dep: Action) -> Transfer:
 
 def _hang_message(schedule: Schedule) -> str:
     """Name the operations a deadlocking schedule would wait on forever, as a chain of devices."""
-    _, stuck = _walk(schedule)
+    _, stuck = blocking_run(schedule)
     chain, d, seen = [], min(stuck), set()
     while d in stuck and d not in seen:
         seen.add(d)
-        a, dep = stuck[d]
+        position, dep = stuck[d]
+        a = schedule.actions[d][position]
         owner = schedule.device_of(dep.stage)
         chain.append(f"device {d} waits at {_recv_for(a)} (the input of {a}), but device {owner} "
                      f"never reaches {_send_for(dep)}")

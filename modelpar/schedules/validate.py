@@ -115,13 +115,18 @@ def _local_order(schedule: Schedule) -> str:
     return ""
 
 
-def _deadlock(schedule: Schedule) -> str:
-    """Run the devices as blocking processes (linear: a blocked device parks on what it needs)."""
+def blocking_run(schedule: Schedule) -> tuple[list[Action], dict[int, tuple[int, Action]]]:
+    """Run the devices as blocking processes (linear: a blocked device parks on what it needs).
+
+    Returns the actions in the order they ran (one valid interleaving), and for each device that
+    could not finish, (the position it stopped at, the dependency it waits for).
+    """
     done: set[Action] = set()
+    order: list[Action] = []
     ptr = [0] * schedule.num_devices
     parked: dict[Action, list[int]] = {}
     blocked_on: dict[int, Action] = {}
-    ready = list(range(schedule.num_devices))
+    ready = list(range(schedule.num_devices - 1, -1, -1))
     while ready:
         d = ready.pop()
         acts = schedule.actions[d]
@@ -134,16 +139,23 @@ def _deadlock(schedule: Schedule) -> str:
                 break
             blocked_on.pop(d, None)
             done.add(a)
+            order.append(a)
             ready.extend(parked.pop(a, ()))
             ptr[d] += 1
-    stuck = sorted(d for d in range(schedule.num_devices) if ptr[d] < len(schedule.actions[d]))
+    stuck = {d: (ptr[d], blocked_on[d]) for d in range(schedule.num_devices) if ptr[d] < len(schedule.actions[d])}
+    return order, stuck
+
+
+def _deadlock(schedule: Schedule) -> str:
+    _, stuck = blocking_run(schedule)
     if not stuck:
         return ""
-    chain, d, seen = [], stuck[0], set()
+    chain, d, seen = [], min(stuck), set()
     while d not in seen:
         seen.add(d)
-        a, need = schedule.actions[d][ptr[d]], blocked_on[d]
+        position, need = stuck[d]
         owner = schedule.device_of(need.stage)
-        chain.append(f"device {d} waits at {a} (position {ptr[d]}) for {need} on device {owner}")
+        chain.append(f"device {d} waits at {schedule.actions[d][position]} (position {position}) for {need} "
+                     f"on device {owner}")
         d = owner
     return "deadlock: " + "; ".join(chain) + " (a cycle: no device can move)"
