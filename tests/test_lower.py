@@ -108,7 +108,8 @@ def check_lowering(schedule):
     crossing = sum(placement[s] != placement[s - 1] for s in range(1, len(placement)))
     per_boundary = 1 if schedule.forward_only else 2
     assert pairs == per_boundary * crossing * schedule.num_microbatches  # one message per cross-device dependency
-    assert rendezvous(programs, placement) is None
+    assert rendezvous(programs, placement) is None  # one channel per pair: NCCL's single isend/irecv
+    assert rendezvous(programs, placement, channel="device") is None  # one per device: batched P2P's stream
     return programs
 
 

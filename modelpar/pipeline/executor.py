@@ -4,7 +4,7 @@ Scheduling is data; this loop only walks the plan of the lowered program
 (``modelpar.schedules.lower``), like torch.distributed.pipelining's ``_PipelineScheduleRuntime``
 and unlike Megatron's hand-written warm-up / steady / cool-down loops::
 
-    RECV  post the receive into its buffer (the program puts it as early as the pair order allows)
+    RECV  post the receive into its buffer (the program puts it as early as the message order allows)
     SEND  send the output just computed (the program puts it right after its producer)
     F s m : x = input microbatch (s = 0) | stage s-1's output (same device) | the receive
             → run; the last stage computes the loss

@@ -17,12 +17,14 @@ one tag, so every message meets its own receive.
 ``lower`` runs the schedule as blocking processes (the simulator's execution). Each time an
 action runs it is appended to its device's program, followed by a SEND per device that needs
 its output, and that device gets the RECV at the same moment: both ends see each pair's messages
-in one global order. Each RECV then moves up to just after the previous operation with the same
-peer — receives are posted as early as the order allows, so transfers overlap compute.
+in one global order. Each RECV then moves up past compute actions to just after the previous
+send: receives are posted as early as the order of the messages allows, so transfers overlap
+compute, and that order — per pair and per device — is left as it was.
 
 ``rendezvous`` is the check that the result cannot hang on NCCL: zero buffering (a send
-completes only when its receive is reached and vice versa), each pair's operations progressing
-in program order on one channel, compute waiting for its received inputs.
+completes only when its receive is reached and vice versa), posted operations progressing in
+program order on one channel per pair (or, stricter, one per device), compute waiting for its
+received inputs. Lowered programs pass both.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
         schedule.validate()
     except DeadlockError:
         raise DeadlockError(_hang_message(schedule)) from None
-    return tuple(_hoist_receives(p, schedule.stage_to_device) for p in _programs(schedule))
+    return tuple(_hoist_receives(p) for p in _programs(schedule))
 
 
 def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
@@ -134,22 +136,20 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
     return programs
 
 
-def _hoist_receives(program: list[Op], stage_to_device: Sequence[int]) -> tuple[Op, ...]:
-    """Move each RECV up to just after the previous operation with the same peer (or to the start).
+def _hoist_receives(program: list[Op]) -> tuple[Op, ...]:
+    """Move each RECV up past compute actions, to just after the previous send (or to the start).
 
-    Same-peer order is kept, so the matching is unchanged; only the posting gets earlier.
+    The order of the sends and receives among themselves is kept — per pair and per device — so
+    the matching is unchanged and neither kind of NCCL channel can hang; only posting gets earlier.
     """
-    anchor_of_peer: dict[int, int] = {}  # peer -> where its latest op is anchored
+    anchor = -1  # the latest SEND: receives after it float up to it
     keys = []
     for i, op in enumerate(program):
-        if isinstance(op, Transfer):
-            peer = stage_to_device[op.peer_stage]
-            if op.is_send:
-                anchor_of_peer[peer] = i
-                keys.append((i, 0, i))
-            else:
-                keys.append((anchor_of_peer.get(peer, -1), 1, i))
+        if isinstance(op, Transfer) and not op.is_send:
+            keys.append((anchor, 1, i))
         else:
+            if isinstance(op, Transfer):
+                anchor = i
             keys.append((i, 0, i))
     return tuple(program[i] for _, _, i in sorted(keys))
 
@@ -181,16 +181,21 @@ def _hang_message(schedule: Schedule) -> str:
 
 
 # --- the rendezvous model ---------------------------------------------------------------------
-def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int]) -> str | None:
+def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 
     Each device walks its program: a SEND or RECV is posted (it does not block the device; a
     SEND waits for its producer), a compute action waits for its inputs — local ones computed
-    before it, remote ones received. Each pair of devices has one channel: the k-th operation a
-    device posts to a peer meets the k-th the peer posts back, and both complete together only
-    if one is the send and the other the receive of the same message. This is NCCL's point-to-
-    point semantics (per-pair order, no buffering), and what any program run on it must satisfy.
+    before it, remote ones received. Posted operations complete in order on a channel: with
+    ``channel="pair"`` each pair of devices has one (NCCL's single ``isend``/``irecv``, a
+    communicator per pair), with ``channel="device"`` each device has one for all its peers (a
+    single NCCL stream, as batched P2P uses): the head operation of a channel meets the head of
+    the peer's, and both complete together only if one is the send and the other the receive of
+    the same message — no buffering. What a program must satisfy not to hang on NCCL.
     """
+    if channel not in ("pair", "device"):
+        raise ValueError(f"channel must be one of {{pair, device}}, got {channel!r}")
+    per_pair = channel == "pair"
     dev = tuple(stage_to_device)
     last = len(dev) - 1
     split = any(isinstance(op, Action) and op.kind in (Kind.I, Kind.W) for p in programs for op in p)
@@ -199,7 +204,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
     ptr = [0] * n
     done: set[object] = set()  # computed actions, and messages received (by their ``message``)
     parked: dict[object, list[int]] = {}
-    posted: dict[tuple[int, int], deque[tuple[Transfer, int]]] = {}  # (device, peer) -> unmatched ops
+    queues: dict[tuple[int, int], deque[tuple[Transfer, int]]] = {}  # channel -> posted, unmatched ops
     ready = list(range(n - 1, -1, -1))
 
     def needs(op: Op, d: int) -> list[Action | tuple[str, int, int]]:
@@ -218,6 +223,30 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
             return [Action(s, Kind.F, m)]
         return [Action(s, Kind.F, m), Action(s + 1, grad, m) if dev[s + 1] == d else ("B", s + 1, m)]
 
+    def queue(d: int, peer: int) -> deque[tuple[Transfer, int]]:
+        return queues.setdefault((d, peer) if per_pair else (d, -1), deque())
+
+    def match(d: int, peer: int) -> str | None:
+        """Complete the operations that meet at the heads of d's and peer's channels, as far as they go."""
+        pending = [(d, peer)]
+        while pending:
+            x, y = pending.pop()
+            mine, theirs = queue(x, y), queue(y, x)
+            while mine and theirs:
+                (a, i), (b, j) = mine[0], theirs[0]
+                if dev[a.peer_stage] != y or dev[b.peer_stage] != x:
+                    break  # one channel per device: a head waits for another peer
+                if a.message != b.message or a.is_send == b.is_send:
+                    return (f"device {x}'s {a} (position {i}) would be paired with device {y}'s {b} "
+                            f"(position {j}): the next operation between them is not one message's "
+                            f"send and receive")
+                mine.popleft(), theirs.popleft()
+                done.add(a.message)
+                ready.extend(parked.pop(a.message, ()))
+                if not per_pair:  # new heads may meet other peers
+                    pending += [(z, dev[q[0][0].peer_stage]) for z, q in ((x, mine), (y, theirs)) if q]
+        return None
+
     while ready:
         d = ready.pop()
         program = programs[d]
@@ -233,27 +262,23 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int])
                 ready.extend(parked.pop(op, ()))
                 continue
             peer = dev[op.peer_stage]
-            posted.setdefault((d, peer), deque()).append((op, ptr[d] - 1))
-            mine, theirs = posted[d, peer], posted.setdefault((peer, d), deque())
-            while mine and theirs:
-                (a, i), (b, j) = mine[0], theirs[0]
-                if a.message != b.message or a.is_send == b.is_send:
-                    return (f"device {d}'s {a} (position {i}) would be paired with device {peer}'s {b} "
-                            f"(position {j}): the next operation between them is not one message's "
-                            f"send and receive")
-                mine.popleft(), theirs.popleft()
-                done.add(a.message)
-                ready.extend(parked.pop(a.message, ()))
+            q = queue(d, peer)
+            q.append((op, ptr[d] - 1))
+            if len(q) == 1 or per_pair:
+                error = match(d, peer)
+                if error:
+                    return error
     for d in range(n):
         if ptr[d] < len(programs[d]):
             op = programs[d][ptr[d]]
             missing = next(x for x in needs(op, d) if x not in done)
             what = str(missing) if isinstance(missing, Action) else _describe(missing)
             return f"device {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
-    for (d, peer), queue in sorted(posted.items()):
-        if queue:
-            op, i = queue[0]
-            return f"device {d}'s {op} (position {i}) is never matched: device {peer} posts nothing more to it"
+    for (d, _), q in sorted(queues.items()):
+        if q:
+            op, i = q[0]
+            return (f"device {d}'s {op} (position {i}) is never matched: device {dev[op.peer_stage]} posts "
+                    f"nothing more to it")
     return None
 
 
