@@ -292,6 +292,7 @@ def _swapped_receives_and_a_missing_rank():
         program[:2] = program[1::-1]
         runner.programs = (runner.programs[0], tuple(program))
     out = {}
+    dist.barrier()  # start together: on a loaded machine a late start alone could use up the 1 s
     try:
         runner.step(*_batch())
     except (RuntimeError, TimeoutError) as err:
@@ -336,6 +337,7 @@ def _raise_on_rank_1(catch):
     if 1 in stages:
         stages[1] = _BoomLater(stages[1])
     runner = PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=2)
+    dist.barrier()  # start together: on a loaded machine a late start alone could use up the 2 s
     start = time.monotonic()
     try:
         runner.step(*_batch())
