@@ -3,27 +3,8 @@
 ``modelpar bench ...`` and ``benchmarks/`` use them; nothing in the library depends on them.
 """
 
-from modelpar.bench.microbatch import (
-    LinearFit,
-    MicrobatchRow,
-    MicrobatchScan,
-    fit_linear,
-    measure_stage_times,
-    microbatch_table,
-    optimal_microbatches,
-    predicted_step_time,
-)
+from modelpar.bench.microbatch import *  # noqa: F403
+from modelpar.bench.microbatch import __all__ as _microbatch_all
 from modelpar.bench.mlp import mlp_model, mlp_stage
 
-__all__ = [
-    "LinearFit",
-    "MicrobatchRow",
-    "MicrobatchScan",
-    "fit_linear",
-    "measure_stage_times",
-    "microbatch_table",
-    "mlp_model",
-    "mlp_stage",
-    "optimal_microbatches",
-    "predicted_step_time",
-]
+__all__ = [*_microbatch_all, "mlp_model", "mlp_stage"]
