@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one line, exit code 2, no traceback
         print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C: exit code 130, and where it stopped if the command says
+        if str(err):
+            print(f"modelpar {args.command}: {err}", file=sys.stderr)
         return 130
 
 

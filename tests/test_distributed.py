@@ -1,6 +1,9 @@
 """The process helper and the (pp, dp, tp) grid, on real gloo processes."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -65,8 +68,8 @@ def test_dead_rank_ends_the_group(cluster):
 
 def test_hung_rank_ends_the_group_within_timeout():
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within timeout=3 s"):
-        launch(_hang_on, 2, 0, timeout=3)
+    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within run_timeout=3 s"):
+        launch(_hang_on, 2, 0, timeout=3, run_timeout=3)
     assert time.monotonic() - start < 20
 
 
@@ -119,34 +122,50 @@ def test_background_start_then_run():
         assert [r for r, _ in c.run(_rank_and_sum)] == [0, 1]
 
 
-_ORPHAN_SCRIPT = """
-import os, time
+_BUSY_SCRIPT = """
+import os, sys, time
 from modelpar.distributed import LocalCluster
-def pid():
-    return os.getpid()
+def work(folder):
+    announced = False
+    while True:  # a rank at work, writing until it is ended
+        with open(os.path.join(folder, str(os.getpid())), "a") as f:
+            f.write("x")
+        if not announced:  # one write: the two ranks' lines never interleave
+            announced = os.write(1, f"{os.getpid()}\\n".encode())
+        time.sleep(0.01)
 if __name__ == "__main__":
-    cluster = LocalCluster(2)
-    print(*cluster.run(pid), flush=True)
-    time.sleep(120)
+    with LocalCluster(2) as cluster:
+        cluster.run(work, sys.argv[1])
 """
 
 
-def test_ranks_exit_when_the_launching_process_is_killed(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill -9", "Ctrl-C"])
+def test_busy_ranks_end_with_their_launcher_and_write_nothing_after(tmp_path, sig):
     script = tmp_path / "parent.py"
-    script.write_text(_ORPHAN_SCRIPT)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    ranks = [int(p) for p in parent.stdout.readline().split()]
-    assert len(ranks) == 2
-    parent.send_signal(signal.SIGKILL)  # no chance to stop its ranks
+    script.write_text(_BUSY_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    ranks = [int(parent.stdout.readline()) for _ in range(2)]
+    parent.send_signal(sig)  # kill -9: no chance to stop its ranks; Ctrl-C: it ends them itself
     parent.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in ranks):
-        time.sleep(0.2)
+        time.sleep(0.1)
     assert not any(_alive(p) for p in ranks)
+    written = {p: (tmp_path / str(p)).stat().st_size for p in ranks}
+    time.sleep(0.3)
+    assert all(written[p] == (tmp_path / str(p)).stat().st_size > 0 for p in ranks)
+
+
+def test_kill_and_signal_reach_every_rank(cluster):
+    import threading
+
+    pids = cluster.pids
+    threading.Timer(0.5, cluster.signal, (signal.SIGUSR1,)).start()  # the ranks start with the default: death
+    with pytest.raises(RankError, match=r"rank \d died \(exit code -10\)"):
+        cluster.run(_hang_on, 0)
+    assert not any(_alive(p) for p in pids) and cluster.pids == []
+    assert cluster.run(_rank_and_sum)[1] == (1, 10.0)  # started again
 
 
 def _alive(pid):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,14 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
         ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
                            "(default 300: a hung rank ends the run with an error)"),
+    ],
+    "stopping and preemption (docs/stopping.md)": [
+        ("preempt_signal", str, "signal that asks for a checkpoint at the next step and an exit with code 75: "
+                                "SIGTERM (default), SIGUSR1 or SIGUSR2"),
+        ("preempt_grace", float, "seconds from that signal within which the checkpoint must be written, "
+                                 "else none is (default 30; 0: no limit)"),
+        ("skip_nonfinite", int, "skip the update of up to N steps with a non-finite loss or gradient norm "
+                                "(default 0: stop at the first, exit code 65)"),
     ],
 }
 _DATA = "data (default: the shipped corpus, byte tokens; see docs/data.md)"
@@ -118,6 +127,9 @@ def build_config(args: argparse.Namespace) -> Any:
     run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
     if "recompute" in run:
         run["recompute"] = str(run["recompute"]).lower()
+    if "preempt_signal" in run:  # TERM, term, SIGTERM
+        name = str(run["preempt_signal"]).upper()
+        run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
     if run.get("schedule") == "interleaved" and "chunks" not in run:
         run["chunks"] = 2
     cfg = replace(cfg, model=replace(cfg.model, **model), data=DataConfig(**data), **run)
@@ -136,6 +148,9 @@ def _continued(cfg: Any, given: set[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; exit code 0, or the stop's (docs/stopping.md): 130 Ctrl-C, 75 preempted, 65 non-finite."""
+    import os
+
     from rich.console import Console
 
     from modelpar.distributed import is_torchrun
@@ -152,16 +167,21 @@ def run(args: argparse.Namespace) -> int:
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if args.backend == "auto" else args.backend)
-        if result is None:  # not global rank 0: rank 0 writes the summary
-            return 0
+        first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
         check_directory(cfg.check())  # locked by a live run: exit before writing anything or starting ranks
         cfg = prepare_data(cfg, console, progress=not args.no_progress).check()
         check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps")
-        result = run_local(cfg, report)
-    _summary(cfg, result, Path(args.out))
+        result, first = run_local(cfg, report), True
+    if result.stop is not None:
+        report.close()
+        if first:
+            print(f"modelpar train: {result.stop.message}", file=sys.stderr, flush=True)
+        return result.stop.exit_code
+    if first:
+        _summary(cfg, result, Path(args.out))
     return 0
 
 
@@ -176,7 +196,8 @@ def _summary(cfg: Any, result: Any, out: Path) -> None:
     rows = [
         ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
         ("parameters", f"{result.num_parameters:,}"),
-        ("steps", f"{len(result.losses)} (this run from step {result.start_step})"),
+        ("steps", f"{len(result.losses)} (this run from step {result.start_step})"
+                  + (f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else "")),
         ("final training loss", f"{result.losses[-1]:.4f}" if result.losses else "-"),
         ("data", _describe_data(cfg)),
         ("final validation loss", f"{final_val:.4f} nats/token, {bpb(final_val):.4f} bits/byte"),
@@ -193,7 +214,7 @@ def _summary(cfg: Any, result: Any, out: Path) -> None:
                "bubble_measured": result.bubble_measured, "bubble_simulated": result.bubble_simulated,
                "bubble_ideal": result.bubble_ideal, "start_step": result.start_step,
                "tokens_per_byte": result.tokens_per_byte, "val_bits_per_byte": bpb(final_val),
-               "unigram_bits_per_byte": bpb(result.unigram_baseline)}
+               "unigram_bits_per_byte": bpb(result.unigram_baseline), "skipped_steps": result.skipped_steps}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))

@@ -8,6 +8,7 @@ from modelpar.distributed.launch import (
     is_torchrun,
     launch,
 )
+from modelpar.distributed.lifeline import exit_with_parent
 from modelpar.distributed.mesh import ParallelDims, coordinates, rank_groups
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ParallelDims",
     "RankError",
     "coordinates",
+    "exit_with_parent",
     "free_port",
     "init_from_env",
     "is_torchrun",

@@ -5,6 +5,10 @@ module; starting processes costs seconds on a small CPU). ``launch`` is the one-
 A child's exception is re-raised in the parent with its rank and original message; a rank that
 dies or hangs ends the whole group within ``timeout`` seconds with a clear error. Under
 ``torchrun`` the launcher's processes are used instead: see ``init_from_env``.
+
+No rank outlives its launcher: each holds the read end of a pipe only the launching process
+writes to, and exits the moment it reads end-of-file there, which happens when the launcher dies
+for any reason, ``kill -9`` included. Ctrl-C in the launcher ends every rank at once.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import threading
 import time
@@ -24,6 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
+from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed
 
 __all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
 
@@ -31,11 +37,13 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class RankError(RuntimeError):
-    """A rank failed (raised, died or hung); ``rank`` says which one (None: several hung)."""
+    """A rank failed (raised, died or hung); ``rank`` says which one (None: several hung), ``exitcode``
+    how a dead one ended (negative: killed by that signal; None: it did not die)."""
 
-    def __init__(self, message: str, rank: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+        self.exitcode = exitcode
 
 
 class _RemoteTraceback(Exception):
@@ -71,7 +79,18 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    limit = datetime.timedelta(seconds=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
+        # torchrun's agent keeps one store across `--max-restarts` restarts, and a restarted group
+        # would read the previous attempt's gloo addresses from it: each attempt gets its own keys.
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=limit)
+        store = dist.PrefixStore(f"modelpar/attempt_{attempt}", agent)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+    else:
+        dist.init_process_group(backend, timeout=limit)
 
 
 def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseException:
@@ -83,36 +102,21 @@ def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseExcepti
         err = exc_type(text) if exc_type is not None else RankError(f"{type_name}: {text}", rank)
     except Exception:  # an exception type whose constructor wants other arguments
         err = RankError(f"{type_name}: {text}", rank)
-    err.rank = rank  # type: ignore[attr-defined]
+    err.rank = rank
     err.__cause__ = _RemoteTraceback(tb_text)
     return err
 
 
-def _parent_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _next_task(tasks: Any, parent: int) -> Any:
-    """The next task, or None once told to stop or once the launching process is gone."""
-    while True:
-        try:
-            return tasks.get(timeout=1.0)
-        except queue.Empty:
-            if not _parent_alive(parent):  # killed without a chance to stop us: don't linger
-                return None
-
-
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
-            tasks: Any, results: Any, parent: int) -> None:
+            tasks: Any, results: Any, lifeline: Any) -> None:
     """A rank's main loop: join the group, then run tasks until told to stop (None)."""
     import torch
     import torch.distributed as dist
+
+    threading.Thread(target=exit_when_closed, args=(lifeline,), name="modelpar-lifeline", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores these (and so did
+    for sig in SCHEDULER_SIGNALS:                              # this rank until now): back to Python's defaults
+        signal.signal(sig, signal.SIG_DFL)
 
     if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -126,7 +130,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         results.put((rank, "error", _describe(exc)))
         return
     try:
-        while (task := _next_task(tasks, parent)) is not None:
+        while (task := tasks.get()) is not None:
             fn, args, kwargs = pickle.loads(task)
             try:
                 results.put((rank, "ok", fn(*args, **kwargs)))
@@ -149,7 +153,8 @@ def _context() -> mp.context.BaseContext:
     """forkserver with torch preloaded: children start in a fraction of a spawn's time."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "modelpar.distributed.launch"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "modelpar.distributed.launch",
+                                    "modelpar.distributed._forkserver"])
         return ctx
     return mp.get_context("spawn")
 
@@ -161,25 +166,25 @@ class LocalCluster:
     ...     cluster.run(all_reduce_ones)           # -> [result of rank 0, result of rank 1]
 
     Functions must be importable (module level) since they are pickled to the children.
-    After a failed run the ranks may be stuck in a collective, so the cluster is torn down and
-    started again on the next ``run``.
+    After a failed run the ranks may be stuck in a collective, so the cluster ends them and starts
+    again on the next ``run``.
 
     ``timeout`` bounds each collective inside the ranks (torch.distributed's process-group
-    timeout) and, unless ``run_timeout`` says otherwise, each whole ``run``. A long job (training)
-    passes ``run_timeout=None``: a rank that dies is still noticed at once, and a hung collective
-    fails after ``timeout``.
+    timeout). ``run_timeout`` bounds each whole ``run``: a backstop for a hang no collective
+    notices (a rank in an endless loop); ``None``: no limit, for long jobs (training), where a rank
+    that dies is still noticed at once and a hung collective fails after ``timeout``.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 60.0,
-                 run_timeout: float | str | None = "timeout") -> None:
+                 run_timeout: float | None = 600.0) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.backend = check_choice("backend", backend, ["gloo", "nccl"])
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
-        if run_timeout == "timeout":
-            run_timeout = self.timeout
         self.run_timeout = None if run_timeout is None else check_number(
             "run_timeout", run_timeout, minimum=0.0, strict=True)
         self._procs: list[Any] = []
+        self._lifeline: Any = None  # the write end of the pipe whose closing ends every rank
+        self._lock = threading.Lock()
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
 
@@ -210,26 +215,45 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the block failed (or Ctrl-C): the ranks may be anywhere, end them now
+            with contextlib.suppress(BaseException):
+                self._wait_started()
+            self.kill()
 
     def _start(self) -> None:
         ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)
         self._procs = [
-            ctx.Process(target=_worker, daemon=True, name=f"modelpar-rank{r}",
+            ctx.Process(target=_worker, daemon=True, name=f"modelpar-rank{r}",  # type: ignore[attr-defined]
                         args=(r, self.world_size, port, self.backend, self.timeout,
-                              self._tasks[r], self._results, os.getpid()))
+                              self._tasks[r], self._results, lifeline))
             for r in range(self.world_size)
         ]
         try:
             for p in self._procs:
                 p.start()
         except BaseException:
-            self._teardown()  # e.g. a script without an `if __name__ == "__main__":` guard
+            self.kill()  # e.g. a script without an `if __name__ == "__main__":` guard
             raise
+        finally:
+            lifeline.close()  # the ranks hold the read end; the launcher keeps only the write end
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids in rank order (empty until they start)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to every rank still running (what the ranks make of it is up to ``fn``)."""
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
@@ -247,43 +271,51 @@ class LocalCluster:
             q.put(task)
         results: dict[int, Any] = {}
         deadline = time.monotonic() + self.run_timeout if self.run_timeout is not None else float("inf")
-        while len(results) < self.world_size:
-            try:
-                rank, status, value = self._results.get(timeout=0.1)
-            except queue.Empty:
-                self._check_alive(results, deadline)
-                continue
-            if status == "error":
-                self._teardown()
-                raise _rebuild_error(rank, value)
-            results[rank] = value
+        try:
+            while len(results) < self.world_size:
+                try:
+                    rank, status, value = self._results.get(timeout=0.1)
+                except queue.Empty:
+                    self._check_alive(results, deadline)
+                    continue
+                if status == "error":
+                    raise _rebuild_error(rank, value)
+                results[rank] = value
+        except BaseException:  # a rank failed, or Ctrl-C here: no rank outlives the run
+            self.kill()
+            raise
         return [results[r] for r in range(self.world_size)]
 
     def _check_alive(self, done: dict[int, Any], deadline: float) -> None:
+        if not self._procs:
+            raise RankError("the ranks were ended while running (LocalCluster.kill)")
         for rank, p in enumerate(self._procs):
             if rank not in done and not p.is_alive():
-                code = p.exitcode
-                self._teardown()
-                raise RankError(f"rank {rank} died (exit code {code}) before finishing", rank)
+                raise RankError(f"rank {rank} died (exit code {p.exitcode}) before finishing", rank, p.exitcode)
         if time.monotonic() > deadline:
             waiting = [r for r in range(self.world_size) if r not in done]
-            self._teardown()
             raise RankError(
-                f"ranks {waiting} did not finish within timeout={self.run_timeout:g} s "
+                f"ranks {waiting} did not finish within run_timeout={self.run_timeout:g} s "
                 "(a hang: a collective or a receive that nobody answers?)"
             )
 
-    def _teardown(self) -> None:
-        self._procs = [p for p in self._procs if p.pid is not None]  # never-started ones
-        for p in self._procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self._procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    def kill(self) -> None:
+        """End every rank at once (SIGKILL) and wait for them; the next ``run`` starts new ones.
+
+        SIGKILL rather than SIGTERM: a rank may give SIGTERM a meaning of its own (a training
+        run saves a checkpoint on it).
+        """
+        with self._lock:
+            procs, self._procs = [p for p in self._procs if p.pid is not None], []
+            for p in procs:
+                if p.is_alive():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGKILL)
+            if self._lifeline is not None:  # also ends a rank whose status the forkserver could not tell
+                self._lifeline.close()
+                self._lifeline = None
+            for p in procs:
                 p.join()
-        self._procs = []
 
     def close(self) -> None:
         """Stop the ranks (politely, then by force) and wait for them."""
@@ -296,11 +328,11 @@ class LocalCluster:
         for p in self._procs:
             if p.pid is not None:
                 p.join(timeout=10)
-        self._teardown()
+        self.kill()
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-           timeout: float = 60.0, run_timeout: float | str | None = "timeout", **kwargs: Any) -> list[Any]:
+           timeout: float = 60.0, run_timeout: float | None = 600.0, **kwargs: Any) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh local processes; return each rank's result."""
     with LocalCluster(world_size, backend=backend, timeout=timeout, run_timeout=run_timeout) as cluster:
         return cluster.run(fn, *args, **kwargs)

@@ -8,12 +8,16 @@ the slowest-varying index and cross machines (point-to-point, little traffic).
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpar._validate import check_int
 
-__all__ = ["ParallelDims", "coordinates", "rank_groups"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelDims", "coordinates", "group_options", "rank_groups"]
 
 DIM_NAMES = ("pp", "dp", "tp")
 
@@ -72,15 +76,39 @@ class ParallelDims:
     def coordinates(self, rank: int) -> dict[str, int]:
         return coordinates(rank, self.pp, self.dp, self.tp)
 
-    def build_mesh(self, device_type: str = "cpu", pipeline_backend: str | None = None) -> Any:
+    def build_mesh(self, device_type: str = "cpu", pipeline_backend: str | None = None,
+                   timeout: float | None = None) -> DeviceMesh:
         """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named.
 
         ``pipeline_backend="gloo"`` gives the pp dimension its own gloo groups (NCCL runs keep NCCL
         for tp and dp): pipeline activations are then staged through host memory, if one wants that.
+        ``timeout`` (seconds) bounds every collective of every group of the mesh; without it torch
+        gives subgroups its 30-minute default, whatever the world's timeout is.
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_world(dist.get_world_size())
-        extra: dict[str, Any] = {"backend_override": {"pp": pipeline_backend}} if pipeline_backend else {}  # torch >= 2.6
+        world_backend = str(dist.get_backend())
+        override: dict[int | str, Any] = {}
+        for dim in DIM_NAMES:
+            backend = pipeline_backend if dim == "pp" and pipeline_backend else world_backend
+            if timeout is not None:
+                override[dim] = (backend, group_options(backend, timeout))
+            elif backend != world_backend:
+                override[dim] = backend
+        extra = {"backend_override": override} if override else {}  # torch >= 2.6
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES, **extra)
+
+
+def group_options(backend: str, timeout: float) -> Any:
+    """Process-group options for ``backend`` ("gloo" or "nccl") whose collectives time out after ``timeout`` s."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    limit = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = limit
+        return options
+    return Backend.Options(backend, limit)

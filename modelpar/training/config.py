@@ -14,11 +14,12 @@ from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
 from modelpar.text.config import DataConfig
 
-__all__ = ["RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
+__all__ = ["PREEMPT_SIGNALS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 RECOMPUTE_CHOICES = ("none", "full")  # or a positive integer k: a checkpoint every k layers
 DTYPES = ("float32", "float64")
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class TrainConfig:
     exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
     #                      for jobs with a time limit, as Megatron's --exit-interval
     timeout: float = 300.0  # seconds a collective or pipeline receive may wait before the run fails
+    preempt_signal: str = "SIGTERM"  # asks for a checkpoint at the next step, then an exit (docs/stopping.md)
+    preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
+    skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
 
     @property
     def dims(self) -> ParallelDims:
@@ -82,13 +86,15 @@ class TrainConfig:
         v = self.chunks
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed", "exit_after"):
+        for name in ("warmup", "eval_every", "checkpoint_every", "keep", "seed", "exit_after", "skip_nonfinite"):
             check_int(name, getattr(self, name), minimum=0)
         check_int("eval_batches", self.eval_batches, minimum=1)
         check_number("lr", self.lr, 0.0, strict=True)
         check_number("weight_decay", self.weight_decay)
         check_number("clip", self.clip)
         check_number("timeout", self.timeout, 0.0, strict=True)
+        check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
+        check_number("preempt_grace", self.preempt_grace)
         if self.recompute not in RECOMPUTE_CHOICES:
             if not str(self.recompute).isdigit():
                 raise ValueError(f"recompute must be one of {{none, full}} or a positive integer k, "

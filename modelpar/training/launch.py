@@ -1,24 +1,31 @@
 """Start a training run: on local processes (the default) or in torchrun's processes.
 
-Locally, ``run_local`` spawns t·p·d ranks with ``modelpar.distributed.launch`` in a background
+Locally, ``run_local`` starts t·p·d ranks in a ``LocalCluster``, runs them from a background
 thread and feeds rank 0's events to the display; a rank's error ends every rank and is re-raised
-here with its rank. Under torchrun each process calls ``run_in_process`` (NCCL on GPUs).
+here with its rank. Signals to this process are relayed to the ranks (``_Relay``), which stop
+together at a step boundary. Under torchrun each process calls ``run_in_process`` (NCCL on GPUs)
+and torchrun's agent relays the signals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from modelpar.distributed import init_from_env, launch
+from modelpar.checkpoint import latest_checkpoint
+from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env
 from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
 from modelpar.training.loop import TrainResult, train
 from modelpar.training.report import EventFile
+from modelpar.training.stopping import EXIT_PREEMPTED, Stop, handled
 
 __all__ = ["run_in_process", "run_local"]
 
@@ -30,48 +37,143 @@ def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
     return train(cfg, report=EventFile(events))
 
 
+class _Relay:
+    """In the launching process: pass Ctrl-C and the preemption signal on to the ranks.
+
+    Training ranks stop together at the next step boundary; ranks still starting up end at once, or
+    get the signal again when they report "start". A second Ctrl-C ends every rank at once
+    (KeyboardInterrupt), and so does a preemption whose step outlasts ``preempt_grace`` (a ``Stop``,
+    no checkpoint).
+    """
+
+    def __init__(self, cluster: LocalCluster, cfg: TrainConfig) -> None:
+        self.cluster, self.cfg = cluster, cfg
+        self.preempt_signal = signal.Signals[cfg.preempt_signal]
+        self.started = self.stopping = False  # rank 0 said "start" / "stopping"
+        self.start_step = self.step = 0  # where the run started, the last step rank 0 reported done
+        self.interrupted = False
+        self.preempted_at: float | None = None
+
+    def handlers(self) -> contextlib.AbstractContextManager[None]:
+        """Ctrl-C and the preemption signal to this relay, inside the block."""
+        return handled((signal.SIGINT, self.preempt_signal), self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt(self.interrupted_at_once())
+            self.interrupted = True
+        elif self.preempted_at is None:
+            self.preempted_at = time.monotonic()
+        self.cluster.signal(signum)
+
+    def seen(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":  # the ranks' handlers are in place: pass on again what they may have missed
+            self.started, self.start_step = True, event["start_step"]
+            self.step = self.start_step
+            if self.interrupted:
+                self.cluster.signal(signal.SIGINT)
+            if self.preempted_at is not None:
+                self.cluster.signal(self.preempt_signal)
+        elif kind == "step":
+            self.step = event["step"]
+        elif kind == "stopping":
+            self.stopping = True
+
+    def overdue(self) -> bool:
+        """Preempted, and the ranks have not reached a step boundary within the grace period."""
+        grace = self.cfg.preempt_grace
+        return (self.preempted_at is not None and not self.stopping and grace > 0
+                and time.monotonic() > self.preempted_at + grace)
+
+    def _last_checkpoint(self) -> str:
+        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        return f"last complete checkpoint: {latest}" if latest else "no complete checkpoint"
+
+    def _when(self) -> str:
+        return f"during step {self.step + 1}" if self.started else "before training started"
+
+    def interrupted_at_once(self) -> str:
+        """The line of a Ctrl-C that ended the ranks without a step boundary."""
+        return f"stopped at once {self._when()}; {self._last_checkpoint()}"
+
+    def stop(self) -> Stop:
+        """The Stop of a preemption that ended the ranks without a step boundary."""
+        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        head = f"preempted ({self.preempt_signal.name}) {self._when()}"
+        if not self.started:
+            message = f"{head}: nothing to save; {self._last_checkpoint()}"
+        else:
+            message = (f"{head}, which did not end within preempt_grace = {self.cfg.preempt_grace:g} s: "
+                       f"no checkpoint written; {self._last_checkpoint()}")
+        return Stop("preempt", self.step, None if latest is None else str(latest), message, EXIT_PREEMPTED)
+
+
 def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
     """Train on t·p·d new local processes (gloo); return rank 0's result.
 
-    The data is prepared here, before any rank starts (``modelpar.text.prepare_data``)."""
+    The data is prepared here, before any rank starts (``modelpar.text.prepare_data``). Ctrl-C and
+    the preemption signal stop every rank at the next step boundary, with ``TrainResult.stop``
+    saying where; a second Ctrl-C ends them at once (KeyboardInterrupt).
+    """
     cfg = prepare_data(cfg.check()).check()
     outcome: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="modelpar-train-") as tmp:
-        events = EventFile(Path(tmp) / "events.jsonl")
+    overdue = False
+    try:
+        with tempfile.TemporaryDirectory(prefix="modelpar-train-") as tmp, \
+                LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None) as cluster:
+            events, relay = EventFile(Path(tmp) / "events.jsonl"), _Relay(cluster, cfg)
 
-        def target() -> None:
-            try:
-                outcome["result"] = launch(_rank_main, cfg.dims.world_size, cfg, str(events.path),
-                                           timeout=cfg.timeout, run_timeout=None)[0]
-            except BaseException as err:
-                outcome["error"] = err
+            def target() -> None:
+                try:
+                    outcome["result"] = cluster.run(_rank_main, cfg, str(events.path))[0]
+                except BaseException as err:
+                    outcome["error"] = err
 
-        worker = threading.Thread(target=target, name="modelpar-train", daemon=True)
-        worker.start()
-        while worker.is_alive():
-            worker.join(0.2)
-            for event in events.poll():
-                if display is not None:
-                    display(event)
-    if display is not None and hasattr(display, "close"):
-        display.close()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+            worker = threading.Thread(target=target, name="modelpar-train", daemon=True)
+            with relay.handlers():
+                worker.start()
+                while worker.is_alive():
+                    worker.join(0.2)
+                    for event in events.poll():
+                        relay.seen(event)
+                        if display is not None:
+                            display(event)
+                    if not overdue and relay.overdue():
+                        overdue = True
+                        cluster.kill()
+    finally:
+        if display is not None and hasattr(display, "close"):
+            display.close()
+    if "result" in outcome:
+        return outcome["result"]
+    # the ranks ended without a step boundary: still starting when the signal came, or past the grace
+    if relay.interrupted:
+        raise KeyboardInterrupt(relay.interrupted_at_once())
+    if relay.preempted_at is not None and not relay.stopping:
+        return TrainResult(relay.start_step, stop=relay.stop())
+    raise outcome["error"]
 
 
 def run_in_process(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None,
-                   backend: str | None = None) -> TrainResult | None:
-    """Train as one rank of torchrun's processes; the result (and ``display``) on global rank 0 only.
+                   backend: str | None = None) -> TrainResult:
+    """Train as one rank of torchrun's processes; return its result (the numbers are the same on every rank).
 
-    ``backend``: "gloo" or "nccl"; None picks NCCL when CUDA is available (``init_from_env``).
+    ``display`` shows global rank 0's progress. ``backend``: "gloo" or "nccl"; None picks NCCL when
+    CUDA is available (``init_from_env``). The process ends if torchrun's agent dies.
     """
     import torch.distributed as dist
 
+    exit_with_parent()
     init_from_env(backend, timeout=cfg.timeout)
     try:
-        rank = dist.get_rank()
-        result = train(cfg, report=display if rank == 0 else None)
-        return result if rank == 0 else None
+        result = train(cfg, report=display if dist.get_rank() == 0 else None)
+        if result.stop is not None and threading.current_thread() is threading.main_thread():
+            # torchrun's agent sends SIGTERM to the workers still exiting once one has exited
+            # non-zero: it must not turn their documented exit code into a kill
+            for sig in {signal.SIGTERM, signal.Signals[cfg.preempt_signal]}:
+                signal.signal(sig, signal.SIG_IGN)
+        return result
     finally:
         dist.destroy_process_group()

@@ -5,7 +5,8 @@
         PipelineRunner.step: schedule's F/B(/I/W) over p    (modelpar.pipeline)
         GradSync.finish: sp sums, tied-embedding sum, dp mean
         GradSync.clip: global norm over every shard
-        AdamW.step; loss mean over replicas; report; eval; checkpoint
+        StopController.agree: loss mean over replicas, and every rank's stop flags (one all-gather)
+        AdamW.step (unless non-finite); report; eval; checkpoint; or stop on every rank at once
 
 Everything every rank must agree on (the config checks; the checkpoint to resume from and its
 compatibility, settled by rank 0 and broadcast) is decided before training starts, so bad input
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelpar.checkpoint import ShardedState, load_checkpoint, save_checkpoint
+from modelpar.checkpoint import ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
 from modelpar.model import GPTLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
@@ -36,6 +37,7 @@ from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.resume import CheckpointDir
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
+from modelpar.training.stopping import Stop, StopController, Verdict
 
 __all__ = ["TrainResult", "lr_at", "train"]
 
@@ -59,6 +61,8 @@ class TrainResult:
     num_parameters: int = 0
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
+    skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
+    stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
     @property
     def tokens_per_s(self) -> float:
@@ -98,8 +102,9 @@ def _resume(cfg: TrainConfig, directory: CheckpointDir, state: ShardedState) -> 
 class _Run:
     """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
 
-    def __init__(self, cfg: TrainConfig, report: Reporter | None, directory: CheckpointDir) -> None:
-        self.cfg, self.rs = cfg, setup_rank(cfg, cfg.timeout)
+    def __init__(self, cfg: TrainConfig, report: Reporter | None, directory: CheckpointDir,
+                 stop: StopController) -> None:
+        self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, cfg.timeout)
         rs = self.rs
         self.dtype = getattr(torch, cfg.dtype)
         self.corpus = open_corpus(cfg.data)
@@ -137,19 +142,22 @@ class _Run:
                             last_stage=self.last)
         return tuple(None if t is None else t.to(self.rs.device) for t in (xi, yi))  # type: ignore[return-value]
 
-    def step(self, step: int) -> None:
-        """One optimizer step on global batch ``step``."""
+    def step(self, step: int) -> Verdict:
+        """One optimizer step on global batch ``step``; every rank returns the same verdict."""
         t0 = time.perf_counter()
         xi, yi = self.batch("train", step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.cfg, step)
         self.sync.zero_grad()
         self.runner.step(xi, yi)
+        self.stop.inject_nonfinite(step, self.sync.params)
         self.sync.finish()
         norm = self.sync.clip(self.cfg.clip)
-        self.optimizer.step()
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
-        loss = _global_mean(mine, self.loss_weight, self.rs.device)
+        verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.params, self.rs.device)
+        if verdict.update:
+            self.optimizer.step()
+        loss = verdict.loss
         r = self.result
         r.step_times.append(time.perf_counter() - t0)
         r.losses.append(loss)
@@ -159,6 +167,7 @@ class _Run:
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
                        "step_time": r.step_times[-1],
                        "peak_memory_mb": peak_memory_mb(self.rs.device)})
+        return verdict
 
     def measure(self) -> None:
         """Keep this step's timeline (a collective over the pipeline group) for the bubble."""
@@ -174,21 +183,43 @@ class _Run:
         if self.emit:
             self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})
 
-    def save(self, step: int) -> None:
-        if self.cfg.checkpoint_dir:
-            self.rng.copy_(torch.get_rng_state())
-            save_checkpoint(self.cfg.checkpoint_dir, step, self.state, run_meta(self.cfg, step, self.result.losses),
-                            group=dist.group.WORLD, keep=self.cfg.keep)
+    def save(self, step: int) -> str | None:
+        """Write the checkpoint of ``step`` (collective); return its path (None: no checkpoint_dir)."""
+        if not self.cfg.checkpoint_dir:
+            return None
+        t0 = time.perf_counter()
+        self.rng.copy_(torch.get_rng_state())
+        path = save_checkpoint(self.cfg.checkpoint_dir, step, self.state, run_meta(self.cfg, step, self.result.losses),
+                               group=dist.group.WORLD, keep=self.cfg.keep)
+        self.stop.saved(time.perf_counter() - t0)
+        return str(path)
+
+    def stop_after(self, verdict: Verdict, step: int) -> Stop:
+        """Stop at ``step`` as ``verdict`` says, on every rank: the checkpoint it asks for, then the one line."""
+        if self.emit:
+            self.emit({"event": "stopping", "step": step, "save": verdict.save})
+        written = self.save(step) if verdict.save else None
+        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        return self.stop.outcome(verdict, step, written, None if latest is None else str(latest))
 
 
 def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
-    """Train on this rank; every rank of the default process group calls it with the same ``cfg``."""
+    """Train on this rank; every rank of the default process group calls it with the same ``cfg``.
+
+    From here on Ctrl-C and the preemption signal stop every rank at a step boundary
+    (``TrainResult.stop``; modelpar.training.stopping).
+    """
     cfg.check(dist.get_world_size())
+    with StopController(cfg) as stop:
+        return _train(cfg, report, stop)
+
+
+def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> TrainResult:
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
     directory = CheckpointDir.open(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
         cfg = prepare_on_rank0(cfg).check(dist.get_world_size())  # may write tokenizer.json: after the lock
-        run = _Run(cfg, report, directory)
+        run = _Run(cfg, report, directory, stop)
     except BaseException:
         directory.close()
         raise
@@ -200,10 +231,13 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     checks = None
     try:
         for step in range(start, cfg.steps):
-            run.step(step)
+            verdict = run.step(step)
             if checks is None:  # the first step checked every shape across ranks; later ones repeat it
                 checks = set_shape_checks(False)
             done = step + 1
+            if verdict.stop:
+                run.result.stop = run.stop_after(verdict, done)
+                break
             stopping = done == cfg.steps or (cfg.exit_after and done - start >= cfg.exit_after)
             if done > cfg.steps - _MEASURED_STEPS or stopping:
                 run.measure()
@@ -213,13 +247,15 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
                 run.validate(done)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
                 run.save(done)
-        run.validate(done)
-        if done > start:
-            run.save(done)
+        if run.result.stop is None:
+            run.validate(done)
+            if done > start:
+                run.save(done)
     finally:
         if checks is not None:
             set_shape_checks(checks)
         directory.close()
+    run.result.skipped_steps = stop.skipped
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})

@@ -2,19 +2,21 @@
 
 Tensor-parallel groups are consecutive ranks (inside a machine), pipeline groups the slowest
 index (across machines), data-parallel in between; ``modelpar.distributed.ParallelDims`` owns
-the layout. Tied embeddings split across stages also need the "embedding group": the first and
-last rank of each pipeline group (Megatron's ``_EMBEDDING_GROUP``).
+the layout and the mesh its groups and this rank's place in them. Tied embeddings split across
+stages also need the "embedding group": the first and last rank of each pipeline group
+(Megatron's ``_EMBEDDING_GROUP``). Every group times out after the run's ``timeout``.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
-from modelpar.distributed import rank_groups
 from modelpar.training.config import TrainConfig
 
 __all__ = ["RankSetup", "setup_rank"]
@@ -24,7 +26,7 @@ __all__ = ["RankSetup", "setup_rank"]
 class RankSetup:
     """This rank's coordinates and groups; a group is None where its dimension has size 1."""
 
-    mesh: Any
+    mesh: DeviceMesh  # (pp, dp, tp)
     pp_group: Any  # always a ProcessGroup: the pipeline runner's devices
     tp_group: Any
     dp_group: Any
@@ -36,25 +38,39 @@ class RankSetup:
     timeout: float
 
 
+def _group(dim: DeviceMesh) -> Any:
+    """The dimension's process group, or None (no communication) where it holds one rank."""
+    return dim.get_group() if dim.size() > 1 else None
+
+
+def _embedding_group(mesh: DeviceMesh, timeout: float) -> Any:
+    """This rank's group of the first and last pipeline stage (None if it is neither).
+
+    ``new_group`` is collective over the world: every rank creates every pair, in the same order.
+    """
+    ranks = mesh.mesh  # [pp, dp, tp] tensor of global ranks
+    mine = None
+    for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
+        group = dist.new_group([first, last], timeout=datetime.timedelta(seconds=timeout))
+        if dist.get_rank() in (first, last):
+            mine = group
+    return mine
+
+
 def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     """Build the mesh and groups (a collective: every rank calls it with the same ``cfg``)."""
-    dims = cfg.dims
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    mesh = dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend="gloo" if use_cuda and cfg.pipeline_gloo else None)
-    coords = dims.coordinates(dist.get_rank())
-    embed_group = None
-    if cfg.model.tie_embeddings and cfg.pp > 1:
-        for ranks in rank_groups(cfg.pp, cfg.dp, cfg.tp)["pp"]:  # every rank creates every group
-            group = dist.new_group([ranks[0], ranks[-1]])
-            if dist.get_rank() in (ranks[0], ranks[-1]):
-                embed_group = group
+    pipeline_backend = "gloo" if use_cuda and cfg.pipeline_gloo else None
+    mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout)
+    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
+    tied_across_stages = cfg.model.tie_embeddings and cfg.pp > 1
     return RankSetup(
         mesh=mesh,
-        pp_group=mesh["pp"].get_group(),
-        tp_group=mesh["tp"].get_group() if cfg.tp > 1 else None,
-        dp_group=mesh["dp"].get_group() if cfg.dp > 1 else None,
-        embed_group=embed_group,
-        pp_rank=coords["pp"], dp_rank=coords["dp"], tp_rank=coords["tp"],
+        pp_group=pp.get_group(),
+        tp_group=_group(tp),
+        dp_group=_group(dp),
+        embed_group=_embedding_group(mesh, timeout) if tied_across_stages else None,
+        pp_rank=pp.get_local_rank(), dp_rank=dp.get_local_rank(), tp_rank=tp.get_local_rank(),
         device=device, timeout=timeout,
     )

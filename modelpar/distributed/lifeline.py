@@ -1,0 +1,54 @@
+"""No process outlives the one that started it: the ranks' side of a launcher's death, even by ``kill -9``.
+
+A ``LocalCluster`` rank holds the read end of a pipe only the launcher writes to (``exit_when_closed``);
+a torchrun worker watches its parent, the agent (``exit_with_parent``). Either exits the moment
+the launcher is gone, so no rank trains on, or writes a checkpoint, after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["SCHEDULER_SIGNALS", "exit_when_closed", "exit_with_parent"]
+
+# Signals a scheduler may send to every process of a job to ask for a checkpoint (Slurm --signal,
+# Kubernetes, `kill -TERM -- -PGID`). The forkserver ignores them (see modelpar.distributed._forkserver);
+# the ranks start with them at their defaults and the training loop decides what they mean.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def exit_with_parent() -> None:
+    """End this process as soon as the process that started it (torchrun's agent) is gone, even by ``kill -9``.
+
+    Linux: the kernel sends SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG)``); everywhere,
+    a thread also watches for the parent to change and exits then.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_exit_when_reparented, args=(parent,), name="modelpar-parent-watch", daemon=True).start()
+
+
+def _exit_when_reparented(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def exit_when_closed(lifeline: Any) -> None:
+    """Block until the launcher's end of the lifeline pipe closes (it died, or closed the cluster), then exit."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv_bytes()
+    os._exit(1)

@@ -1,0 +1,270 @@
+"""Stopping a run: Ctrl-C, preemption, a rank killed mid-step, NaN — real processes and real signals.
+
+After each: no process of the run is left, no checkpoint newer than the stop is written, and where
+one was written, resuming gives losses bitwise equal to an uninterrupted run. Two cases drive a
+real `python -m modelpar train` (a signal to the launcher); the others signal the ranks of one
+module-wide LocalCluster. Killing the launcher with `kill -9` is in test_distributed.py; torchrun
+cases are in test_stopping_torchrun.py.
+"""
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modelpar.checkpoint import latest_checkpoint
+from modelpar.cli import build_parser, main
+from modelpar.commands.train import build_config
+from modelpar.distributed import LocalCluster
+from modelpar.model import ModelConfig
+from modelpar.training import TrainConfig, train
+from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, INJECT_NONFINITE
+
+# The tiny run of every case, as flags (for the command line) and as the config they make.
+FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
+         "--batch-size", "4", "--microbatches", "2", "--dtype", "float64", "--warmup", "1", "--eval-every", "0",
+         "--eval-batches", "1", "--steps", "12"]
+BASE = build_config(build_parser().parse_args(["train", *FLAGS]))
+assert BASE.model == ModelConfig(hidden=32, layers=2, heads=2, seq_len=16) and BASE.steps == 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, timeout=60) as c:
+        yield c
+
+
+def _train(cfg: TrainConfig, env: dict | None = None):
+    """Rank side: train with ``env`` set for the run; the numbers a test compares."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.dims.world_size))  # as `modelpar train` ranks
+    os.environ.update(env or {})
+    try:
+        r = train(cfg)
+    finally:
+        for key in env or {}:
+            del os.environ[key]
+    return r.losses, r.stop, r.skipped_steps, r.start_step
+
+
+def uninterrupted(cluster, cfg: TrainConfig, steps: int) -> list[float]:
+    """The losses of the first ``steps`` steps of ``cfg`` run without a stop (and without checkpoints)."""
+    plain = dataclasses.replace(cfg, checkpoint_dir=None, checkpoint_every=0, resume=False, exit_after=steps)
+    return cluster.run(_train, plain)[0][0]
+
+
+def steps_saved(ckpt: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ckpt.glob("step_*"))
+
+
+def check_resume_is_bitwise(cluster, cfg: TrainConfig, start: int) -> None:
+    """Resume two steps past checkpoint ``start``: the losses, the checkpoint's history included, are
+    bitwise those of an uninterrupted run."""
+    losses, stop, _, resumed_at = cluster.run(_train, dataclasses.replace(cfg, resume=True, exit_after=2))[0]
+    assert resumed_at == start and stop is None
+    assert losses == uninterrupted(cluster, cfg, start + 2)
+
+
+def signal_when_saved(cluster: LocalCluster, rank: int, sig: int, ckpt: Path) -> threading.Thread:
+    """Send ``sig`` to ``rank`` once the first checkpoint is complete (the ranks are training)."""
+    def wait_and_signal():
+        while latest_checkpoint(ckpt) is None:
+            time.sleep(0.01)
+        os.kill(cluster.pids[rank], sig)
+
+    thread = threading.Thread(target=wait_and_signal, daemon=True)
+    thread.start()
+    return thread
+
+
+# --- in the ranks: the world agrees on one rank's signal, and on one rank's NaN ------------------------
+def test_sigterm_to_one_rank_saves_at_the_same_step_on_every_rank(cluster, tmp_path):
+    cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400)
+    signal_when_saved(cluster, 1, signal.SIGTERM, tmp_path)  # under torchrun: `kill` of one worker
+    results = cluster.run(_train, cfg)
+    stops = {r[1] for r in results}
+    assert len(stops) == 1  # the same Stop on both ranks
+    stop = stops.pop()
+    assert stop.reason == "preempt" and stop.exit_code == EXIT_PREEMPTED and stop.step < 400
+    assert stop.checkpoint == str(tmp_path / f"step_{stop.step:08d}") and steps_saved(tmp_path)[-1] == stop.step
+    assert stop.message == f"preempted (SIGTERM) at step {stop.step} of 400; checkpoint written: {stop.checkpoint} " \
+                           "(resume continues from there)"
+    assert not list(tmp_path.glob(".*"))  # no temporary directory
+    check_resume_is_bitwise(cluster, cfg, stop.step)
+
+
+def test_preemption_past_the_grace_period_writes_nothing(cluster, tmp_path):
+    cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400, preempt_grace=1e-6)
+    signal_when_saved(cluster, 0, signal.SIGTERM, tmp_path)
+    stop = cluster.run(_train, cfg)[0][1]
+    assert stop.reason == "preempt" and stop.exit_code == EXIT_PREEMPTED
+    assert re.fullmatch(rf"preempted \(SIGTERM\) at step {stop.step} of 400, but the step ended [\d.]+ s after the "
+                        r"signal and the last save took [\d.]+ s, past preempt_grace = 1e-06 s: no checkpoint written; "
+                        rf"last complete checkpoint: {re.escape(stop.checkpoint)} \(resume continues from there\)",
+                        stop.message), stop.message
+    assert steps_saved(tmp_path)[-1] < stop.step  # nothing at the stop
+
+
+def test_nan_at_step_k_stops_every_rank_and_nothing_is_saved_from_it(cluster, tmp_path):
+    cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=1, steps=6)
+    results = cluster.run(_train, cfg, {INJECT_NONFINITE: "4:1"})  # rank 1 sees a NaN gradient in step 4
+    stops = {r[1] for r in results}
+    assert len(stops) == 1
+    stop = stops.pop()
+    assert (stop.reason, stop.step, stop.exit_code) == ("nonfinite", 4, EXIT_NONFINITE)
+    assert stop.message.startswith("non-finite gradient norm (nan), first seen on rank 1 at step 4 of 6: stopped "
+                                   "before the update, nothing saved from it; last complete checkpoint: ")
+    assert steps_saved(tmp_path) == [2, 3]  # keep=2, and no step 4
+    check_resume_is_bitwise(cluster, cfg, 3)
+
+
+def test_skip_nonfinite_skips_the_update_and_counts_it(cluster):
+    cfg = dataclasses.replace(BASE, steps=6, skip_nonfinite=1)
+    losses, stop, skipped, _ = cluster.run(_train, cfg, {INJECT_NONFINITE: "3:0"})[0]
+    want = uninterrupted(cluster, cfg, 6)
+    assert stop is None and skipped == 1 and len(losses) == 6
+    assert losses[:3] == want[:3] and losses[3] != want[3]  # step 3's loss came before its (skipped) update
+    assert torch.isfinite(torch.tensor(losses)).all()
+
+
+def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(cluster, tmp_path):
+    cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400)
+    pids = cluster.pids  # started by the earlier cases
+    signal_when_saved(cluster, 1, signal.SIGKILL, tmp_path)
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code -9\)|\[rank 0\] .*(Connection|closed)"):  # or its peer first
+        cluster.run(_train, cfg)
+    assert not any(_alive(p) for p in pids)
+    saved = steps_saved(tmp_path)
+    time.sleep(0.5)
+    assert steps_saved(tmp_path) == saved  # nothing written after the kill
+    check_resume_is_bitwise(cluster, cfg, saved[-1])
+
+
+def _group_timeouts(cfg):
+    from modelpar.training.setup import setup_rank
+
+    rs = setup_rank(cfg, cfg.timeout)
+    groups = {"pp": rs.pp_group, "embed": rs.embed_group, "world": dist.group.WORLD}
+    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
+
+
+def test_every_group_of_the_run_has_the_run_timeout(cluster):
+    cfg = dataclasses.replace(BASE, timeout=17.0, model=dataclasses.replace(BASE.model, tie_embeddings=True))
+    for got in cluster.run(_group_timeouts, cfg):
+        assert got == {"pp": 17.0, "embed": 17.0, "world": 60.0}  # not torch's 1800 s default
+
+
+# --- `python -m modelpar train` and a signal to the launcher -------------------------------------------
+def start_cli(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    """The command in a session of its own (so the test can signal its process group), Ctrl-C enabled."""
+    cmd = [sys.executable, "-m", "modelpar", "train", *FLAGS, "--steps", "400", "--checkpoint-dir",
+           str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--no-progress", "--out", str(tmp_path / "out"), *flags]
+    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, list[str]]:
+    """Exit code and stderr lines; then check that no process of its session is left."""
+    _, err = proc.communicate(timeout=120)
+    deadline = time.monotonic() + 10
+    while _session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _session(proc.pid)
+    return proc.returncode, err.splitlines()
+
+
+def _session(sid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(tmp_path):
+    proc = start_cli(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    while latest_checkpoint(ckpt) is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
+    code, err = finish(proc)
+    assert code == EXIT_INTERRUPTED
+    step = int(re.fullmatch(r"modelpar train: interrupted \(SIGINT\) at step (\d+) of 400; last complete checkpoint: "
+                            rf"{re.escape(str(ckpt))}/step_(\d+) \(resume continues from there\)", err[-1])[1])
+    assert len(err) == 2 and steps_saved(ckpt)[-1] <= step  # the banner, then the one line
+    assert not list(ckpt.glob(".*"))
+
+
+def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, tmp_path):
+    proc = start_cli(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    while latest_checkpoint(ckpt) is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)  # `kill PID`: the launcher only; it relays to its ranks
+    code, err = finish(proc)
+    assert code == EXIT_PREEMPTED
+    step = int(re.fullmatch(rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 400; checkpoint written: "
+                            rf"{re.escape(str(ckpt))}/step_\d+ \(resume continues from there\)", err[-1])[1])
+    assert steps_saved(ckpt)[-1] == step and len(err) == 2
+    check_resume_is_bitwise(cluster, dataclasses.replace(BASE, steps=400, checkpoint_dir=str(ckpt)), step)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_stop_flags_reach_the_config_and_bad_ones_are_one_line(capsys):
+    args = build_parser().parse_args(["train", "--preempt-signal", "usr1", "--preempt-grace", "100",
+                                      "--skip-nonfinite", "3"])
+    cfg = build_config(args)
+    assert (cfg.preempt_signal, cfg.preempt_grace, cfg.skip_nonfinite) == ("SIGUSR1", 100.0, 3)
+    for flags, message in ((["--preempt-signal", "KILL"], "preempt_signal must be one of {SIGTERM, SIGUSR1, SIGUSR2}, "
+                                                          "got 'SIGKILL'"),
+                           (["--preempt-grace", "-1"], "preempt_grace must be >= 0.0, got -1.0"),
+                           (["--skip-nonfinite", "-1"], "skip_nonfinite must be >= 0, got -1")):
+        assert main(["train", *flags]) == 2
+        assert capsys.readouterr().err == f"modelpar train: error: {message}\n"
+
+
+# --- the launcher's side, without processes ------------------------------------------------------------
+class _Ranks:
+    """Stands in for the LocalCluster: records what the relay sends to the ranks."""
+
+    def __init__(self):
+        self.sent = []
+
+    def signal(self, signum):
+        self.sent.append(signum)
+
+
+def test_the_launcher_relays_signals_to_the_ranks_and_keeps_the_grace_period(tmp_path):
+    from modelpar.training.launch import _Relay
+
+    relay = _Relay(_Ranks(), dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), preempt_grace=60))
+    relay._on_signal(signal.SIGTERM, None)
+    assert relay.cluster.sent == [signal.SIGTERM] and not relay.overdue()
+    assert relay.stop().message == "preempted (SIGTERM) before training started: nothing to save; no complete checkpoint"
+    relay.seen({"event": "start", "start_step": 4})
+    assert relay.cluster.sent == [signal.SIGTERM, signal.SIGTERM]  # again, for ranks that were being born
+    relay.seen({"event": "step", "step": 5})
+    relay.preempted_at -= 61  # a step longer than the grace period
+    assert relay.overdue()
+    stop = relay.stop()
+    assert (stop.reason, stop.step, stop.exit_code) == ("preempt", 5, EXIT_PREEMPTED)
+    assert stop.message == ("preempted (SIGTERM) during step 6, which did not end within preempt_grace = 60 s: "
+                            "no checkpoint written; no complete checkpoint")
+    relay.seen({"event": "stopping", "step": 6, "save": True})
+    assert not relay.overdue()  # the ranks are writing the checkpoint: the scheduler decides now
+    relay._on_signal(signal.SIGINT, None)
+    assert relay.cluster.sent == [signal.SIGTERM, signal.SIGTERM, signal.SIGINT]
+    with pytest.raises(KeyboardInterrupt, match=r"^stopped at once during step 6; no complete checkpoint$"):
+        relay._on_signal(signal.SIGINT, None)  # a second Ctrl-C

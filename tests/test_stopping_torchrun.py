@@ -1,0 +1,120 @@
+"""Stopping under `torchrun --nproc-per-node 4` on gloo: a signal to one worker or to the agent, and restarts.
+
+Slow (each torchrun starts four Python processes with torch): marked ``torchrun`` and left out of the
+default run; `python -m pytest -m torchrun` runs them (about a minute on two cores).
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from modelpar.checkpoint import latest_checkpoint
+from modelpar.training.stopping import EXIT_PREEMPTED
+
+pytestmark = [pytest.mark.torchrun,
+              pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
+
+FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
+         "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--dtype", "float64", "--warmup", "1",
+         "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress"]
+
+
+def torchrun(tmp_path: Path, name: str, *options: str, steps: int = 12) -> subprocess.Popen:
+    """`torchrun --nproc-per-node 4 [options] -m modelpar train ... --resume`, in a session of its own."""
+    cmd = ["torchrun", "--nproc-per-node", "4", *options, "-m", "modelpar", "train", *FLAGS, "--steps", str(steps),
+           "--checkpoint-dir", str(tmp_path / name), "--resume", "--out", str(tmp_path / f"{name}-out")]
+    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def workers_when_saved(proc: subprocess.Popen, ckpt: Path) -> list[int]:
+    """The agent's four workers, once the first checkpoint is complete."""
+    while latest_checkpoint(ckpt) is None:
+        time.sleep(0.01)
+    pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(pids) == 4
+    return pids
+
+
+def finish(proc: subprocess.Popen, workers: list[int]) -> tuple[int, str]:
+    """torchrun's exit code and stderr, once it and ``workers`` (in sessions of their own) are gone."""
+    _, err = proc.communicate(timeout=300)
+    deadline = time.monotonic() + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers))
+    return proc.returncode, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def losses(tmp_path: Path, name: str) -> list[float]:
+    return json.loads((tmp_path / f"{name}-out" / "summary.json").read_text())["losses"]
+
+
+def preempted_line(err: str, ckpt: Path) -> int:
+    lines = [line for line in err.splitlines() if line.startswith("modelpar train:")]
+    assert len(lines) == 1, lines  # global rank 0 only
+    pattern = (rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 12; checkpoint written: "
+               rf"{re.escape(str(ckpt))}/step_\d+ \(resume continues from there\)")
+    return int(re.fullmatch(pattern, lines[0])[1])
+
+
+def test_sigterm_to_one_worker_saves_on_all_and_a_restart_resumes_bitwise(tmp_path):
+    proc = torchrun(tmp_path, "a", "--max-restarts", "1")
+    workers = workers_when_saved(proc, tmp_path / "a")
+    os.kill(workers[2], signal.SIGTERM)  # one worker: all agree, save, exit 75; torchrun restarts them
+    code, err = finish(proc, workers)
+    assert code == 0 and f"failed (exitcode: {EXIT_PREEMPTED})" in err  # then restarted
+    step = preempted_line(err, tmp_path / "a")
+    assert json.loads((tmp_path / "a-out" / "summary.json").read_text())["start_step"] == step
+    plain = torchrun(tmp_path, "b")
+    assert finish(plain, [])[0] == 0  # uninterrupted
+    assert losses(tmp_path, "a") == losses(tmp_path, "b")  # bitwise
+
+
+def test_sigterm_to_the_agent_saves_on_every_worker(tmp_path):
+    proc = torchrun(tmp_path, "c")
+    workers = workers_when_saved(proc, tmp_path / "c")
+    proc.send_signal(signal.SIGTERM)  # what Slurm and Kubernetes send: the agent passes it on to the workers
+    code, err = finish(proc, workers)
+    step = preempted_line(err, tmp_path / "c")
+    assert code != 0 and latest_checkpoint(tmp_path / "c").name == f"step_{step:08d}"
+    assert not list((tmp_path / "c").glob(".*"))
+
+
+def test_ctrl_c_to_torchrun_stops_every_worker_without_a_save(tmp_path):
+    proc = torchrun(tmp_path, "d")
+    workers = workers_when_saved(proc, tmp_path / "d")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the agent, which passes it on
+    code, err = finish(proc, workers)
+    lines = [line for line in err.splitlines() if line.startswith("modelpar train:")]
+    assert len(lines) == 1, lines
+    step = int(re.fullmatch(r"modelpar train: interrupted \(SIGINT\) at step (\d+) of 12; last complete checkpoint: "
+                            r".*/step_\d+ \(resume continues from there\)", lines[0])[1])
+    assert code != 0 and latest_checkpoint(tmp_path / "d").name <= f"step_{step:08d}"
+    assert not list((tmp_path / "d").glob(".*"))
+
+
+def test_kill_9_of_the_agent_ends_every_worker_and_nothing_is_written_after(tmp_path):
+    proc = torchrun(tmp_path, "e", steps=2000)  # minutes of training left
+    workers = workers_when_saved(proc, tmp_path / "e")
+    proc.kill()  # the workers have no agent left: they die with it (exit_with_parent)
+    saved = sorted(p.name for p in (tmp_path / "e").iterdir())
+    finish(proc, workers)
+    time.sleep(0.5)
+    assert sorted(p.name for p in (tmp_path / "e").iterdir()) == saved
