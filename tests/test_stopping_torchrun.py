@@ -66,9 +66,15 @@ def losses(tmp_path: Path, name: str) -> list[float]:
     return json.loads((tmp_path / f"{name}-out" / "summary.json").read_text())["losses"]
 
 
+def stop_line(err: str) -> str:
+    """The one line saying where the run stopped (global rank 0 only; notes about the directory aside)."""
+    lines = [line for line in err.splitlines() if re.match(r"modelpar train: (preempted|interrupted)", line)]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def preempted_line(err: str, ckpt: Path) -> int:
-    lines = [line for line in err.splitlines() if line.startswith("modelpar train:")]
-    assert len(lines) == 1, lines  # global rank 0 only
+    lines = [stop_line(err)]
     pattern = (rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 12; checkpoint written: "
                rf"{re.escape(str(ckpt))}/step_\d+ \(resume continues from there\)")
     return int(re.fullmatch(pattern, lines[0])[1])
@@ -102,10 +108,8 @@ def test_ctrl_c_to_torchrun_stops_every_worker_without_a_save(tmp_path):
     workers = workers_when_saved(proc, tmp_path / "d")
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the agent, which passes it on
     code, err = finish(proc, workers)
-    lines = [line for line in err.splitlines() if line.startswith("modelpar train:")]
-    assert len(lines) == 1, lines
     step = int(re.fullmatch(r"modelpar train: interrupted \(SIGINT\) at step (\d+) of 12; last complete checkpoint: "
-                            r".*/step_\d+ \(resume continues from there\)", lines[0])[1])
+                            r".*/step_\d+ \(resume continues from there\)", stop_line(err))[1])
     assert code != 0 and latest_checkpoint(tmp_path / "d").name <= f"step_{step:08d}"
     assert not list((tmp_path / "d").glob(".*"))
 
