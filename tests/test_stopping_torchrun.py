@@ -1,7 +1,7 @@
 """Stopping under `torchrun --nproc-per-node 4` on gloo: a signal to one worker or to the agent, and restarts.
 
 Slow (each torchrun starts four Python processes with torch): marked ``torchrun`` and left out of the
-default run; `python -m pytest -m torchrun` runs them (about a minute on two cores).
+default run; `python -m pytest -m torchrun` runs them (one to two minutes on two cores).
 """
 
 import json
