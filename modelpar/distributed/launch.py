@@ -83,7 +83,7 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
         # torchrun's agent keeps one store across `--max-restarts` restarts, and a restarted group
-        # would read the previous attempt's gloo addresses from it: each attempt gets its own keys.
+        # would read the previous attempt's addresses from it (gloo fails to connect): each attempt gets its own keys.
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=limit)
