@@ -10,7 +10,10 @@
     backward, l = n-1 .. 0:   h0 ──no_grad──► h_l ──enable_grad──► h_{l+1}   (l + 1 forwards)
                               back-propagate through layer l only, then drop h_l
 
-Both take the parameters as Function inputs and return their gradients from
+``recompute_function(fn, *inputs)`` does the same for one function of several tensors with no
+parameters (the attention core of selective recomputation): keep the inputs, re-run ``fn``.
+
+The first two take the parameters as Function inputs and return their gradients from
 ``torch.autograd.grad``, so they work when the chain's input needs no grad (a first pipeline stage)
 and gradient hooks fire as in plain autograd. Plain-callable layers must not capture tensors that
 need grad: only ``nn.Module`` parameters are given gradients.
@@ -28,7 +31,8 @@ from torch.autograd.function import once_differentiable
 
 from modelpar.recompute.rng import capture_state, replay
 
-__all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "run_layers"]
+__all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "recompute_function",
+           "run_layers"]
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -182,6 +186,33 @@ class RecomputeAll(_KeepInput):
                 if grad is None:  # nothing below layer l needs a gradient
                     break
             return (None, grad if ctx.needs_input_grad[1] else None, *(param_grads.get(id(p)) for p in segment.params))
+
+
+class _RecomputeFunction(torch.autograd.Function):
+    """Keep the inputs of ``fn`` only; in backward re-run it (same RNG and autocast) and back-propagate."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.state = fn, capture_state(inputs[0])
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)  # grad mode is off: nothing inside is kept
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        needs = ctx.needs_input_grad[1:]
+        with replay(ctx.state), torch.enable_grad():
+            leaves = [_input_leaf(x, need) for x, need in zip(ctx.saved_tensors, needs)]
+            y = ctx.fn(*leaves)
+        return (None, *_grads(y, [x if need else None for x, need in zip(leaves, needs)], grad_y))
+
+
+def recompute_function(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """``fn(*inputs)`` keeping only ``inputs`` for backward, which re-runs ``fn`` (bitwise the same).
+
+    ``fn`` must return one tensor and hold no parameters that need gradients.
+    """
+    return _RecomputeFunction.apply(fn, *inputs)
 
 
 def _name(layer: Layer) -> str:

@@ -1,12 +1,13 @@
 """After the pipeline's backward: make every rank's gradients those of the single-process model.
 
 Order (Megatron's ``finalize_model_grads``):
-1. sequence parallelism: sum the partial LayerNorm / row-bias gradients over the tp group;
+1. tensor parallelism: sum the partial gradients over the tp group (norms and row biases under
+   sequence parallelism, key/value heads replicated when t > kv heads);
 2. tied embeddings split across stages: sum the first stage's embedding gradient and the last
    stage's head gradient over the embedding group (they are one weight in the model);
 3. data parallelism: average over the dp group, a few flat buckets at a time (one all-reduce each);
-4. clipping: the global L2 norm over all shards — tp-split parameters summed across tp,
-   replicated ones counted once, every pp stage included, dp replicas counted once.
+4. clipping: the global L2 norm over all shards — each distinct tp shard counted once,
+   replicated parameters once, every pp stage included, dp replicas counted once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar.tensor_parallel import sync_sequence_parallel_grads
+from modelpar.tensor_parallel import param_layout, sync_tensor_parallel_grads
 
 __all__ = ["GradSync", "all_reduce_buckets", "param_groups"]
 
@@ -57,7 +58,6 @@ class GradSync:
     tp_rank: int
     dp_rank: int
     dp: int
-    sequence_parallel: bool = False
     tied_split: bool = False  # tied embeddings with the head on another stage (a separate copy)
 
     def __post_init__(self) -> None:
@@ -76,9 +76,9 @@ class GradSync:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.sequence_parallel and self.tp_group is not None:
+        if self.tp_group is not None:
             for m in self.modules:
-                sync_sequence_parallel_grads(m)
+                sync_tensor_parallel_grads(m)
         if len(self.tied) == 2:  # p = 1, interleaved: both copies on this rank
             total = self.tied[0].grad + self.tied[1].grad
             for w in self.tied:
@@ -91,7 +91,8 @@ class GradSync:
     def _counted(self, p: nn.Parameter) -> bool:
         if self.dp_rank != 0 or id(p) in self._tied_copy:
             return False
-        return getattr(p, "tensor_parallel_dim", None) is not None or self.tp_rank == 0
+        layout = param_layout(p)
+        return layout.tp_rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
 
     def global_norm(self) -> float:
         """Collective over all ranks: the L2 norm of the whole model's gradient."""
