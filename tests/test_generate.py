@@ -1,0 +1,97 @@
+"""Sampling with a KV cache: the same tokens as recomputing the context, deterministic, never a padded id."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from modelpar.generate import generate, sample_next
+from modelpar.model import ModelConfig, build_stage
+from modelpar.tensor_parallel import KVCache
+
+GPT = ModelConfig(vocab_size=50, seq_len=16, hidden=32, heads=4, layers=2, init_std=0.3)
+LLAMA = dataclasses.replace(GPT, arch="llama", kv_heads=2)
+
+
+def _model(cfg, dtype=torch.float64):
+    return build_stage(cfg, seed=1, dtype=dtype)
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_cached_logits_equal_the_whole_prefix(cfg):
+    model = _model(cfg)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    whole = model(ids)
+    cache = KVCache(cfg.seq_len)
+    steps = [model(ids[:, :5], cache)] + [model(ids[:, i:i + 1], cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole, rtol=0, atol=1e-12)
+    assert cache.pos == 12
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_kv_cache_gives_the_tokens_of_recomputing_the_prefix(cfg):
+    model = _model(cfg)
+    prompt = [3, 1, 4, 1, 5]
+    for kw in ({"seed": 7}, {"seed": 8, "top_k": 5, "temperature": 0.7}, {"temperature": 0.0}):
+        cached = generate(model, prompt, 30, **kw)  # 35 tokens > seq_len 16: the window restarts
+        assert cached == generate(model, prompt, 30, use_cache=False, **kw)
+        assert len(cached) == 30 and all(0 <= t < 50 for t in cached)
+    assert generate(model, prompt, 12, seed=3) == generate(model, prompt, 12, seed=3)  # deterministic
+    assert generate(model, prompt, 12, seed=3) != generate(model, prompt, 12, seed=4)
+
+
+def test_each_new_token_costs_one_position():
+    model = _model(LLAMA)
+    fed: list[int] = []
+    model.embed.register_forward_hook(lambda m, args, out: fed.append(args[0].shape[1]))
+    generate(model, [1, 2, 3], 10)
+    assert fed == [3] + [1] * 9  # prefill, then one position per token
+    fed.clear()
+    generate(model, [1, 2, 3], 10, use_cache=False)
+    assert fed == list(range(3, 13))
+
+
+def test_greedy_is_the_argmax_and_top_1_is_greedy():
+    model = _model(GPT)
+    prompt = [5, 6, 7]
+    greedy = generate(model, prompt, 6, temperature=0.0)
+    context = list(prompt)
+    for token in greedy:
+        assert token == int(model(torch.tensor([context]))[0, -1, :50].argmax())
+        context.append(token)
+    assert generate(model, prompt, 6, top_k=1, seed=11) == greedy
+
+
+def test_padded_ids_are_never_sampled():
+    model = _model(GPT)  # 50 ids padded to 64
+    with torch.no_grad():
+        model.head.weight[50:] = 100.0  # the padded rows would win every draw if they could
+    tokens = generate(model, [1, 2], 30, temperature=2.0, seed=0)
+    assert all(t < 50 for t in tokens)
+    logits = torch.zeros(64)
+    logits[50:] = 1e9
+    g = torch.Generator().manual_seed(0)
+    assert all(sample_next(logits, 50, 1.0, None, g) < 50 for _ in range(50))
+    assert sample_next(logits, 50, 0.0, None, g) < 50
+
+
+def test_generation_does_not_change_the_model():
+    model = _model(LLAMA)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generate(model, [1], 5)
+    assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": []}, r"prompt must hold at least one token"),
+    ({"prompt": [50]}, r"prompt ids must be in \[0, 50\), got 50"),
+    ({"max_new_tokens": -1}, r"max_new_tokens must be >= 0, got -1"),
+    ({"temperature": -0.5}, r"temperature must be >= 0.0, got -0.5"),
+    ({"top_k": 0}, r"top_k must be >= 1, got 0"),
+])
+def test_bad_input(kwargs, message):
+    args = {"prompt": [1], "max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate(_model(GPT), args.pop("prompt"), args.pop("max_new_tokens"), **args)
+    with pytest.raises(ValueError, match=r"the whole model on one process"):
+        generate(build_stage(GPT, 0, 2), [1], 3)
