@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -167,7 +168,7 @@ class RecomputeAll(_KeepInput):
         needs = dict(zip(map(id, segment.params), ctx.needs_input_grad[2:]))
         param_grads: dict[int, torch.Tensor] = {}
         with _running_stats_kept(segment.layers):  # every re-run updates BatchNorm stats: restore at the end
-            grad = grad_y
+            grad: torch.Tensor | None = grad_y
             for l in reversed(range(len(segment.layers))):
                 layer = segment.layers[l]
                 params = [p for p in chain_parameters([layer]) if needs.get(id(p))]
@@ -179,7 +180,8 @@ class RecomputeAll(_KeepInput):
                         y = run_layers([layer], h_leaf, segment.stats, segment.start + l, recomputing=True)
                 last = l == len(segment.layers) - 1
                 segment.stats.intermediates += l + (0 if last else 1)  # h_1..h_l, and h_(l+1) unless the output
-                grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], grad)
+                upstream = cast(torch.Tensor, grad)  # not None: the loop stops once nothing below needs one
+                grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], upstream)
                 for p, g in zip(params, grads):
                     if g is not None:
                         param_grads[id(p)] = g if id(p) not in param_grads else param_grads[id(p)] + g

@@ -203,7 +203,8 @@ class RMSNorm(nn.RMSNorm, TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        eps = torch.finfo(wide.dtype).eps if self.eps is None else self.eps
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
         return self.weight * normed.to(x.dtype)
 
 
