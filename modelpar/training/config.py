@@ -12,13 +12,12 @@ from typing import Any
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
-from modelpar.recompute.plan import RECOMPUTE_NAMES, Strategy, parse_strategy, plan_recompute
+from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
 
-__all__ = ["RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
+__all__ = ["SCHEDULE_CHOICES", "TrainConfig"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE_CHOICES = RECOMPUTE_NAMES  # or a positive integer k: a checkpoint every k layers
 DTYPES = ("float32", "float64")
 
 
@@ -35,7 +34,7 @@ class TrainConfig:
     chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
     microbatches: int = 4  # m: micro-batches per replica per step
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
-    recompute: str = "none"  # activation recomputation: none, selective (attention core), full, sqrt, k, ...
+    recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
     sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
     pipeline_gloo: bool = False  # under NCCL: pipeline messages over gloo, staged through host memory
     steps: int = 300  # optimizer steps
