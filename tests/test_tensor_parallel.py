@@ -179,7 +179,7 @@ def meta_and_gather(t: int, sp: bool, kind: str = "layer", **kw):
     tp.load_full_state_dict(par, ref.state_dict())
     full = tp.gather_full_state_dict(par)
     layouts = {n: tp.param_layout(p) for n, p in par.named_parameters()}
-    specs = {n: (lay.dim, lay.fused_blocks, lay.replicas, lay.sequence_parallel) for n, lay in layouts.items()}
+    specs = {n: (lay.dim, lay.blocks, lay.replicas, lay.sequence_parallel) for n, lay in layouts.items()}
     return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()), specs
 
 

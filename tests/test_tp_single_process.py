@@ -38,10 +38,10 @@ def test_mlp_split_exact_property(t, seed, rows, hidden):
 
 
 # --- sharding ---------------------------------------------------------------------------------
-def test_shard_tensor_hand_checked_with_fused_blocks():
+def test_shard_tensor_hand_checked_with_blocks():
     full = torch.arange(12).view(12, 1)  # [q0 q1 q2 q3 | k0 .. k3 | v0 .. v3], 2 ranks, 3 fused blocks
-    assert tp.shard_tensor(full, 0, 0, 2, fused_blocks=3).flatten().tolist() == [0, 1, 4, 5, 8, 9]
-    assert tp.shard_tensor(full, 0, 1, 2, fused_blocks=3).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    assert tp.shard_tensor(full, 0, 0, 2, blocks=3).flatten().tolist() == [0, 1, 4, 5, 8, 9]
+    assert tp.shard_tensor(full, 0, 1, 2, blocks=3).flatten().tolist() == [2, 3, 6, 7, 10, 11]
     assert tp.shard_tensor(torch.arange(6).view(2, 3), 1, 2, 3).tolist() == [[2], [5]]
 
 
@@ -60,14 +60,14 @@ def test_unshard_inverts_shard(world, blocks, dim, other, mult):
 def test_param_layout_hand_checked_for_replicated_key_value_heads():
     # t = 4 ranks, 2 kv heads of 1 row each in [Wk; Wv]: ranks 0, 1 hold head 0, ranks 2, 3 head 1
     full = torch.arange(4).view(4, 1)  # [k0 k1 | v0 v1]
-    layouts = [tp.ParamLayout(0, fused_blocks=2, replicas=2, tp_rank=r, tp_world=4) for r in range(4)]
-    assert [lay.shard(full).flatten().tolist() for lay in layouts] == [[0, 2], [0, 2], [1, 3], [1, 3]]
-    assert [(lay.shards, lay.shard_index, lay.partial_grad) for lay in layouts[1:3]] == [(2, 0, True), (2, 1, True)]
+    layouts = [tp.ParamLayout(0, blocks=2, replicas=2, rank=r, world=4) for r in range(4)]
+    assert [lay.shard_of(full).flatten().tolist() for lay in layouts] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    assert [(lay.shards, lay.shard, lay.partial_grad) for lay in layouts[1:3]] == [(2, 0, True), (2, 1, True)]
     assert layouts[2].pieces(4) == [(0, 1, 1), (1, 3, 1)]  # (in the shard, in the full tensor, length) per block
     assert layouts[2].full_shape((2, 1)) == (4, 1)
     plain = tp.param_layout(torch.nn.Parameter(torch.zeros(3)))
-    assert plain == tp.ParamLayout() and plain.shard(full) is full and not plain.partial_grad
-    assert tp.ParamLayout(None, sequence_parallel=True, tp_world=2).partial_grad
+    assert plain == tp.ParamLayout() and plain.shard_of(full) is full and not plain.partial_grad
+    assert tp.ParamLayout(None, sequence_parallel=True, world=2).partial_grad
 
 
 @settings(max_examples=30, deadline=None)
@@ -79,8 +79,8 @@ def test_layout_pieces_tile_the_full_tensor(kv, t, blocks):
     full = torch.arange(blocks * kv * 2).view(-1, 1)  # kv heads of 2 rows, per block
     seen = set()
     for r in range(t):
-        layout = tp.ParamLayout(0, blocks, replicas, tp_rank=r, tp_world=t)
-        shard = layout.shard(full)
+        layout = tp.ParamLayout(0, blocks, replicas, rank=r, world=t)
+        shard = layout.shard_of(full)
         for local, start, length in layout.pieces(full.shape[0]):
             assert torch.equal(shard[local:local + length], full[start:start + length])
             seen.update(range(start, start + length))
@@ -88,7 +88,7 @@ def test_layout_pieces_tile_the_full_tensor(kv, t, blocks):
 
 
 def test_shard_tensor_rejects_bad_arguments():
-    with pytest.raises(ValueError, match=r"dimension 0 .* \(10\) must be divisible by world \* fused_blocks = 4 \* 1"):
+    with pytest.raises(ValueError, match=r"dimension 0 .* \(10\) must be divisible by world \* blocks = 4 \* 1"):
         tp.shard_tensor(torch.zeros(10), 0, 0, 4)
     with pytest.raises(ValueError, match=r"rank must be <= 1, got 2"):
         tp.shard_tensor(torch.zeros(4), 0, 2, 2)
@@ -118,10 +118,10 @@ def test_meta_construction_keeps_split_info_after_to_empty():
     layer = tp.ParallelTransformerLayer(16, 4, device="meta")
     assert layer.mlp.fc1.weight.is_meta
     layer.to_empty(device="cpu")
-    assert tp.param_layout(layer.attn.qkv.weight) == tp.ParamLayout(0, fused_blocks=3)
+    assert tp.param_layout(layer.attn.qkv.weight) == tp.ParamLayout(0, blocks=3)
     assert tp.param_layout(layer.attn.proj.weight).dim == 1 and tp.param_layout(layer.ln1.weight).dim is None
     llama = tp.ParallelTransformerLayer(16, 4, llama=True, kv_heads=2, device="meta").to_empty(device="cpu")
-    assert tp.param_layout(llama.attn.kv.weight).fused_blocks == 2 == tp.param_layout(llama.mlp.fc1.weight).fused_blocks
+    assert tp.param_layout(llama.attn.kv.weight).blocks == 2 == tp.param_layout(llama.mlp.fc1.weight).blocks
     full = tp.ParallelTransformerLayer(16, 4).state_dict()
     tp.load_full_state_dict(layer, full)
     assert all(torch.equal(layer.state_dict()[k], v) for k, v in full.items())
@@ -167,9 +167,9 @@ def test_cross_entropy_single_process_and_16_bit_logits():
 @pytest.mark.parametrize("build,match", [
     (lambda: tp.ParallelAttention(10, 4), r"hidden \(10\) must be divisible by heads \(4\)"),
     (lambda: tp.ParallelAttention(8, 2, dropout=1.0), r"dropout must be < 1, got 1.0"),
-    (lambda: tp.ColumnParallelLinear(4, 6, fused_blocks=4),
-     r"out_features \(6\) must be divisible by fused_blocks \* shards = 4 \* 1"),
-    (lambda: tp.ColumnParallelLinear(4, 6, gather_output=True, fused_blocks=3), r"gather_output=True needs fused_blocks=1"),
+    (lambda: tp.ColumnParallelLinear(4, 6, blocks=4),
+     r"out_features \(6\) must be divisible by blocks \* shards = 4 \* 1"),
+    (lambda: tp.ColumnParallelLinear(4, 6, gather_output=True, blocks=3), r"gather_output=True needs blocks=1"),
     (lambda: tp.ColumnParallelLinear(4, 6, replicas=2), r"the tensor-parallel size t \(1\) must be divisible by replicas \(2\)"),
     (lambda: tp.ParallelAttention(16, 4, kv_heads=3), r"heads \(4\) must be divisible by kv_heads \(3\)"),
     (lambda: tp.ParallelAttention(12, 4, kv_heads=2, rope_theta=1e4)(torch.zeros(1, 2, 12)),

@@ -1,7 +1,7 @@
 """Building a stage and initialising it: every (t, p, d) split starts from the single-process weights.
 
 ``init_parameters`` fills each parameter from a seeded *full* tensor (seeded by the run seed and
-the parameter's name) and keeps this rank's shard (``param_layout(p).shard``), so the values do
+the parameter's name) and keeps this rank's shard (``param_layout(p).shard_of``), so the values do
 not depend on the split. Padded vocabulary rows start (and, masked in the loss, stay) at zero.
 """
 
@@ -62,7 +62,7 @@ def init_parameters(model: Transformer, seed: int) -> Transformer:
             name = global_name(model.cfg, f"{mod_name}.{leaf}" if mod_name else leaf)
             layout = param_layout(param)
             full = _full_init(model.cfg, name, module, layout.full_shape(param.shape), seed)
-            param.copy_(layout.shard(full))
+            param.copy_(layout.shard_of(full))
     return model
 
 

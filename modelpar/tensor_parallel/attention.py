@@ -75,12 +75,12 @@ class ParallelAttention(nn.Module):
         self.kv: ColumnParallelLinear | None = None
         if kv_heads is None:
             self.local_kv_heads = self.local_heads
-            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, fused_blocks=3, **kw)
+            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, blocks=3, **kw)
         else:
             check_divisible("heads", heads, "kv_heads", check_int("kv_heads", kv_heads, minimum=1))
             self.local_kv_heads, replicas = kv_layout(kv_heads, self.world)
             self.q = ColumnParallelLinear(hidden, hidden, bias=bias, input_collective=False, **kw)
-            self.kv = ColumnParallelLinear(hidden, 2 * kv_heads * self.head_dim, bias=bias, fused_blocks=2,
+            self.kv = ColumnParallelLinear(hidden, 2 * kv_heads * self.head_dim, bias=bias, blocks=2,
                                            replicas=replicas, input_collective=False, **kw)
         self.proj = RowParallelLinear(hidden, hidden, bias=bias, input_is_parallel=True, **kw)
 

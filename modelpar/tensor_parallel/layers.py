@@ -37,37 +37,37 @@ class ColumnParallelLinear(TensorParallelModule):
     ``input_collective=False`` the caller has applied f / ḡ already (``enter_column_parallel_region``),
     so several column layers reading one input share it. Output: this rank's columns [..., out/t],
     or all of them with ``gather_output``.
-    ``fused_blocks`` = 3 for a fused [Wq; Wk; Wv]: each block is split separately, so a rank holds
+    ``blocks`` = 3 for a fused [Wq; Wk; Wv]: each block is split separately, so a rank holds
     whole heads of q, k and v. ``replicas`` = r: only t/r distinct shards, each held by r
     consecutive ranks (key/value heads of grouped-query attention when t exceeds them).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group: Any = None, sequence_parallel: bool = False, fused_blocks: int = 1, replicas: int = 1,
+                 group: Any = None, sequence_parallel: bool = False, blocks: int = 1, replicas: int = 1,
                  input_collective: bool = True, device: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._init_tensor_parallel(group)
         self.in_features = check_int("in_features", in_features, minimum=1)
         self.out_features = check_int("out_features", out_features, minimum=1)
-        fused_blocks = check_int("fused_blocks", fused_blocks, minimum=1)
+        blocks = check_int("blocks", blocks, minimum=1)
         replicas = check_int("replicas", replicas, minimum=1)
         check_divisible(T_NAME, self.tp_world, "replicas", replicas)
         shards = self.tp_world // replicas
-        check_divisible("out_features", out_features, f"fused_blocks * shards = {fused_blocks} * {shards}"
-                        if fused_blocks > 1 or replicas > 1 else T_NAME, fused_blocks * shards)
-        if gather_output and (fused_blocks > 1 or replicas > 1):
-            raise ValueError("gather_output=True needs fused_blocks=1 and replicas=1 (gathered shards would interleave)")
+        check_divisible("out_features", out_features, f"blocks * shards = {blocks} * {shards}"
+                        if blocks > 1 or replicas > 1 else T_NAME, blocks * shards)
+        if gather_output and (blocks > 1 or replicas > 1):
+            raise ValueError("gather_output=True needs blocks=1 and replicas=1 (gathered shards would interleave)")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.input_collective = input_collective
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features // shards, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features // shards, **factory)) if bias else None
-        self._set_layout("weight", 0, fused_blocks, replicas)
-        self._set_layout("bias", 0, fused_blocks, replicas)
+        self._set_layout("weight", 0, blocks, replicas)
+        self._set_layout("bias", 0, blocks, replicas)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's U(−1/√in, 1/√in) on this shard (for a t-independent init use ``ParamLayout.shard``)."""
+        """nn.Linear's U(−1/√in, 1/√in) on this shard (for a t-independent init use ``ParamLayout.shard_of``)."""
         _uniform_init(self.weight, self.bias, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

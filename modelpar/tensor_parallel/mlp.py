@@ -41,7 +41,7 @@ class ParallelMLP(nn.Module):
         kw = {"group": group, "sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
         self.gated = gated
         self.fc1 = ColumnParallelLinear(hidden, (2 if gated else 1) * ffn_hidden, bias=bias,
-                                        fused_blocks=2 if gated else 1, **kw)
+                                        blocks=2 if gated else 1, **kw)
         self.fc2 = RowParallelLinear(ffn_hidden, hidden, bias=bias, input_is_parallel=True, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

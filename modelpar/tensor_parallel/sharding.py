@@ -7,7 +7,7 @@ the same shard (the key/value heads of grouped-query attention when t exceeds th
 a replicated parameter sees only a sequence shard. ``param_layout(param)`` is the one way to read
 it. The layouts live on the module, so they survive ``to_empty``: a model built on
 ``device="meta"`` can be materialised and then filled with ``load_full_state_dict`` or with
-``ParamLayout.shard`` of a seeded full initialisation.
+``ParamLayout.shard_of`` of a seeded full initialisation.
 """
 
 from __future__ import annotations
@@ -40,55 +40,57 @@ _ATTRIBUTE = "tensor_parallel_layout"
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """One parameter's place in the full tensor on tensor-parallel rank ``tp_rank`` of ``tp_world``.
+    """Where one rank's parameter tensor sits in the full (single-process) tensor.
 
-    The ``tp_world / replicas`` distinct shards are cut along ``dim``; ranks
-    ``i·replicas … (i+1)·replicas − 1`` hold shard i. With ``fused_blocks`` = n the dimension is n
-    equal blocks and a shard is the concatenation of its slice of each.
+    The full tensor's ``dim`` is cut into ``shards`` = t / ``replicas`` equal parts; rank r holds
+    part ``shard`` = r // ``replicas`` (``replicas`` consecutive ranks hold the same part, as the
+    key/value heads of grouped-query attention when t exceeds their number). With ``blocks`` > 1
+    the dimension is that many fused blocks ([Wq; Wk; Wv]) and a part is the concatenation of its
+    slice of each.
     """
 
-    dim: int | None = None  # dimension of the full tensor split across ranks; None: every rank holds all of it
-    fused_blocks: int = 1  # ``dim`` holds this many equal blocks, each split separately ([Wq; Wk; Wv]: 3)
-    replicas: int = 1  # consecutive ranks holding the same shard (GQA key/value heads when t > kv heads)
+    dim: int | None = None  # dimension of the full tensor split across the tp ranks; None: all of it here
+    blocks: int = 1  # fused equal blocks along ``dim``, each split on its own ([Wq; Wk; Wv]: 3)
+    replicas: int = 1  # consecutive tp ranks holding the same part
+    rank: int = 0  # this rank's index in the tensor-parallel group
+    world: int = 1  # t: tensor-parallel group size
     sequence_parallel: bool = False  # replicated but fed a sequence shard: its gradient is summed over ranks
-    tp_rank: int = 0
-    tp_world: int = 1
 
     @property
     def shards(self) -> int:
-        """Distinct shards of the full tensor (t / replicas; 1 when replicated)."""
-        return 1 if self.dim is None else self.tp_world // self.replicas
+        """Distinct parts the full tensor is cut into (1 when replicated)."""
+        return 1 if self.dim is None else self.world // self.replicas
 
     @property
-    def shard_index(self) -> int:
-        """Which of the ``shards`` this rank holds."""
-        return 0 if self.dim is None else self.tp_rank // self.replicas
+    def shard(self) -> int:
+        """The part this rank holds."""
+        return 0 if self.dim is None else self.rank // self.replicas
 
     @property
     def partial_grad(self) -> bool:
         """True if this rank's gradient is one part of a sum over ranks (``sync_tensor_parallel_grads``)."""
-        return self.tp_world > 1 and (self.sequence_parallel or (self.dim is not None and self.replicas > 1))
+        return self.world > 1 and (self.sequence_parallel or (self.dim is not None and self.replicas > 1))
 
     def full_shape(self, local_shape: Sequence[int]) -> tuple[int, ...]:
-        """The single-process shape of a parameter whose shard here has ``local_shape``."""
+        """The single-process shape of a parameter whose part here has ``local_shape``."""
         shape = list(local_shape)
         if self.dim is not None:
             shape[self.dim] *= self.shards
         return tuple(shape)
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the full tensor (a new contiguous tensor; the tensor itself if replicated)."""
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor (a new contiguous tensor; the tensor itself if replicated)."""
         if self.dim is None or self.shards == 1:
             return full
-        return shard_tensor(full, self.dim, self.shard_index, self.shards, self.fused_blocks)
+        return shard_tensor(full, self.dim, self.shard, self.shards, self.blocks)
 
     def pieces(self, full_size: int) -> list[tuple[int, int, int]]:
-        """(start in the shard, start in the full tensor, length) along ``dim``, one per fused block."""
+        """(start in this part, start in the full tensor, length) along ``dim``, one per fused block."""
         if self.dim is None:
             return [(0, 0, full_size)]
-        block = full_size // self.fused_blocks
+        block = full_size // self.blocks
         length = block // self.shards
-        return [(b * length, b * block + self.shard_index * length, length) for b in range(self.fused_blocks)]
+        return [(b * length, b * block + self.shard * length, length) for b in range(self.blocks)]
 
 
 def param_layout(param: torch.Tensor) -> ParamLayout:
@@ -108,9 +110,9 @@ class TensorParallelModule(nn.Module):
         self.tp_layouts: dict[str, ParamLayout] = {}
         self.check_shapes = True
 
-    def _set_layout(self, name: str, dim: int | None, fused_blocks: int = 1, replicas: int = 1,
+    def _set_layout(self, name: str, dim: int | None, blocks: int = 1, replicas: int = 1,
                     sequence_parallel: bool = False) -> None:
-        self.tp_layouts[name] = ParamLayout(dim, fused_blocks, replicas, sequence_parallel, self.tp_rank, self.tp_world)
+        self.tp_layouts[name] = ParamLayout(dim, blocks, replicas, self.tp_rank, self.tp_world, sequence_parallel)
         self._attach_layouts()
 
     def _attach_layouts(self) -> None:
@@ -137,28 +139,28 @@ def set_shape_checks(module: nn.Module, enabled: bool) -> None:
             sub.check_shapes = bool(enabled)
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int, fused_blocks: int = 1) -> torch.Tensor:
+def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int, blocks: int = 1) -> torch.Tensor:
     """Rank ``rank``'s slice of ``full`` along ``dim`` out of ``world``, a new contiguous tensor.
 
-    With ``fused_blocks`` > 1 the dimension holds that many blocks (e.g. [Wq; Wk; Wv]) and the shard
+    With ``blocks`` > 1 the dimension holds that many blocks (e.g. [Wq; Wk; Wv]) and the shard
     is the concatenation of the rank's slice of each block, so it still holds whole heads.
     """
     world = check_int("world", world, minimum=1)
     rank = check_int("rank", rank, minimum=0, maximum=world - 1)
-    fused_blocks = check_int("fused_blocks", fused_blocks, minimum=1)
+    blocks = check_int("blocks", blocks, minimum=1)
     if not -full.dim() <= dim < full.dim():
         raise ValueError(f"dim must be in [{-full.dim()}, {full.dim() - 1}] for a tensor of shape {tuple(full.shape)}, got {dim}")
-    if full.shape[dim] % (world * fused_blocks):
+    if full.shape[dim] % (world * blocks):
         raise ValueError(f"dimension {dim} of a tensor of shape {tuple(full.shape)} ({full.shape[dim]}) must be "
-                         f"divisible by world * fused_blocks = {world} * {fused_blocks}")
-    parts = [block.chunk(world, dim)[rank] for block in full.chunk(fused_blocks, dim)]
+                         f"divisible by world * blocks = {world} * {blocks}")
+    parts = [block.chunk(world, dim)[rank] for block in full.chunk(blocks, dim)]
     return torch.cat(parts, dim).clone(memory_format=torch.contiguous_format)
 
 
-def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, fused_blocks: int = 1) -> torch.Tensor:
+def unshard_tensor(shards: Sequence[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:
     """The inverse of ``shard_tensor``: the full tensor from the shards of ranks 0..world−1."""
-    per_rank = [s.chunk(fused_blocks, dim) for s in shards]
-    return torch.cat([part[b] for b in range(fused_blocks) for part in per_rank], dim)
+    per_rank = [s.chunk(blocks, dim) for s in shards]
+    return torch.cat([part[b] for b in range(blocks) for part in per_rank], dim)
 
 
 def _layouts(module: nn.Module) -> Iterator[tuple[str, nn.Parameter, ParamLayout, TensorParallelModule]]:
@@ -180,7 +182,7 @@ def shard_state_dict(module: nn.Module, full: Mapping[str, torch.Tensor]) -> dic
         raise ValueError(f"full state dict is missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     out = {}
     for key, mine in own.items():
-        tensor = layouts[key].shard(full[key]) if key in layouts else full[key]
+        tensor = layouts[key].shard_of(full[key]) if key in layouts else full[key]
         if tuple(tensor.shape) != tuple(mine.shape):
             raise ValueError(f"state dict entry {key!r} has shape {tuple(full[key].shape)}, which does not give "
                              f"this rank's shard shape {tuple(mine.shape)}")
@@ -206,7 +208,7 @@ def gather_full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         if layout.dim is not None and layout.shards > 1 and owner is not None:
             gathered = all_gather(tensor.contiguous(), layout.dim, owner.group, "other")
             ranks = gathered.chunk(owner.tp_world, layout.dim)[:: layout.replicas]  # one rank per distinct shard
-            tensor = unshard_tensor(ranks, layout.dim, layout.fused_blocks)
+            tensor = unshard_tensor(ranks, layout.dim, layout.blocks)
         out[key] = tensor.detach().clone()
     return out
 
@@ -231,13 +233,13 @@ def sync_tensor_parallel_grads(module: nn.Module) -> None:
             grad = (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
             if layout.dim is not None:  # place it in its shard's slot of a zero buffer
                 slots = grad.new_zeros(layout.shards, grad.numel())
-                slots[layout.shard_index] = grad
+                slots[layout.shard] = grad
                 grad = slots.view(-1)
             parts.append(grad)
         flat = all_reduce(torch.cat(parts), group, "backward")
         for (p, layout), summed in zip(params, flat.split([g.numel() for g in parts])):
             if layout.dim is not None:
-                summed = summed.view(layout.shards, -1)[layout.shard_index]
+                summed = summed.view(layout.shards, -1)[layout.shard]
             if p.grad is None:
                 p.grad = summed.view_as(p).clone()
             else:

@@ -104,7 +104,7 @@ class GradSync:
         if self.dp_rank != 0 or id(p) in self._tied_copy:
             return False
         layout = param_layout(p)
-        return layout.tp_rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
+        return layout.rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
 
     def global_norm(self) -> float:
         """Collective over all ranks: the L2 norm of the whole model's gradient."""
