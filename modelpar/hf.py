@@ -1,7 +1,8 @@
 """Hugging Face interop: modelpar's Llama-style model ⇄ a ``LlamaForCausalLM`` directory.
 
-A directory holds ``config.json`` and ``model.safetensors`` (plus ``tokenizer.json`` when there
-is one), as ``save_pretrained`` writes them. The two layouts already agree on the numerics —
+A directory holds ``config.json`` and ``model.safetensors`` (or, for larger models, several
+safetensors files listed in ``model.safetensors.index.json``), plus ``tokenizer.json`` when there
+is one, as ``save_pretrained`` writes them. The two layouts already agree on the numerics —
 rotary embedding on the two halves of each head (HF's ``rotate_half``), key/value head j serving
 query heads j·a/g … (j+1)·a/g − 1 (HF's ``repeat_kv``), RMSNorm as HF computes it — so the
 conversion is renaming, splitting our fused blocks ([Wk; Wv], [W_gate; W_up]) and dropping or
@@ -25,6 +26,7 @@ slices it holds (``safe_open(...).get_slice``), so `modelpar train --init-from D
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -38,10 +40,10 @@ from torch import nn
 from modelpar.model import ModelConfig, Transformer, build_stage
 from modelpar.tensor_parallel import param_layout
 
-__all__ = ["from_hf_state_dict", "hf_config", "load_hf", "load_hf_shards", "read_hf_config", "save_hf",
-           "to_hf_state_dict"]
+__all__ = ["check_init_from", "from_hf_state_dict", "hf_config", "hf_names", "load_hf", "load_hf_shards",
+           "read_hf_config", "save_hf", "to_hf_state_dict"]
 
-CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _LAYER_NAMES = {  # modelpar name inside a layer -> its Hugging Face tensors, one per fused block
     "ln1.weight": ["input_layernorm.weight"],
@@ -99,6 +101,10 @@ def read_hf_config(path: str | Path, seq_len: int | None = None) -> ModelConfig:
         raise ValueError(f"{file}: not valid JSON ({err})") from None
     if hf.get("model_type") != "llama":
         raise ValueError(f"{file}: model_type must be 'llama' (LlamaForCausalLM), got {hf.get('model_type')!r}")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if not isinstance(hf.get(k), int)]
+    if missing:
+        raise ValueError(f"{file}: {missing[0]} is missing or not an integer")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
                    "mlp_bias": hf.get("mlp_bias"), "rope scaling": rope.get("rope_type", "default") != "default",
@@ -120,9 +126,11 @@ def read_hf_config(path: str | Path, seq_len: int | None = None) -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02))).check()
 
 
-def check_same_shape(cfg: ModelConfig, path: str | Path) -> None:
-    """ValueError naming the first field where ``cfg`` differs from the directory's model (seq_len may be shorter)."""
+def check_init_from(cfg: ModelConfig, path: str | Path) -> None:
+    """ValueError naming the first field where ``cfg`` differs from the directory's model (seq_len may be
+    shorter), or if the directory has no weights: checked before any rank starts."""
     theirs = read_hf_config(path, seq_len=cfg.seq_len)
+    _weight_files(Path(path))
     for field in ("arch", "vocab_size", "hidden", "heads", "num_kv_heads", "layers", "ffn_hidden",
                   "tie_embeddings", "norm_eps", "rope_theta"):
         if getattr(cfg, field) != getattr(theirs, field):
@@ -147,7 +155,9 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -
 def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The single-process modelpar state dict of Hugging Face tensors (padded rows zero)."""
     out = {}
-    for name, param in Transformer(cfg, dtype=torch.float64).to("meta").state_dict().items():
+    with torch.device("meta"):
+        shapes = Transformer(cfg).state_dict()
+    for name, param in shapes.items():
         tensor = torch.cat([_tensor(hf, n) for n in hf_names(name, cfg)], dim=0)
         if name in _VOCAB:
             tensor = torch.cat([tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])])
@@ -189,41 +199,55 @@ def load_hf(path: str | Path, seq_len: int | None = None, dtype: torch.dtype = t
 
 
 # --- one rank's shards ----------------------------------------------------------------------------
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (one file, or an index of several)."""
+    from safetensors import safe_open
+
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text(encoding="utf-8")).get("weight_map", {})
+        return {name: path / file for name, file in weight_map.items()}
+    if not (path / WEIGHTS).is_file():
+        raise ValueError(f"{path}: no {WEIGHTS} or {INDEX} (expected a Hugging Face model directory)")
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:
+        return dict.fromkeys(f.keys(), path / WEIGHTS)
+
+
 @torch.no_grad()
 def load_hf_shards(module: nn.Module, path: str | Path) -> None:
     """Fill a stage built by ``build_stage`` (any stage, any tensor-parallel rank) from a Hugging Face
-    directory, reading from model.safetensors only the slices this rank holds."""
+    directory, reading from its safetensors files only the slices this rank holds."""
     from safetensors import safe_open
 
-    weights = Path(path) / WEIGHTS
-    if not weights.is_file():
-        raise ValueError(f"{path}: no {WEIGHTS} (expected a Hugging Face model directory)")
+    files = _weight_files(Path(path))
     cfg: ModelConfig = module.cfg  # type: ignore[assignment]
-    with safe_open(str(weights), framework="pt") as f:
-        available = set(f.keys())
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
         for name, param in module.named_parameters():
             names = hf_names(name, cfg)
-            missing = [n for n in names if n not in available]
+            missing = [n for n in names if n not in files]
             if missing:
-                raise ValueError(f"{weights} has no {missing[0]!r} (needed for {name})")
-            param.copy_(_read_shard(f, names, param))
+                raise ValueError(f"{path} has no tensor {missing[0]!r} (needed for {name})")
+            handles = []
+            for n in names:
+                if files[n] not in opened:
+                    opened[files[n]] = stack.enter_context(safe_open(str(files[n]), framework="pt"))
+                handles.append(opened[files[n]].get_slice(n))
+            param.copy_(_read_shard(handles, param))
 
 
-def _read_shard(f: Any, names: list[str], param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of the parameter made of the Hugging Face tensors ``names`` (rows past
-    those tensors, the padded vocabulary, stay zero)."""
+def _read_shard(pieces: list[Any], param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the parameter made of the Hugging Face tensors ``pieces`` (safetensors
+    slices, one per fused block); rows past them, the padded vocabulary, stay zero."""
     layout = param_layout(param)
     out = torch.zeros(param.shape, dtype=param.dtype)
     if layout.dim is None:
-        return out.copy_(f.get_tensor(names[0]))
+        return out.copy_(pieces[0][:])
     full = layout.full_shape(param.shape)[layout.dim]
-    block = full // len(names)
-    for (local, start, length), name in zip(layout.pieces(full), names):
-        piece = f.get_slice(name)
-        lo = start - names.index(name) * block
+    block = full // len(pieces)
+    for b, ((local, start, length), piece) in enumerate(zip(layout.pieces(full), pieces)):
+        lo = start - b * block
         hi = min(lo + length, piece.get_shape()[layout.dim])
-        if hi <= lo:
-            continue
-        index = (slice(lo, hi),) if layout.dim == 0 else (slice(None), slice(lo, hi))
-        out.narrow(layout.dim, local, hi - lo).copy_(piece[index])
+        if hi > lo:
+            index = (slice(lo, hi),) if layout.dim == 0 else (slice(None), slice(lo, hi))
+            out.narrow(layout.dim, local, hi - lo).copy_(piece[index])
     return out

@@ -31,12 +31,14 @@ def transformers():
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, transformers):
-    """A random LlamaForCausalLM (transformers' own init) saved as Hugging Face does."""
+    """A random LlamaForCausalLM (transformers' own init) saved as Hugging Face does, in several
+    safetensors files with an index (as larger checkpoints are)."""
     config = transformers.LlamaConfig(**{k: v for k, v in hf.hf_config(CFG).items() if k not in ("dtype", "torch_dtype")})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     path = tmp_path_factory.mktemp("hf")
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
     with torch.no_grad():
         logits = model(_ids(300)).logits
     return path, logits
@@ -141,8 +143,11 @@ def test_init_from_checks_the_shape_and_the_directory(hf_dir, tmp_path):
     with pytest.raises(ValueError, match=r"seq_len \(32\) must be <= max_position_embeddings .* \(16\)"):
         hf.read_hf_config(path, seq_len=32)
     with pytest.raises(ValueError, match=r"hidden = 64 differs from .*config.json \(32\)"):
-        hf.check_same_shape(dataclasses.replace(CFG, hidden=64, heads=8), path)
+        hf.check_init_from(dataclasses.replace(CFG, hidden=64, heads=8), path)
     with pytest.raises(ValueError, match=r"no config.json"):
         hf.read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf.hf_config(CFG)))
+    with pytest.raises(ValueError, match=r"no model.safetensors or model.safetensors.index.json"):
+        hf.check_init_from(CFG, tmp_path)
     with pytest.raises(ValueError, match=r"arch 'llama'"):
         hf.save_hf(build_stage(ModelConfig()), ModelConfig(), tmp_path / "gpt")

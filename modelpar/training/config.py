@@ -104,9 +104,9 @@ class TrainConfig:
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
         if self.init_from is not None:
-            from modelpar.hf import check_same_shape
+            from modelpar.hf import check_init_from
 
-            check_same_shape(self.model, self.init_from)
+            check_init_from(self.model, self.init_from)
         return self
 
     def to_dict(self) -> dict[str, Any]:
