@@ -95,3 +95,60 @@ def test_bad_input(kwargs, message):
         generate(_model(GPT), args.pop("prompt"), args.pop("max_new_tokens"), **args)
     with pytest.raises(ValueError, match=r"the whole model on one process"):
         generate(build_stage(GPT, 0, 2), [1], 3)
+
+
+# --- the command line --------------------------------------------------------------------------------
+def _export(cfg, path):
+    """An export as the brief's format has it: the single-process state dict, the config in the metadata."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = build_stage(cfg, seed=1)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "head.weight")}
+    save_file(tensors, str(path), metadata={"format": "modelpar", "config": json.dumps(cfg.to_dict())})
+    return model
+
+
+def test_generate_command_prints_the_prompt_and_a_seeded_continuation(tmp_path, capsys):
+    from modelpar.cli import main
+
+    cfg = ModelConfig(seq_len=16, hidden=32, heads=4, layers=2, tie_embeddings=True, init_std=0.3)  # bytes
+    model = _export(cfg, tmp_path / "model.safetensors").eval()
+    args = ["generate", str(tmp_path / "model.safetensors"), "--prompt", "Hi", "--max-new-tokens", "8", "--seed", "5",
+            "--device", "cpu"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    want = bytes(generate(model, list(b"Hi"), 8, seed=5)).decode("utf-8", errors="replace")
+    assert first == "Hi" + want + "\n"
+    assert main([*args[:2], *args[2:]]) == 0 and capsys.readouterr().out == first  # the same seed, the same text
+    assert main(["generate", str(tmp_path), *args[2:]]) == 0 and capsys.readouterr().out == first  # the folder
+
+
+def test_generate_command_on_a_hugging_face_directory(tmp_path, capsys):
+    from modelpar.cli import main
+    from modelpar.hf import save_hf
+
+    cfg = dataclasses.replace(LLAMA, vocab_size=256)
+    save_hf(_model(cfg, torch.float32), cfg, tmp_path)
+    assert main(["generate", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["/nonexistent"], "'/nonexistent' does not exist"),
+    (["{tmp}/x.safetensors"], "is not a modelpar export (its metadata has format 'pt'"),
+    (["{tmp}", "--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["{tmp}/x.safetensors", "--prompt", ""], "--prompt must not be empty"),
+])
+def test_generate_command_bad_input_is_one_line(tmp_path, capsys, flags, message):
+    from safetensors.torch import save_file
+
+    from modelpar.cli import main
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    prompt = [] if "--prompt" in flags else ["--prompt", "x"]
+    assert main(["generate", *flags, *prompt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("modelpar generate: error: ") and message in err and "\n" not in err
