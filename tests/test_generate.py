@@ -152,3 +152,10 @@ def test_generate_command_bad_input_is_one_line(tmp_path, capsys, flags, message
     assert main(["generate", *flags, *prompt]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("modelpar generate: error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_same_tokens_on_cuda_and_on_the_cpu():
+    model = _model(LLAMA)
+    cpu = generate(model, [1, 2, 3], 20, seed=2, top_k=10)
+    assert generate(model.cuda(), [1, 2, 3], 20, seed=2, top_k=10) == cpu  # float64: the draws agree
