@@ -93,12 +93,12 @@ def _stage_logits(path: str) -> torch.Tensor | None:
         return torch.cat(parts, -1)[..., :300]
 
 
-def _train_first_loss(path: str) -> float:
+def _train_first_loss(path: str, checkpoint_dir: str) -> float:
     from modelpar.training import TrainConfig, train
 
     torch.set_num_threads(1)
     cfg = TrainConfig(model=hf.read_hf_config(path), init_from=str(path), tp=2, pp=2, dp=1, steps=1, batch_size=4,
-                      microbatches=2, eval_every=0, eval_batches=1, dtype="float32")
+                      microbatches=2, eval_every=0, eval_batches=1, dtype="float32", checkpoint_dir=checkpoint_dir)
     return train(cfg).losses[0]
 
 
@@ -116,14 +116,35 @@ def test_hugging_face_directory_at_t2_p2_gives_the_same_logits(cluster, hf_dir):
         torch.testing.assert_close(logits, want, rtol=0, atol=TOL)
 
 
-def test_train_init_from_starts_from_the_hugging_face_weights(transformers, cluster, hf_dir):
+def test_init_from_at_t2_p2_and_export_back_to_hugging_face(transformers, cluster, hf_dir, tmp_path, capsys):
+    from modelpar.cli import main
+    from modelpar.export import load_model
+
     path, _ = hf_dir
     model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     x, y = load_corpus().batch("train", 0, 4, 16, 0)
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
-    losses = cluster.run(_train_first_loss, str(path))
-    assert losses == pytest.approx([want] * 4, abs=TOL, rel=0)
+    losses = cluster.run(_train_first_loss, str(path), str(tmp_path / "ckpt"))
+    assert losses == pytest.approx([want] * 4, abs=TOL, rel=0)  # the run started from the directory's weights
+    # the trained run back to the Hugging Face layout: modelpar export --format hf
+    assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model.safetensors")]) == 0
+    capsys.readouterr()
+    trained = load_model(tmp_path / "model.safetensors")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = _ids(300, 2)
+    with torch.no_grad():
+        ours, exported = trained(ids)[..., :300], theirs(ids).logits
+        torch.testing.assert_close(exported, ours, rtol=0, atol=TOL)
+        assert (exported - model(ids).logits).abs().max() > 1e-4  # one optimizer step moved the weights
+    # and sampled from, straight from the checkpoint directory (bytes: the run had no tokenizer.json)
+    from modelpar.generate import generate
+
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    tokens = generate(trained, list(b"ab"), 5, temperature=0.0)
+    assert capsys.readouterr().out == "ab" + bytes(tokens).decode("utf-8", errors="replace") + "\n"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -151,3 +172,10 @@ def test_init_from_checks_the_shape_and_the_directory(hf_dir, tmp_path):
         hf.check_init_from(CFG, tmp_path)
     with pytest.raises(ValueError, match=r"arch 'llama'"):
         hf.save_hf(build_stage(ModelConfig()), ModelConfig(), tmp_path / "gpt")
+
+
+def test_export_hf_to_a_bad_out_is_one_line(tmp_path, capsys):
+    from modelpar.cli import main
+
+    assert main(["export", str(tmp_path), "--format", "hf", "--out", str(tmp_path / "x" / "y")]) == 2
+    assert "--out must name a directory" in capsys.readouterr().err

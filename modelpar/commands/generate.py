@@ -1,8 +1,8 @@
 """``modelpar generate``: sample a continuation from a trained model on one process (CPU or GPU).
 
-The model comes from an export (``modelpar export``: model.safetensors, or the folder holding it)
-or a Hugging Face Llama directory (config.json + safetensors); text goes in and out through the
-tokenizer.json beside it, or bytes when there is none.
+The model comes from a checkpoint directory, an export (``modelpar export``: model.safetensors,
+or the folder holding it) or a Hugging Face Llama directory (config.json + safetensors); text goes
+in and out through the tokenizer.json beside it, or bytes when there is none.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="sample a continuation of a prompt from a trained model (KV cache)",
                               description=__doc__.splitlines()[0])
     p.add_argument("model", metavar="CHECKPOINT_DIR_OR_EXPORT",
-                   help="an export (model.safetensors or its folder) or a Hugging Face Llama directory")
+                   help="a --checkpoint-dir (its newest checkpoint) or one step_N in it, an export "
+                        "(model.safetensors or its folder), or a Hugging Face Llama directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
@@ -28,8 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _load(path: Path, device: Any) -> tuple[Any, Path]:
     """The model at ``path`` and the folder where its tokenizer.json would be."""
+    import tempfile
+
     from modelpar import hf
-    from modelpar.export import load_model
+    from modelpar.export import checkpoint_path, export_checkpoint, load_model
 
     if path.is_file():
         return load_model(path, device=device), path.parent
@@ -37,8 +40,10 @@ def _load(path: Path, device: Any) -> tuple[Any, Path]:
         return load_model(path / "model.safetensors", device=device), path
     if (path / hf.CONFIG).is_file():
         return hf.load_hf(path, device=device).eval(), path
-    raise ValueError(f"{str(path)!r} is neither a modelpar export (model.safetensors) nor a Hugging Face "
-                     "model directory (config.json)")
+    checkpoint = checkpoint_path(path)  # a ValueError if it is not one either
+    with tempfile.TemporaryDirectory(prefix="modelpar-generate-") as tmp:
+        export_checkpoint(checkpoint, Path(tmp) / "model.safetensors")
+        return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
 
 
 def _codec(folder: Path) -> tuple[Any, Any]:
