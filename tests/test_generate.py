@@ -159,3 +159,18 @@ def test_the_same_tokens_on_cuda_and_on_the_cpu():
     model = _model(LLAMA)
     cpu = generate(model, [1, 2, 3], 20, seed=2, top_k=10)
     assert generate(model.cuda(), [1, 2, 3], 20, seed=2, top_k=10) == cpu  # float64: the draws agree
+
+
+def test_generate_command_uses_the_tokenizer_beside_the_export(tmp_path, capsys):
+    from modelpar.cli import main
+    from modelpar.text import train_bpe
+
+    tokenizer = train_bpe(["the pipeline schedule runs the stages " * 50], 300)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, seq_len=16, hidden=32, heads=4, layers=2, init_std=0.3)
+    model = _export(cfg, tmp_path / "model.safetensors").eval()
+    assert main(["generate", str(tmp_path), "--prompt", "the pipeline", "--max-new-tokens", "6", "--seed", "3"]) == 0
+    tokens = generate(model, tokenizer.encode("the pipeline"), 6, seed=3)
+    if tokenizer.eos_id in tokens:
+        tokens = tokens[:tokens.index(tokenizer.eos_id)]
+    assert capsys.readouterr().out == "the pipeline" + tokenizer.decode(tokens) + "\n"

@@ -46,22 +46,12 @@ def _load(path: Path, device: Any) -> tuple[Any, Path]:
         return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
 
 
-def _codec(folder: Path) -> tuple[Any, Any]:
-    """encode(text) -> ids and decode(ids) -> text: the folder's tokenizer.json, else UTF-8 bytes."""
-    file = folder / "tokenizer.json"
-    if file.is_file():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(file))
-        return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
-    return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from modelpar._validate import check_int, check_number
     from modelpar.generate import generate
+    from modelpar.text import load_tokenizer
 
     check_int("--max-new-tokens", args.max_new_tokens, minimum=0)
     check_number("--temperature", args.temperature)
@@ -75,11 +65,13 @@ def run(args: argparse.Namespace) -> int:
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist")
     model, folder = _load(path, device)
-    encode, decode = _codec(folder)
-    prompt = encode(args.prompt)
+    tokenizer = load_tokenizer(folder)  # the tokenizer.json beside the model, or bytes
+    prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
     tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       seed=args.seed)
-    print(args.prompt + decode(tokens))
+    if tokenizer.eos_id in tokens:  # the end of a document: stop there
+        tokens = tokens[:tokens.index(tokenizer.eos_id)]
+    print(args.prompt + tokenizer.decode(tokens))
     return 0
