@@ -100,11 +100,11 @@ def _run(hidden: int, heads: int, batch: int, seq: int, steps: int) -> dict:
         times: dict[str, list[float]] = {"ours": [], "ours_nocheck": [], "torch": []}
         for i in range(steps + 3):
             for name in times:
-                tp.set_shape_checks(name != "ours_nocheck")
+                tp.set_shape_checks(ours, name != "ours_nocheck")
                 t = _step(theirs if name == "torch" else ours, x)
                 if i >= 3:  # warm-up
                     times[name].append(t)
-        tp.set_shape_checks(True)
+        tp.set_shape_checks(ours, True)
         with tp.comm_log() as log:
             _step(ours, x)
         counter = CollectiveBytes(n)

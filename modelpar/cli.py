@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "export": "modelpar.commands.export",
     "simulate": "modelpar.commands.simulate",
     "train": "modelpar.commands.train",
+    "generate": "modelpar.commands.generate",
 }
 
 

@@ -233,6 +233,51 @@ def test_inside_the_gpt_block_stack(recompute):
     assert _equal(run(recompute), run(None))
 
 
+# -- selective recomputation: the attention core only (Korthikanti et al. 2022 §5) -------------------
+
+
+def _attention_step(recompute_core: bool, dropout: float) -> tuple[list[torch.Tensor], int, int]:
+    """Output and gradients of one causal attention block, and the activations it held (count, bytes)."""
+    from modelpar.tensor_parallel import ParallelAttention
+
+    torch.manual_seed(0)
+    attn = ParallelAttention(32, 4, kv_heads=2, dropout=dropout, bias=False, rope_theta=1e4,
+                             recompute_core=recompute_core, dtype=torch.float64)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    meter = ActivationMeter()
+    torch.manual_seed(3)
+    with meter:
+        out = attn(x)
+    held = meter.now
+    grads = torch.autograd.grad((out * out).sum(), [x, *attn.parameters()])
+    return [out.detach(), *grads, torch.rand(2)], held.count, held.bytes
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_selective_recomputation_keeps_less_and_gives_the_same_gradients(dropout):
+    plain, plain_count, plain_bytes = _attention_step(False, dropout)
+    ours, count, nbytes = _attention_step(True, dropout)
+    assert _equal(ours, plain)  # output, input and weight gradients bitwise; the random stream untouched
+    scores = 2 * 4 * 16 * 16 * 8  # one [b, a, s, s] float64 tensor
+    if dropout:  # the explicit core keeps scores-sized tensors (probabilities, mask, dropped) for backward
+        assert plain_bytes - nbytes >= 2 * scores and plain_count - count >= 2
+    else:  # flash attention keeps no s² tensor, but still its output and row statistics
+        assert nbytes < plain_bytes and count < plain_count
+
+
+def test_selective_recomputation_in_the_model():
+    model = pytest.importorskip("modelpar.model")
+    cfg = model.ModelConfig(arch="llama", vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def run(option):
+        net = model.build_stage(cfg, recompute=option, dtype=torch.float64)
+        out = net(ids)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), list(net.parameters()))]
+
+    assert _equal(run("selective"), run(None)) and _equal(run("none"), run(None))
+
+
 def test_meter_counts_hand_checked_cases():
     meter = ActivationMeter()
     x = torch.randn(4, 3, requires_grad=True)
@@ -257,7 +302,8 @@ def test_meter_counts_hand_checked_cases():
 @pytest.mark.parametrize("recompute,match", [
     (0, r"recompute \(k, .*64-layer chain\) must be >= 1, got 0"),
     (65, r"recompute \(k, .*\) must be <= 64, got 65"),
-    ("often", r"recompute must be None, an int k from 1 to 64, or one of 'full', 'sqrt', 'recompute-all'; got 'often'"),
+    ("often", r"recompute must be None, an int k from 1 to 64, or one of 'none', 'full', 'sqrt', 'recompute-all'; got 'often'"),
+    ("selective", r"recompute='selective' re-runs the attention core inside attention layers"),
     (2.5, r"got 2.5"),
     (True, r"got True"),
 ])

@@ -26,6 +26,7 @@ STEPS = 4  # saved after STEPS, resumed for STEPS more
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 DEEP = dataclasses.replace(TINY, layers=8)  # p·v = 8 stages
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
+LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)  # kv replicated at t = 2
 BASE = TrainConfig(model=TINY, steps=2 * STEPS, batch_size=8, microbatches=2, dtype="float64", warmup=2, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
@@ -123,6 +124,8 @@ PAIRS = [  # (saved, resumed): t, p, d and v each go up and down, the schedule, 
     pytest.param(split(dp=2), split(tp=2, schedule="gpipe", microbatches=4), id="(1,1,2)->(2,1,1)gpipe"),
     pytest.param(split(tp=2, pp=2, schedule="zb-h1", model=TIED), split(dp=2, schedule="interleaved", chunks=2, model=TIED),
                  id="tied(2,2,1)zb-h1->(1,1,2)v2"),  # the head's copy saved once, loaded into both copies on one rank
+    pytest.param(split(tp=2, pp=2, sequence_parallel=True, model=LLAMA), split(tp=1, pp=2, model=LLAMA),
+                 id="llama(2,2,1)sp->(1,2,1)"),  # the key/value head both tp ranks hold, saved once
 ]
 
 

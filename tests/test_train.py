@@ -20,6 +20,7 @@ from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, lr_at, param_groups, train
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
+LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)  # one kv head: replicated at t = 2
 BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, dtype="float64", warmup=1, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
@@ -121,8 +122,24 @@ SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) ×
 ]
 
 
-@pytest.mark.parametrize("changes", SPLITS, ids=lambda c: ",".join(f"{k}={getattr(v, 'tie_embeddings', v)}"
-                                                                 for k, v in c.items()))
+def _as_llama(changes: dict) -> dict:
+    """The same split with the Llama-style model (tied if the GPT case was)."""
+    return {**changes, "model": dataclasses.replace(LLAMA, tie_embeddings=changes.get("model", TINY).tie_embeddings)}
+
+
+SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS),
+               {"tp": 2, "pp": 2, "recompute": "selective", "sequence_parallel": True,
+                "model": dataclasses.replace(LLAMA, kv_heads=2)},
+               {"tp": 2, "pp": 2, "recompute": "selective", "model": TINY}]
+
+
+def _case_id(changes: dict) -> str:
+    model = changes.get("model", TINY)
+    flags = [f"{k}={v}" for k, v in changes.items() if k != "model"]
+    return ",".join([model.arch + ("-tied" if model.tie_embeddings else ""), *flags])
+
+
+@pytest.mark.parametrize("changes", SPLITS_BOTH, ids=_case_id)
 def test_every_split_and_schedule_computes_the_single_process_model(request, changes):
     world = changes.get("tp", 1) * changes.get("pp", 1) * changes.get("dp", 1)
     check_split(request.getfixturevalue(f"c{world}"), **changes)
@@ -133,7 +150,10 @@ def test_every_split_and_schedule_computes_the_single_process_model(request, cha
     ({"tp": 2, "pp": 2, "dp": 2}, r"tp \* pp \* dp = 2 \* 2 \* 2 = 8 must equal the number of processes \(world size 2\)"),
     ({"tp": 2, "model": dataclasses.replace(TINY, heads=3, hidden=24)}, r"heads \(3\) must be divisible by tp \(2\)"),
     ({"pp": 2, "model": dataclasses.replace(TINY, layers=3)}, r"layers \(3\) must be divisible by the number of pipeline"),
-    ({"tp": 2, "model": dataclasses.replace(TINY, vocab_size=255)}, r"vocab_size \(255\) must be divisible by tp \(2\)"),
+    ({"tp": 2, "model": dataclasses.replace(LLAMA, heads=6, kv_heads=3, hidden=24)},
+     r"heads \(6\) must be divisible by tp \(2\)|kv_heads \(3\) and tp \(2\) must divide one another"),
+    ({"tp": 2, "model": dataclasses.replace(LLAMA, heads=2, kv_heads=2, hidden=24, ffn=33)},
+     r"ffn hidden size \(33\) must be divisible by tp \(2\)"),
     ({"pp": 2, "microbatches": 3}, r"batch_size per replica \(8\) must be divisible by microbatches \(3\)"),
     ({"pp": 2, "schedule": "pipedream"}, r"schedule must be one of \{gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
 ])
@@ -190,9 +210,9 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_previous_one(c2, tmp_
 
 
 def _fail_mid_step(cfg, rank, step):
-    from modelpar.model import GPT
+    from modelpar.model import Transformer
 
-    original, calls = GPT.forward, [0]
+    original, calls = Transformer.forward, [0]
 
     def forward(self, x):
         calls[0] += 1
@@ -200,7 +220,7 @@ def _fail_mid_step(cfg, rank, step):
             raise RuntimeError(f"injected failure in step {step + 1}")
         return original(self, x)
 
-    return _train_with(GPT, "forward", forward, cfg)
+    return _train_with(Transformer, "forward", forward, cfg)
 
 
 def test_a_failing_rank_ends_the_run_and_keeps_the_last_checkpoint(c4, tmp_path):

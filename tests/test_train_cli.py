@@ -30,7 +30,11 @@ def test_flags_reach_the_config():
     (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
     (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
     (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, zb-h1}, got 'dualpipe'"),
-    (["--recompute", "often"], "recompute must be one of {none, full} or a positive integer k, got 'often'"),
+    (["--recompute", "often"], "recompute must be one of {none, selective, full, sqrt, recompute-all} or a positive "
+                               "integer k, got 'often'"),
+    (["--arch", "llama", "--kv-heads", "3"], "heads (4) must be divisible by kv_heads (3)"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
+    (["--init-from", "/nonexistent"], "/nonexistent: no config.json (expected a Hugging Face model directory)"),
     (["--layers", "6", "--pp", "4"], "layers (6) must be divisible by the number of pipeline stages (pp * chunks) (4)"),
     (["--resume"], "resume needs checkpoint_dir"),
 ])
@@ -38,6 +42,14 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, flags, message):
     assert main(["train", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"modelpar train: error: {err.split('error: ', 1)[1]}" and message in err and "\n" not in err
+
+
+def test_llama_flags_reach_the_model_config():
+    args = build_parser().parse_args(["train", "--arch", "llama", "--kv-heads", "2", "--ffn", "256",
+                                      "--rope-theta", "5e5", "--norm-eps", "1e-6", "--recompute", "selective"])
+    cfg = build_config(args)
+    assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.ffn_hidden, cfg.model.rope_theta, cfg.model.norm_eps,
+            cfg.recompute, cfg.recompute_arg) == ("llama", 2, 256, 5e5, 1e-6, "selective", "selective")
 
 
 def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
@@ -57,3 +69,22 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
     assert [m["val_bpb"] for m in metrics if m["event"] == "eval"] == pytest.approx(
         [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
     assert "unigram baseline" in capsys.readouterr().out
+    assert summary["mfu"] is None and summary["peak_tflops"] is None  # on CPUs only with --peak-tflops
+
+
+def test_a_tiny_llama_run_reports_flops_per_token_and_mfu(tmp_path, capsys):
+    from modelpar.model import ModelConfig
+
+    out = tmp_path / "out"
+    code = main(["train", "--arch", "llama", "--kv-heads", "1", "--tp", "2", "--pp", "1", "--hidden", "32",
+                 "--seq-len", "16", "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0",
+                 "--peak-tflops", "0.5", "--no-progress", "--out", str(out)])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    model = ModelConfig.from_dict(summary["config"]["model"])
+    spec = model.spec()  # the cost model's count of the same numbers
+    assert summary["flops_per_token"] == spec.model_flops(1) == 3 * (4 * spec.layer_flops_per_token
+                                                                     + spec.logits_flops_per_token)
+    assert summary["num_parameters"] == model.num_parameters() == spec.params + 32  # + the final RMSNorm
+    assert summary["mfu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_s"] / (2 * 0.5e12))
+    assert "MFU" in capsys.readouterr().out

@@ -19,7 +19,27 @@ def _modelpar(checkpoint: str, out: str) -> list[Path]:
     return export_checkpoint(checkpoint, check_output_path("--out", out, [".safetensors"]))
 
 
-EXPORTERS: dict[str, Callable[[str, str], list[Path]]] = {"modelpar": _modelpar}
+def _hf(checkpoint: str, out: str) -> list[Path]:
+    """A Hugging Face ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer.json) of an --arch llama run."""
+    from modelpar.checkpoint import read_full_tensors, read_meta
+    from modelpar.export import TOKENIZER, checkpoint_path
+    from modelpar.hf import save_hf
+    from modelpar.model import ModelConfig
+
+    folder = Path(out)
+    if (folder.exists() and not folder.is_dir()) or not folder.parent.is_dir():
+        raise ValueError(f"--out must name a directory (new, or existing) in an existing folder, got {out!r}")
+    path = checkpoint_path(checkpoint)
+    cfg = ModelConfig.from_dict(read_meta(path)["config"]["model"]).check()
+    if cfg.arch != "llama":
+        raise ValueError(f"--format hf needs a run of --arch llama; {str(path)!r} holds arch {cfg.arch!r}")
+    tokenizer = path.parent / TOKENIZER
+    save_hf(read_full_tensors(path, "model."), cfg, folder, tokenizer if tokenizer.is_file() else None)
+    return sorted(folder.iterdir())
+
+
+EXPORTERS: dict[str, Callable[[str, str], list[Path]]] = {"modelpar": _modelpar, "hf": _hf}
+DEFAULT_OUT = {"modelpar": "model.safetensors", "hf": "hf-model"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,14 +48,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "split, as the single-process model's state dict.")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                    help="a --checkpoint-dir (its newest complete checkpoint) or one step_N directory in it")
-    p.add_argument("--out", default="model.safetensors",
-                   help="the model file; model.json (and tokenizer.json) go beside it (default %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="modelpar: the model file, model.json (and tokenizer.json) beside it (default model.safetensors); "
+                        "hf: the directory (default hf-model)")
     p.add_argument("--format", choices=sorted(EXPORTERS), default="modelpar",
-                   help="modelpar: safetensors for modelpar.export.load_model (default)")
+                   help="modelpar: safetensors for modelpar.export.load_model (default); hf: a Hugging Face "
+                        "LlamaForCausalLM directory (--arch llama runs)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    for path in EXPORTERS[args.format](args.checkpoint, args.out):
+    for path in EXPORTERS[args.format](args.checkpoint, args.out or DEFAULT_OUT[args.format]):
         print(f"wrote {path}")
     return 0

@@ -1,4 +1,4 @@
-"""``modelpar train``: train a small GPT with tensor × pipeline × data parallelism (§6).
+"""``modelpar train``: train a small GPT or Llama with tensor × pipeline × data parallelism (§6).
 
 With no flags: t = 2, p = 2, d = 1 on 4 local processes (gloo), a few minutes on a 2-core CPU.
 Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). Settings
@@ -14,17 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_MODEL = "model (defaults: h=128, L=4, a=4, s=64, byte vocabulary 256)"
+_MODEL = "model (defaults: GPT, h=128, L=4, a=4, s=64, byte vocabulary 256)"
 # Flags by help group: (name, int | float | str, or bool for a switch, help). A flag sets the
 # ModelConfig field of its name in the model group and the TrainConfig field of its name elsewhere.
 _FLAGS: dict[str, list[tuple[str, type, str]]] = {
     _MODEL: [
+        ("arch", str, "gpt (LayerNorm, learned positions, GeLU, biases) or llama (RMSNorm, rotary, SwiGLU, GQA)"),
         ("hidden", int, "model width h"),
         ("layers", int, "transformer layers L (divisible by p·v)"),
         ("heads", int, "attention heads a (divisible by t)"),
+        ("kv_heads", int, "key/value heads of grouped-query attention (llama; default: one per head)"),
         ("seq_len", int, "context length s"),
-        ("ffn_mult", int, "MLP width as a multiple of h (default 4)"),
+        ("ffn", int, "MLP width (default 4h for gpt, 8h/3 rounded up to 64 for llama)"),
         ("tie_embeddings", bool, "share the input embedding with the output layer (summed across stages)"),
+        ("norm_eps", float, "epsilon of LayerNorm / RMSNorm (default 1e-5)"),
+        ("rope_theta", float, "rotary embedding base (llama, default 10000)"),
     ],
     "parallelism (default t=2, p=2, d=1, 1f1b, 4 micro-batches)": [
         ("tp", int, "tensor-parallel size t"),
@@ -33,7 +37,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
         ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
         ("microbatches", int, "micro-batches m per replica"),
-        ("recompute", str, "activation recomputation per stage: none, full or k (every k layers)"),
+        ("recompute", str, "activation recomputation: none, selective (attention core), full (stage input), "
+                           "k (every k layers), sqrt"),
         ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
         ("pipeline_gloo", bool, "under NCCL: send pipeline activations over gloo through host memory "
                                 "(default: NCCL, tensors stay on the GPU)"),
@@ -56,6 +61,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("keep", int, "complete checkpoints kept (default 2)"),
         ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir, at any split; "
                          "the model, data and optimisation settings left out come from the checkpoint"),
+        ("init_from", str, "start from a Hugging Face Llama directory's weights (config.json + model.safetensors; "
+                           "the model shape comes from it)"),
         ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
         ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
                            "(default 300: a hung rank ends the run with an error)"),
@@ -85,8 +92,9 @@ _DATA_FIELDS = {"data": "paths", "data_glob": "glob"}  # flag name -> DataConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("train", help="train a GPT with 3D parallelism (local processes or torchrun)",
-                              description="Train a small GPT with tensor x pipeline x data parallelism (reference §6).")
+    p = subparsers.add_parser("train", help="train a GPT or Llama with 3D parallelism (local processes or torchrun)",
+                              description="Train a small GPT- or Llama-style model with tensor x pipeline x data "
+                                          "parallelism (reference §6).")
     for title, flags in _FLAGS.items():
         group = p.add_argument_group(title)
         for name, kind, text in flags:
@@ -106,6 +114,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                    help="under torchrun: process-group backend (auto: nccl with GPUs, else gloo)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
+    r.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for the MFU (default: known GPUs by name; on CPUs no MFU)")
     p.set_defaults(func=run)
 
 
@@ -132,7 +142,12 @@ def build_config(args: argparse.Namespace) -> Any:
         run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
     if run.get("schedule") == "interleaved" and "chunks" not in run:
         run["chunks"] = 2
-    cfg = replace(cfg, model=replace(cfg.model, **model), data=DataConfig(**data), **run)
+    base = cfg.model
+    if "init_from" in run:  # the shape is the directory's; flags may only repeat it (or shorten seq_len)
+        from modelpar.hf import read_hf_config
+
+        base = read_hf_config(run["init_from"], seq_len=model.pop("seq_len", None))
+    cfg = replace(cfg, model=replace(base, **model), data=DataConfig(**data), **run)
     if cfg.resume and cfg.checkpoint_dir:
         cfg = _continued(cfg, set(given) | ({"data"} if data else set()))
     return cfg
@@ -161,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory, check_resume
 
     cfg = build_config(args)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     console = Console(stderr=True)
     metrics = MetricsLog(args.out, tensorboard=args.tensorboard)
     display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=not args.no_progress)
@@ -181,14 +198,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"modelpar train: {result.stop.message}", file=sys.stderr, flush=True)
         return result.stop.exit_code
     if first:
-        _summary(cfg, result, Path(args.out))
+        _summary(cfg, result, Path(args.out), args.peak_tflops)
     return 0
 
 
-def _summary(cfg: Any, result: Any, out: Path) -> None:
+def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
-    from modelpar.training.report import plot_losses, summary_table
+    from modelpar.training.report import peak_tflops_of, plot_losses, summary_table
+
+    peak = peak_tflops or peak_tflops_of(result.device_name)
+    mfu = result.flops_per_token * result.tokens_per_s / (cfg.dims.world_size * peak * 1e12) if peak else None
 
     final_val = result.val[-1][1] if result.val else float("nan")
     bpb = result.bits_per_byte
@@ -203,18 +223,23 @@ def _summary(cfg: Any, result: Any, out: Path) -> None:
         ("final validation loss", f"{final_val:.4f} nats/token, {bpb(final_val):.4f} bits/byte"),
         ("unigram baseline", f"{result.unigram_baseline:.4f} nats/token, {bpb(result.unigram_baseline):.4f} bits/byte"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s (median step)"),
+        ("model FLOPs per token", f"{result.flops_per_token:,.0f} (forward + backward)"),
+        ("MFU", f"{100 * mfu:.2f}% of {peak:g} TFLOP/s x {cfg.dims.world_size}" if mfu is not None
+         else "- (pass --peak-tflops)"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
         ("  simulated, equal stages F=1 B=2", pct(result.bubble_ideal)),
     ]
     png = plot_losses(out / "loss.png", result.losses, result.val, result.unigram_baseline,
-                      f"GPT {result.num_parameters:,} params, t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
+                      f"{cfg.model.arch} {result.num_parameters:,} params, t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
     summary = {"config": cfg.to_dict(), "losses": result.losses, "val": result.val,
                "tokens_per_s": result.tokens_per_s, "unigram_baseline": result.unigram_baseline,
                "bubble_measured": result.bubble_measured, "bubble_simulated": result.bubble_simulated,
                "bubble_ideal": result.bubble_ideal, "start_step": result.start_step,
                "tokens_per_byte": result.tokens_per_byte, "val_bits_per_byte": bpb(final_val),
-               "unigram_bits_per_byte": bpb(result.unigram_baseline), "skipped_steps": result.skipped_steps}
+               "unigram_bits_per_byte": bpb(result.unigram_baseline),
+               "num_parameters": result.num_parameters, "flops_per_token": result.flops_per_token,
+               "device": result.device_name, "peak_tflops": peak, "mfu": mfu, "skipped_steps": result.skipped_steps}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))

@@ -36,19 +36,22 @@ def comm_device(group: Any) -> torch.device:
 
 
 class FlightRecorder:
-    """The last pipeline operations this rank completed, so that a timeout names where it stood."""
+    """The last pipeline operations this rank issued, so that a timeout names where it stood.
+
+    A compute operation is recorded when it has finished, a send or receive when it was posted.
+    """
 
     def __init__(self, rank: int, group_rank: int, size: int = 8) -> None:
         self.where = f"rank {rank} (pipeline device {group_rank})"
         self.done: deque[str] = deque(maxlen=size)
 
-    def completed(self, op: str) -> None:
+    def issued(self, op: str) -> None:
         self.done.append(op)
 
     def timeout(self, seconds: float, what: str) -> TimeoutError:
         last = ", ".join(self.done) if self.done else "nothing yet"
         return TimeoutError(
-            f"{self.where} waited {seconds:g} s for {what}; the last operations it completed: {last}. "
+            f"{self.where} waited {seconds:g} s for {what}; the last operations it issued: {last}. "
             "The peer failed or hung (its error names the cause)"
         )
 

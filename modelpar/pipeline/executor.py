@@ -87,7 +87,7 @@ class _Step:
                     p2p.send(self.outbox.pop(p.key), p.peer, p.key, p.what)  # type: ignore[union-attr, arg-type]
                 else:
                     self.inbox[p.key] = p2p.post_recv(p.buffer, p.peer, p.key, p.what)  # type: ignore[union-attr, arg-type]
-                ctx.recorder.completed(p.text)
+                ctx.recorder.issued(p.text)
             if p2p is not None:
                 p2p.finish()
         except BaseException as err:  # KeyboardInterrupt too: leave nothing held

@@ -1,10 +1,13 @@
-"""Activation recomputation (reference §4.3, Chen et al. 2016): store-all, recompute-all, every-k (√n).
+"""Activation recomputation (reference §4.3, Chen et al. 2016): store-all, recompute-all, every-k (√n),
+and selective recomputation of attention (Korthikanti et al. 2022).
 
 ``Recompute(layers, recompute=None | k | "sqrt" | "full" | "recompute-all")`` runs a chain of
 layers keeping fewer activations and re-running them in backward, with gradients bitwise equal to
-plain autograd. ``ActivationMeter`` measures what autograd holds. ``modelpar.recompute.plan`` has
-the closed forms (chain cost, GPipe's memory model) and imports no torch; so that the pure-Python
-parts can use it, this package imports its torch modules lazily, on first use of a name.
+plain autograd; ``recompute_function(fn, *inputs)`` does it for one function (the attention core
+of ``recompute="selective"``). ``RECOMPUTE_NAMES`` is the one vocabulary. ``ActivationMeter``
+measures what autograd holds. ``modelpar.recompute.plan`` has the closed forms (chain cost,
+GPipe's memory model) and imports no torch; so that the pure-Python parts can use it, this
+package imports its torch modules lazily, on first use of a name.
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from modelpar.recompute.plan import (
+    RECOMPUTE_NAMES,
     ChainCost,
     RecomputePlan,
     Strategy,
     best_k,
     chain_cost,
     gpipe_activation_memory,
+    parse_strategy,
     plan_recompute,
 )
 
 if TYPE_CHECKING:
-    from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats
+    from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats, recompute_function
     from modelpar.recompute.measure import (
         ChainReport,
         GPipeReport,
@@ -37,7 +42,7 @@ if TYPE_CHECKING:
     from modelpar.recompute.module import Recompute, recompute_sequential, recompute_stage
 
 _TORCH_NAMES = {
-    "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats"],
+    "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats", "recompute_function"],
     "measure": ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages",
                 "strategy_table"],
     "meter": ["ActivationMeter", "HeldActivations"],
@@ -45,8 +50,8 @@ _TORCH_NAMES = {
 }
 _HOME = {name: module for module, names in _TORCH_NAMES.items() for name in names}
 
-__all__ = sorted(["ChainCost", "RecomputePlan", "Strategy", "best_k", "chain_cost", "gpipe_activation_memory",
-                  "plan_recompute", *_HOME])
+__all__ = sorted(["RECOMPUTE_NAMES", "ChainCost", "RecomputePlan", "Strategy", "best_k", "chain_cost",
+                  "gpipe_activation_memory", "parse_strategy", "plan_recompute", *_HOME])
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,10 @@
     backward, l = n-1 .. 0:   h0 ──no_grad──► h_l ──enable_grad──► h_{l+1}   (l + 1 forwards)
                               back-propagate through layer l only, then drop h_l
 
-Both take the parameters as Function inputs and return their gradients from
+``recompute_function(fn, *inputs)`` does the same for one function of several tensors with no
+parameters (the attention core of selective recomputation): keep the inputs, re-run ``fn``.
+
+The first two take the parameters as Function inputs and return their gradients from
 ``torch.autograd.grad``, so they work when the chain's input needs no grad (a first pipeline stage)
 and gradient hooks fire as in plain autograd. Plain-callable layers must not capture tensors that
 need grad: only ``nn.Module`` parameters are given gradients.
@@ -21,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,7 +32,8 @@ from torch.autograd.function import once_differentiable
 
 from modelpar.recompute.rng import capture_state, replay
 
-__all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "run_layers"]
+__all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "recompute_function",
+           "run_layers"]
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -163,7 +168,7 @@ class RecomputeAll(_KeepInput):
         needs = dict(zip(map(id, segment.params), ctx.needs_input_grad[2:]))
         param_grads: dict[int, torch.Tensor] = {}
         with _running_stats_kept(segment.layers):  # every re-run updates BatchNorm stats: restore at the end
-            grad = grad_y
+            grad: torch.Tensor | None = grad_y
             for l in reversed(range(len(segment.layers))):
                 layer = segment.layers[l]
                 params = [p for p in chain_parameters([layer]) if needs.get(id(p))]
@@ -175,13 +180,41 @@ class RecomputeAll(_KeepInput):
                         y = run_layers([layer], h_leaf, segment.stats, segment.start + l, recomputing=True)
                 last = l == len(segment.layers) - 1
                 segment.stats.intermediates += l + (0 if last else 1)  # h_1..h_l, and h_(l+1) unless the output
-                grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], grad)
+                upstream = cast(torch.Tensor, grad)  # not None: the loop stops once nothing below needs one
+                grad, *grads = _grads(y, [h_leaf if h_leaf.requires_grad else None, *params], upstream)
                 for p, g in zip(params, grads):
                     if g is not None:
                         param_grads[id(p)] = g if id(p) not in param_grads else param_grads[id(p)] + g
                 if grad is None:  # nothing below layer l needs a gradient
                     break
             return (None, grad if ctx.needs_input_grad[1] else None, *(param_grads.get(id(p)) for p in segment.params))
+
+
+class _RecomputeFunction(torch.autograd.Function):
+    """Keep the inputs of ``fn`` only; in backward re-run it (same RNG and autocast) and back-propagate."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.fn, ctx.state = fn, capture_state(inputs[0])
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)  # grad mode is off: nothing inside is kept
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        needs = ctx.needs_input_grad[1:]
+        with replay(ctx.state), torch.enable_grad():
+            leaves = [_input_leaf(x, need) for x, need in zip(ctx.saved_tensors, needs)]
+            y = ctx.fn(*leaves)
+        return (None, *_grads(y, [x if need else None for x, need in zip(leaves, needs)], grad_y))
+
+
+def recompute_function(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """``fn(*inputs)`` keeping only ``inputs`` for backward, which re-runs ``fn`` (bitwise the same).
+
+    ``fn`` must return one tensor and hold no parameters that need gradients.
+    """
+    return _RecomputeFunction.apply(fn, *inputs)
 
 
 def _name(layer: Layer) -> str:

@@ -30,7 +30,7 @@ def _as_chain(layers: nn.Sequential | nn.ModuleList | Sequence[Layer]) -> tuple[
                          "(wrap a single module as [module])")
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, nn.Sequential, nn.ModuleList)):
         raise ValueError(f"layers must be an nn.Sequential, an nn.ModuleList or a list of callables, got {type(layers).__name__}")
-    chain = tuple(layers)
+    chain: tuple[Layer, ...] = tuple(layers)
     if not chain:
         raise ValueError("layers must hold at least one layer, got an empty chain")
     for i, layer in enumerate(chain):

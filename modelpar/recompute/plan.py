@@ -13,20 +13,40 @@ from dataclasses import dataclass
 from modelpar._validate import check_divisible, check_int
 
 __all__ = [
+    "RECOMPUTE_NAMES",
     "ChainCost",
     "RecomputePlan",
     "Strategy",
     "best_k",
     "chain_cost",
     "gpipe_activation_memory",
+    "parse_strategy",
     "plan_recompute",
 ]
 
-# What ``recompute=`` accepts besides ``None`` (store all) and a whole number k.
-_NAMES = ("full", "sqrt", "recompute-all")
+# The one recomputation vocabulary (the library, `modelpar train --recompute` and the cost model):
+#   "none"           store every activation (None means the same)
+#   "selective"      re-run only the attention core, QKᵀ · softmax · dropout · V (Korthikanti et al. 2022 §5):
+#                    a property of attention layers, not of a chain
+#   k (an int)       keep the input of every k-layer segment, re-run each segment once
+#   "sqrt"           k ≈ √n
+#   "full"           k = n: keep a stage's input only (GPipe's re-materialisation, Megatron's "full")
+#   "recompute-all"  keep the input only, re-run from it for every layer (O(1) memory, O(n²) compute)
+RECOMPUTE_NAMES = ("none", "selective", "full", "sqrt", "recompute-all")
 
 Strategy = None | int | str
-"""``None`` | ``k`` | ``"sqrt"`` | ``"full"`` | ``"recompute-all"`` (see ``plan_recompute``)."""
+"""A ``recompute=`` value: ``None`` (= ``"none"``), a layer count k, or one of ``RECOMPUTE_NAMES``."""
+
+
+def parse_strategy(text: str) -> Strategy:
+    """A command-line value: ``"4"`` -> 4, a name -> itself (lower case); anything else is a ValueError."""
+    value = str(text).strip().lower()
+    if value.isdigit():
+        return int(value)
+    if value not in RECOMPUTE_NAMES:
+        raise ValueError(f"recompute must be one of {{{', '.join(RECOMPUTE_NAMES)}}} or a positive integer k, "
+                         f"got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -72,21 +92,25 @@ def best_k(n: int) -> int:
 def plan_recompute(n: int, recompute: Strategy) -> RecomputePlan:
     """Resolve a ``recompute=`` option for a chain of ``n`` layers.
 
-    ``None``: store every intermediate. ``k`` (1..n): checkpoint every k layers.
+    ``None`` or ``"none"``: store every intermediate. ``k`` (1..n): checkpoint every k layers.
     ``"sqrt"``: k = ``best_k(n)`` ≈ √n. ``"full"``: k = n, keep only the chain's (stage's) input and
     re-run it once in backward (GPipe's re-materialisation, Megatron's "full").
     ``"recompute-all"``: keep only the input and re-run from it for every layer: O(1) memory, O(n²)
-    compute.
+    compute. ``"selective"`` lives inside attention layers, so a chain refuses it.
     """
     n = check_int("number of layers", n, minimum=1)
-    if recompute is None:
+    if recompute is None or recompute == "none":
         return RecomputePlan("store-all", n, n)
+    if recompute == "selective":
+        raise ValueError("recompute='selective' re-runs the attention core inside attention layers "
+                         "(ParallelAttention(recompute_core=True), or a model built with recompute='selective'); "
+                         "a chain of layers takes none, k, 'sqrt', 'full' or 'recompute-all'")
     if recompute == "recompute-all":
         return RecomputePlan("recompute-all", n, n)
     if recompute in ("full", "sqrt"):
         return RecomputePlan("every-k", n, n if recompute == "full" else best_k(n))
     if isinstance(recompute, bool) or not isinstance(recompute, int):
-        allowed = ", ".join(repr(name) for name in _NAMES)
+        allowed = ", ".join(repr(name) for name in RECOMPUTE_NAMES if name != "selective")
         raise ValueError(f"recompute must be None, an int k from 1 to {n}, or one of {allowed}; got {recompute!r}")
     return RecomputePlan("every-k", n, check_int(f"recompute (k, layers per segment of a {n}-layer chain)", recompute, 1, n))
 

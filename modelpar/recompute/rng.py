@@ -48,7 +48,7 @@ def replay(state: ForwardState) -> Iterator[None]:
     devices = [state.cuda_device] if state.cuda_device is not None else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         torch.set_rng_state(state.cpu_rng)
-        if state.cuda_rng is not None:
+        if state.cuda_rng is not None and state.cuda_device is not None:
             torch.cuda.set_rng_state(state.cuda_rng, state.cuda_device)
         if state.autocast_device is None:
             autocast: contextlib.AbstractContextManager = contextlib.nullcontext()

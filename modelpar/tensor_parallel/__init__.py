@@ -2,16 +2,18 @@
 
 Layers take ``group`` (a ProcessGroup, a 1-D DeviceMesh, or None for one process) and hold
 1/t of each split weight; with ``group=None`` they are the single-process reference modules
-with the same parameter names and shapes. ``load_full_state_dict`` / ``gather_full_state_dict``
-move weights between the two; ``comm_log`` records every collective.
+with the same parameter names and shapes. ``param_layout`` says where a shard sits in the full
+tensor; ``load_full_state_dict`` / ``gather_full_state_dict`` move weights between the two;
+``comm_log`` records the collectives issued inside it.
 """
 
-from modelpar.tensor_parallel._comm import set_shape_checks
 from modelpar.tensor_parallel.accounting import CommLog, CommRecord, comm_log
 from modelpar.tensor_parallel.attention import ParallelAttention
 from modelpar.tensor_parallel.collectives import (
     SEQUENCE_DIM,
     copy_to_tensor_parallel_region,
+    enter_column_parallel_region,
+    exit_row_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -21,9 +23,11 @@ from modelpar.tensor_parallel.collectives import (
 )
 from modelpar.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from modelpar.tensor_parallel.dropout import sliced_dropout
+from modelpar.tensor_parallel.kv_cache import KVCache
 from modelpar.tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     pad_vocab_size,
@@ -31,14 +35,14 @@ from modelpar.tensor_parallel.layers import (
 from modelpar.tensor_parallel.mlp import ParallelMLP
 from modelpar.tensor_parallel.sharding import (
     ParamLayout,
-    ShardSpec,
     TensorParallelModule,
     gather_full_state_dict,
     load_full_state_dict,
     param_layout,
+    set_shape_checks,
     shard_state_dict,
     shard_tensor,
-    sync_sequence_parallel_grads,
+    sync_tensor_parallel_grads,
     unshard_tensor,
 )
 from modelpar.tensor_parallel.splits import matmul_splits, mlp_splits
@@ -49,17 +53,20 @@ __all__ = [
     "ColumnParallelLinear",
     "CommLog",
     "CommRecord",
+    "KVCache",
     "LayerNorm",
     "ParallelAttention",
     "ParallelMLP",
     "ParallelTransformerLayer",
     "ParamLayout",
+    "RMSNorm",
     "RowParallelLinear",
-    "ShardSpec",
     "TensorParallelModule",
     "VocabParallelEmbedding",
     "comm_log",
     "copy_to_tensor_parallel_region",
+    "enter_column_parallel_region",
+    "exit_row_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "gather_full_state_dict",
@@ -76,7 +83,7 @@ __all__ = [
     "shard_state_dict",
     "shard_tensor",
     "sliced_dropout",
-    "sync_sequence_parallel_grads",
+    "sync_tensor_parallel_grads",
     "unshard_tensor",
     "vocab_parallel_cross_entropy",
 ]

@@ -17,14 +17,13 @@ from modelpar._tensor_meta import META_LEN, describe_meta, encode_meta
 from modelpar.tensor_parallel.accounting import record
 
 __all__ = ["all_gather", "all_reduce", "check_same_shape", "group_rank", "group_size",
-           "reduce_scatter", "resolve_group", "set_shape_checks", "split"]
+           "reduce_scatter", "resolve_group", "split"]
 
 # torch >= 2.11 renamed the tensor forms; keep working on older releases.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_shape_checks = True
 
 
 def resolve_group(group: Any) -> dist.ProcessGroup | None:
@@ -55,23 +54,16 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def set_shape_checks(enabled: bool) -> bool:
-    """Turn the cross-rank shape check before each forward collective on or off; returns the old setting.
+def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str,
+                     local_error: str | None = None, enabled: bool = True) -> None:
+    """Raise ValueError on every rank if ranks of ``group`` hold ``x`` with different shapes or dtypes,
+    or if any rank found ``local_error`` in its input (so one rank's bad input stops all, no hang).
 
     A collective whose ranks pass different shapes aborts gloo (and hangs NCCL); the check is one
-    all-gather of 11 integers that turns this into a ValueError on every rank.
+    all-gather of 11 integers. With ``enabled`` False only this rank's ``local_error`` is raised.
     """
-    global _shape_checks
-    old, _shape_checks = _shape_checks, bool(enabled)
-    return old
-
-
-def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str,
-                     local_error: str | None = None) -> None:
-    """Raise ValueError on every rank if ranks of ``group`` hold ``x`` with different shapes or dtypes,
-    or if any rank found ``local_error`` in its input (so one rank's bad input stops all, no hang)."""
     n = group_size(group)
-    if n == 1 or not _shape_checks:
+    if n == 1 or not enabled:
         if local_error:
             raise ValueError(local_error)
         return

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
-__all__ = ["CommLog", "CommRecord", "comm_log"]
+__all__ = ["CommLog", "CommRecord", "active_logs", "comm_log", "record", "resume_logs"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "shape_check")
 
@@ -75,24 +76,49 @@ class CommLog:
         return out
 
 
-# Active logs. A plain list, not thread-local: on GPUs autograd runs backward on its own threads.
-_ACTIVE: list[CommLog] = []
+# The logs open in this context (thread / task): a ``with comm_log()`` sees only its own context.
+_ACTIVE: ContextVar[tuple[CommLog, ...]] = ContextVar("modelpar_comm_logs", default=())
 
 
 @contextmanager
 def comm_log() -> Iterator[CommLog]:
-    """Record every tensor-parallel collective issued inside the ``with`` block (nesting allowed)."""
+    """Record every tensor-parallel collective issued inside the ``with`` block (nesting allowed).
+
+    The log is scoped to the block and to this thread: collectives of other threads (another
+    pipeline stage's worker) are not in it. A backward run where no log is open goes to the logs
+    that were open when its forward ran, so on CUDA, where autograd runs backward on a thread of
+    its own, a log around both forward and backward still sees both.
+    """
     log = CommLog()
-    _ACTIVE.append(log)
+    token = _ACTIVE.set((*_ACTIVE.get(), log))
     try:
         yield log
     finally:
-        _ACTIVE.remove(log)
+        _ACTIVE.reset(token)
+
+
+def active_logs() -> tuple[CommLog, ...]:
+    """The logs open here; an autograd Function keeps them from its forward for ``resume_logs``."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def resume_logs(logs: tuple[CommLog, ...]) -> Iterator[None]:
+    """In a backward: record into ``logs`` (the forward's) if no log is open in this thread."""
+    if _ACTIVE.get() or not logs:
+        yield
+        return
+    token = _ACTIVE.set(logs)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def record(kind: str, phase: str, numel: int, itemsize: int, group_size: int, op: str = "sum") -> None:
-    """Add one collective to every active log (a no-op when none is active)."""
-    if _ACTIVE:
+    """Add one collective to every open log (a no-op when none is open)."""
+    logs = _ACTIVE.get()
+    if logs:
         rec = CommRecord(kind, phase, int(numel), int(numel) * itemsize, group_size, op)
-        for log in _ACTIVE:
+        for log in logs:
             log.records.append(rec)

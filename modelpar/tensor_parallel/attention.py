@@ -1,9 +1,19 @@
-"""Causal multi-head self-attention split by heads (§5.3; Megatron §3, Fig. 3b).
+"""Causal self-attention split by heads (§5.3; Megatron §3, Fig. 3b), multi-head or grouped-query.
 
-Wqkv is column-parallel with its q, k and v blocks split separately, so rank i holds heads
-[i·a/t, (i+1)·a/t) of each and attends with them alone; Wo is row-parallel and takes the
-heads' outputs as its already-split input, so the block needs one all-reduce forward (g) and
-one backward (f). The number of heads must be divisible by t.
+Query heads are split across the t ranks: rank i holds heads [i·a/t, (i+1)·a/t) and attends with
+them alone; Wo is row-parallel and takes the heads' outputs as its already-split input, so the
+block needs one all-reduce forward (g) and one backward (f). Two layouts:
+
+- multi-head (``kv_heads=None``, GPT-2): one fused ``qkv`` = [Wq; Wk; Wv], each block split by heads;
+- grouped-query (``kv_heads`` = g, Llama; Ainslie et al. 2023): ``q`` and a fused ``kv`` = [Wk; Wv]
+  behind one shared f. Query head j uses key/value head j // (a/g). With g ≥ t the g heads are
+  split across ranks like the queries; with t > g (t divisible by g) each key/value head is
+  replicated on the t/g consecutive ranks whose query heads use it, and its gradient, computed
+  by each replica from its own query heads only, is summed over them (``sync_tensor_parallel_grads``).
+
+Options: rotary position embedding (``rope_theta``), a KV cache for decoding (``cache``) and
+selective recomputation (``recompute_core``: keep q, k, v and re-run QKᵀ, softmax, dropout and ·V
+in backward — Korthikanti et al. 2022 §5).
 """
 
 from __future__ import annotations
@@ -17,21 +27,35 @@ from torch import nn
 
 from modelpar._validate import check_divisible, check_int, check_number
 from modelpar.tensor_parallel._comm import group_rank, group_size, resolve_group
+from modelpar.tensor_parallel.collectives import enter_column_parallel_region
 from modelpar.tensor_parallel.dropout import sliced_dropout
+from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import T_NAME, ColumnParallelLinear, RowParallelLinear
+from modelpar.tensor_parallel.rotary import apply_rotary, rotary_angles
 
-__all__ = ["ParallelAttention"]
+__all__ = ["ParallelAttention", "kv_layout"]
+
+
+def kv_layout(kv_heads: int, t: int) -> tuple[int, int]:
+    """(key/value heads per rank, ranks holding each) for ``kv_heads`` heads over t ranks."""
+    check_int("kv_heads", kv_heads, minimum=1)
+    if kv_heads % t and t % kv_heads:
+        raise ValueError(f"kv_heads ({kv_heads}) and the tensor-parallel size t ({t}) must divide one another "
+                         "(split the key/value heads when kv_heads >= t, replicate them when t > kv_heads)")
+    return max(1, kv_heads // t), max(1, t // kv_heads)
 
 
 class ParallelAttention(nn.Module):
-    """qkv (column, h → 3h/t, chunks = 3) → causal attention over a/t heads → proj (row, h/t → h).
+    """q, k, v (column-parallel) → causal attention over a/t heads → proj (row, h/t → h).
 
     Input and output [b, s, h], or sequence shards [b, s/t, h] with ``sequence_parallel``.
     ``dropout`` acts on the attention probabilities (same mask as one process: see dropout.py).
     """
 
-    def __init__(self, hidden: int, heads: int, dropout: float = 0.0, bias: bool = True, group: Any = None,
-                 sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int | None = None, dropout: float = 0.0,
+                 bias: bool = True, rope_theta: float | None = None, recompute_core: bool = False,
+                 group: Any = None, sequence_parallel: bool = False, device: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
         self.hidden = check_int("hidden", hidden, minimum=1)
@@ -41,22 +65,75 @@ class ParallelAttention(nn.Module):
         self.dropout = check_number("dropout", dropout)
         if self.dropout >= 1.0:
             raise ValueError(f"dropout must be < 1, got {dropout}")
+        self.rope_theta = None if rope_theta is None else check_number("rope_theta", rope_theta, strict=True)
+        self.recompute_core, self.sequence_parallel, self.group = recompute_core, sequence_parallel, group
         self.rank, self.world = group_rank(group), group_size(group)
         self.local_heads, self.head_dim = heads // self.world, hidden // heads
         kw = {"group": group, "sequence_parallel": sequence_parallel, "device": device, "dtype": dtype}
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, chunks=3, **kw)
+        self.qkv: ColumnParallelLinear | None = None
+        self.q: ColumnParallelLinear | None = None
+        self.kv: ColumnParallelLinear | None = None
+        if kv_heads is None:
+            self.local_kv_heads = self.local_heads
+            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, bias=bias, blocks=3, **kw)
+        else:
+            check_divisible("heads", heads, "kv_heads", check_int("kv_heads", kv_heads, minimum=1))
+            self.local_kv_heads, replicas = kv_layout(kv_heads, self.world)
+            self.q = ColumnParallelLinear(hidden, hidden, bias=bias, input_collective=False, **kw)
+            self.kv = ColumnParallelLinear(hidden, 2 * kv_heads * self.head_dim, bias=bias, blocks=2,
+                                           replicas=replicas, input_collective=False, **kw)
         self.proj = RowParallelLinear(hidden, hidden, bias=bias, input_is_parallel=True, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # [b, s, 3h/t] = [q_i | k_i | v_i]
-        b, s = qkv.shape[0], qkv.shape[1]
-        q, k, v = (u.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for u in qkv.chunk(3, dim=-1))
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q [b, s, a/t·d], k and v [b, s, g/t·d] (one f or ḡ in front of all three)."""
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return q, k, v
+        assert self.q is not None and self.kv is not None
+        x = enter_column_parallel_region(x, self.group, self.sequence_parallel, self.q.check_shapes)
+        k, v = self.kv(x).chunk(2, dim=-1)
+        return self.q(x), k, v
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        q, k, v = self._project(x)
+        b, s = q.shape[0], q.shape[1]
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # [b, a/t, s, d]
+        k, v = (u.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2) for u in (k, v))
+        start = cache.pos if cache is not None else 0
+        if self.rope_theta is not None:
+            positions = torch.arange(start, start + s, device=q.device)
+            cos, sin = rotary_angles(positions, self.head_dim, self.rope_theta, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        if self.recompute_core and torch.is_grad_enabled():
+            from modelpar.recompute import recompute_function
+
+            y = recompute_function(self.core, q, k, v)
+        else:
+            y = self.core(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q·kᵀ/√d, causal)·v for this rank's heads; q's s positions are the last of k's.
+
+        Key/value heads are repeated for the query heads that share them. This is the part
+        selective recomputation re-runs: its s² scores and probabilities are never kept.
+        """
+        if self.local_heads != k.shape[1]:
+            k, v = (u.repeat_interleave(self.local_heads // k.shape[1], dim=1) for u in (k, v))
+        s_q, s_k = q.shape[2], k.shape[2]
         p = self.dropout if self.training else 0.0
         if p == 0.0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # explicit, so the probabilities' dropout mask can be the single-process one (heads: dim 1)
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-            probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-            y = sliced_dropout(probs, p, True, dim=1, rank=self.rank, world=self.world) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+            if s_q == s_k:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(s_q, s_k, q.device))
+        # explicit, so the probabilities' dropout mask can be the single-process one (heads: dim 1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        probs = scores.masked_fill(~_causal(s_q, s_k, q.device), float("-inf")).softmax(dim=-1)
+        return sliced_dropout(probs, p, True, dim=1, rank=self.rank, world=self.world) @ v
+
+
+def _causal(s_q: int, s_k: int, device: torch.device) -> torch.Tensor:
+    """[s_q, s_k] True where query i (position s_k − s_q + i) may attend to key j."""
+    return torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)

@@ -3,8 +3,8 @@
 ``ColumnParallelLinear`` splits Y = X·A by the columns of A (rank i holds A_i, computes X·A_i);
 ``RowParallelLinear`` splits A by rows and X by columns (rank i computes X_i·A_i, a partial sum,
 and g adds them up; the bias is added once, after the sum). ``VocabParallelEmbedding`` splits
-the vocabulary (rank i looks up only its ids, zeros elsewhere, then g). ``LayerNorm`` is the
-replicated LayerNorm, marked so that sequence parallelism sums its gradients.
+the vocabulary (rank i looks up only its ids, zeros elsewhere, then g). ``LayerNorm`` and
+``RMSNorm`` are replicated, marked so that sequence parallelism sums their gradients.
 
 Weights use ``nn.Linear``/``nn.Embedding`` layouts and names, so with ``group=None`` (t = 1)
 these layers are drop-in single-process references with the same state dict.
@@ -22,9 +22,9 @@ from torch import nn
 from modelpar._validate import check_divisible, check_int
 from modelpar.tensor_parallel import collectives as C
 from modelpar.tensor_parallel._comm import check_same_shape
-from modelpar.tensor_parallel.sharding import ShardSpec, TensorParallelModule
+from modelpar.tensor_parallel.sharding import TensorParallelModule
 
-__all__ = ["ColumnParallelLinear", "LayerNorm", "RowParallelLinear", "VocabParallelEmbedding", "pad_vocab_size"]
+__all__ = ["ColumnParallelLinear", "LayerNorm", "RMSNorm", "RowParallelLinear", "VocabParallelEmbedding", "pad_vocab_size"]
 
 T_NAME = "the tensor-parallel size t"
 
@@ -33,43 +33,48 @@ class ColumnParallelLinear(TensorParallelModule):
     """Y = X·A + b with A split by columns: this rank holds ``out_features / t`` outputs.
 
     Input: the full X, replicated (f in front: identity forward, all-reduce backward), or with
-    ``sequence_parallel`` this rank's sequence shard [b, s/t, in] (all-gathered first).
-    Output: this rank's columns [..., out/t], or all of them with ``gather_output``.
-    ``chunks`` = 3 for a fused [Wq; Wk; Wv]: each block is split separately, so a rank holds
-    whole heads of q, k and v.
+    ``sequence_parallel`` this rank's sequence shard [b, s/t, in] (all-gathered first); with
+    ``input_collective=False`` the caller has applied f / ḡ already (``enter_column_parallel_region``),
+    so several column layers reading one input share it. Output: this rank's columns [..., out/t],
+    or all of them with ``gather_output``.
+    ``blocks`` = 3 for a fused [Wq; Wk; Wv]: each block is split separately, so a rank holds
+    whole heads of q, k and v. ``replicas`` = r: only t/r distinct shards, each held by r
+    consecutive ranks (key/value heads of grouped-query attention when t exceeds them).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group: Any = None, sequence_parallel: bool = False, chunks: int = 1,
-                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 group: Any = None, sequence_parallel: bool = False, blocks: int = 1, replicas: int = 1,
+                 input_collective: bool = True, device: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._init_tensor_parallel(group)
         self.in_features = check_int("in_features", in_features, minimum=1)
         self.out_features = check_int("out_features", out_features, minimum=1)
-        chunks = check_int("chunks", chunks, minimum=1)
-        check_divisible("out_features", out_features, f"chunks * t = {chunks} * {self.tp_world}" if chunks > 1
-                        else T_NAME, chunks * self.tp_world)
-        if gather_output and chunks > 1:
-            raise ValueError("gather_output=True needs chunks=1 (gathered fused blocks would interleave)")
+        blocks = check_int("blocks", blocks, minimum=1)
+        replicas = check_int("replicas", replicas, minimum=1)
+        check_divisible(T_NAME, self.tp_world, "replicas", replicas)
+        shards = self.tp_world // replicas
+        check_divisible("out_features", out_features, f"blocks * shards = {blocks} * {shards}"
+                        if blocks > 1 or replicas > 1 else T_NAME, blocks * shards)
+        if gather_output and (blocks > 1 or replicas > 1):
+            raise ValueError("gather_output=True needs blocks=1 and replicas=1 (gathered shards would interleave)")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.input_collective = input_collective
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features // self.tp_world, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features // self.tp_world, **factory)) if bias else None
-        self._set_spec("weight", ShardSpec(0, chunks))
-        self._set_spec("bias", ShardSpec(0, chunks))
+        self.weight = nn.Parameter(torch.empty(out_features // shards, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features // shards, **factory)) if bias else None
+        self._set_layout("weight", 0, blocks, replicas)
+        self._set_layout("bias", 0, blocks, replicas)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """nn.Linear's U(−1/√in, 1/√in) on this shard (for a t-independent init use ``shard_tensor``)."""
+        """nn.Linear's U(−1/√in, 1/√in) on this shard (for a t-independent init use ``ParamLayout.shard_of``)."""
         _uniform_init(self.weight, self.bias, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = C.gather_from_sequence_parallel_region(x, self.group)
-        else:
-            x = C.copy_to_tensor_parallel_region(x, self.group)
+        if self.input_collective:
+            x = C.enter_column_parallel_region(x, self.group, self.sequence_parallel, self.check_shapes)
         y = F.linear(x, self.weight, self.bias)
-        return C.gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+        return C.gather_from_tensor_parallel_region(y, self.group, self.check_shapes) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (/{self.tp_world}), "
@@ -99,8 +104,8 @@ class RowParallelLinear(TensorParallelModule):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_world, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
-        self._set_spec("weight", ShardSpec(1))
-        self._set_spec("bias", ShardSpec(None, sequence_parallel=sequence_parallel))
+        self._set_layout("weight", 1)
+        self._set_layout("bias", None, sequence_parallel=sequence_parallel)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -110,11 +115,7 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = C.scatter_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = C.reduce_scatter_to_sequence_parallel_region(y, self.group)
-        else:
-            y = C.reduce_from_tensor_parallel_region(y, self.group)
+        y = C.exit_row_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel, self.check_shapes)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -133,14 +134,18 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     Each rank looks up the ids in its range, writes zeros for the others, and g sums the t
     partial lookups (with ``sequence_parallel``: reduce-scatter to [b, s/t, h] instead).
+    ``vocab_size``: the ids a tokenizer produces when the table is padded beyond them
+    (default ``num_embeddings``); larger ids are refused like ids past the table.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
-                 sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
+                 sequence_parallel: bool = False, vocab_size: int | None = None, device: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._init_tensor_parallel(group)
         self.num_embeddings = check_int("num_embeddings", num_embeddings, minimum=1)
         self.embedding_dim = check_int("embedding_dim", embedding_dim, minimum=1)
+        self.vocab_size = num_embeddings if vocab_size is None else check_int("vocab_size", vocab_size, 1, num_embeddings)
         if num_embeddings % self.tp_world:
             raise ValueError(f"num_embeddings ({num_embeddings}) must be divisible by {T_NAME} ({self.tp_world}); "
                              f"pad the vocabulary as Megatron does: pad_vocab_size({num_embeddings}, "
@@ -149,23 +154,21 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.per_rank = num_embeddings // self.tp_world
         self.vocab_start = self.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
-        self._set_spec("weight", ShardSpec(0))
+        self._set_layout("weight", 0)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.num_embeddings))
+        check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.vocab_size), self.check_shapes)
         if self.tp_world == 1:
             out = F.embedding(ids, self.weight)
             return C.scatter_to_sequence_parallel_region(out, self.group) if self.sequence_parallel else out
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.per_rank)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return C.reduce_scatter_to_sequence_parallel_region(out, self.group)
-        return C.reduce_from_tensor_parallel_region(out, self.group)
+        return C.exit_row_parallel_region(out, self.group, self.sequence_parallel, self.check_shapes)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings} (/{self.tp_world}), {self.embedding_dim}"
@@ -173,7 +176,7 @@ class VocabParallelEmbedding(TensorParallelModule):
 
 class LayerNorm(nn.LayerNorm, TensorParallelModule):
     """``nn.LayerNorm``, replicated on every rank (§5.4). With ``sequence_parallel`` it normalises
-    a sequence shard, so γ and β are marked for ``sync_sequence_parallel_grads``."""
+    a sequence shard, so γ and β are marked for ``sync_tensor_parallel_grads``."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-5, group: Any = None,
                  sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
@@ -181,7 +184,28 @@ class LayerNorm(nn.LayerNorm, TensorParallelModule):
         self._init_tensor_parallel(group)
         self.sequence_parallel = sequence_parallel
         for name in ("weight", "bias"):
-            self._set_spec(name, ShardSpec(None, sequence_parallel=sequence_parallel))
+            self._set_layout(name, None, sequence_parallel=sequence_parallel)
+
+
+class RMSNorm(nn.RMSNorm, TensorParallelModule):
+    """``nn.RMSNorm`` (Zhang & Sennrich 2019; Llama): x / √(mean(x²) + ε) · γ, no mean, no β.
+
+    Replicated like ``LayerNorm``; γ is marked for ``sync_tensor_parallel_grads`` under sequence
+    parallelism. Hugging Face's Llama computes it the same way (float32 for 16-bit inputs).
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, group: Any = None,
+                 sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
+        self._init_tensor_parallel(group)
+        self.sequence_parallel = sequence_parallel
+        self._set_layout("weight", None, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        eps = torch.finfo(wide.dtype).eps if self.eps is None else self.eps
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def token_ids_error(name: str, ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> str | None:

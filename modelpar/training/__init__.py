@@ -1,11 +1,10 @@
-"""3D-parallel GPT training (§6): tensor × pipeline × data parallelism, checkpoints, the loop."""
+"""3D-parallel training of GPT- and Llama-style models (§6): tensor × pipeline × data parallelism, checkpoints, the loop."""
 
-from modelpar.training.config import RECOMPUTE_CHOICES, SCHEDULE_CHOICES, TrainConfig
+from modelpar.training.config import SCHEDULE_CHOICES, TrainConfig
 from modelpar.training.grads import GradSync, all_reduce_buckets, param_groups
 from modelpar.training.loop import TrainResult, lr_at, train
 
 __all__ = [
-    "RECOMPUTE_CHOICES",
     "SCHEDULE_CHOICES",
     "GradSync",
     "TrainConfig",

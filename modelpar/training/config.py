@@ -12,12 +12,12 @@ from typing import Any
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
+from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
 
-__all__ = ["PREEMPT_SIGNALS", "RECOMPUTE_CHOICES", "SCHEDULE_CHOICES", "TrainConfig"]
+__all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-RECOMPUTE_CHOICES = ("none", "full")  # or a positive integer k: a checkpoint every k layers
 DTYPES = ("float32", "float64")
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
@@ -26,7 +26,7 @@ PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 class TrainConfig:
     """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # the GPT to train
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model to train (GPT or Llama style)
     data: DataConfig = field(default_factory=DataConfig)  # the text and its tokenizer (default: shipped, bytes)
     tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
     pp: int = 2  # p: pipeline stages
@@ -35,7 +35,7 @@ class TrainConfig:
     chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
     microbatches: int = 4  # m: micro-batches per replica per step
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
-    recompute: str = "none"  # activation recomputation per stage: none, full, or k (every k layers)
+    recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
     sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
     pipeline_gloo: bool = False  # under NCCL: pipeline messages over gloo, staged through host memory
     steps: int = 300  # optimizer steps
@@ -57,15 +57,16 @@ class TrainConfig:
     preempt_signal: str = "SIGTERM"  # asks for a checkpoint at the next step, then an exit (docs/stopping.md)
     preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
     skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
+    init_from: str | None = None  # a Hugging Face Llama directory whose weights the run starts from
 
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
 
     @property
-    def recompute_arg(self) -> str | int | None:
-        """The ``recompute=`` argument of the layer chain: None, "full" or k."""
-        return None if self.recompute == "none" else ("full" if self.recompute == "full" else int(self.recompute))
+    def recompute_arg(self) -> Strategy:
+        """The model's ``recompute=`` argument: a name of ``RECOMPUTE_NAMES`` or k."""
+        return parse_strategy(self.recompute)
 
     @property
     def tokens_per_step(self) -> int:
@@ -95,11 +96,11 @@ class TrainConfig:
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         check_number("preempt_grace", self.preempt_grace)
-        if self.recompute not in RECOMPUTE_CHOICES:
-            if not str(self.recompute).isdigit():
-                raise ValueError(f"recompute must be one of {{none, full}} or a positive integer k, "
-                                 f"got {self.recompute!r}")
-            check_int("recompute", int(self.recompute), minimum=1, maximum=self.model.layers // (self.pp * v))
+        recompute = parse_strategy(self.recompute)
+        if isinstance(recompute, int):
+            check_int("recompute", recompute, minimum=1, maximum=self.model.layers // (self.pp * v))
+        elif recompute != "selective":
+            plan_recompute(max(1, self.model.layers // (self.pp * v)), recompute)
         check_divisible("batch_size", self.batch_size, "dp", self.dp)
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule == "interleaved":
@@ -108,6 +109,10 @@ class TrainConfig:
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
+        if self.init_from is not None:
+            from modelpar.hf import check_init_from
+
+            check_init_from(self.model, self.init_from)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -118,7 +123,7 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
         if isinstance(values.get("model"), dict):
-            values["model"] = ModelConfig(**values["model"])
+            values["model"] = ModelConfig.from_dict(values["model"])
         if isinstance(values.get("data"), dict):
             values["data"] = DataConfig(**{**values["data"], "paths": tuple(values["data"].get("paths", ()))})
         return cls(**values)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar.checkpoint import ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
-from modelpar.model import GPTLoss, build_stage
+from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
@@ -59,6 +59,8 @@ class TrainResult:
     bubble_simulated: float | None = None  # the simulator's bubble with the measured action costs
     bubble_ideal: float | None = None  # the simulator's bubble with equal stages, F = 1, B = 2
     num_parameters: int = 0
+    flops_per_token: float = 0.0  # model FLOPs per trained token (ModelConfig.flops_per_token)
+    device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
@@ -114,11 +116,15 @@ class _Run:
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
                                        dtype=self.dtype, device=rs.device)
                         for s in self.schedule.stages_on(rs.pp_rank)}
-        self.runner = PipelineRunner(self.schedule, self.modules, GPTLoss(rs.tp_group), group=rs.pp_group,
-                                     timeout=rs.timeout)
+        if cfg.init_from is not None:
+            from modelpar.hf import load_hf_shards
+
+            for module in self.modules.values():
+                load_hf_shards(module, cfg.init_from)
+        self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group)
+        self.runner = PipelineRunner(self.schedule, self.modules, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
         self.sync = GradSync(list(self.modules.values()), rs.tp_group, rs.dp_group, rs.embed_group, rs.tp_rank,
-                             rs.dp_rank, cfg.dp, cfg.sequence_parallel,
-                             tied_split=cfg.model.tie_embeddings and stages > 1)
+                             rs.dp_rank, cfg.dp, tied_split=cfg.model.tie_embeddings and stages > 1)
         self.optimizer = torch.optim.AdamW(param_groups(self.sync.params, cfg.weight_decay), lr=cfg.lr,
                                            betas=(0.9, 0.95), eps=1e-8)
         init_optimizer_state(self.optimizer)
@@ -128,6 +134,8 @@ class _Run:
         torch.set_rng_state(self.rng)
         self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
                                   num_parameters=cfg.model.num_parameters(),
+                                  flops_per_token=cfg.model.flops_per_token(),
+                                  device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
                                   unigram_baseline=self.corpus.unigram_baseline(),
                                   tokens_per_byte=self.corpus.tokens_per_byte)
         self.first = rs.pp_rank == self.schedule.device_of(0)
@@ -228,12 +236,13 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         run.emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": run.result.num_parameters,
                   "unigram": run.result.unigram_baseline, "unigram_bpb": run.result.bits_per_byte(run.result.unigram_baseline),
                   "losses": list(run.result.losses)})
-    checks = None
     try:
         for step in range(start, cfg.steps):
             verdict = run.step(step)
-            if checks is None:  # the first step checked every shape across ranks; later ones repeat it
-                checks = set_shape_checks(False)
+            if step == start:  # the first step checked every shape across ranks; later ones repeat it
+                for module in run.modules.values():
+                    set_shape_checks(module, False)
+                run.loss_fn.check_shapes = False
             done = step + 1
             if verdict.stop:
                 run.result.stop = run.stop_after(verdict, done)
@@ -252,8 +261,6 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
             if done > start:
                 run.save(done)
     finally:
-        if checks is not None:
-            set_shape_checks(checks)
         directory.close()
     run.result.skipped_steps = stop.skipped
     _bubbles(run.result, run.schedule, run.timelines)

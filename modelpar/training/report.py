@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["Display", "EventFile", "plot_losses", "summary_table"]
+__all__ = ["Display", "EventFile", "peak_tflops_of", "plot_losses", "summary_table"]
 
 
 class EventFile:
@@ -78,6 +78,19 @@ class Display:
         if self.task is not None:
             self.progress.stop()
             self.task = None
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """Dense 16-bit peak TFLOP/s of a known GPU, by its CUDA name (the cost model's presets); else None."""
+    from modelpar.costmodel.presets import GPUS
+
+    name = device_name.upper()
+    if "PCIE" in name:  # PCIe parts run at lower clocks than the SXM presets
+        return None
+    for key, preset in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
+        if key in name:
+            return GPUS[preset].gpu.peak_tflops
+    return None
 
 
 def summary_table(rows: list[tuple[str, str]], title: str = "modelpar train") -> Table:

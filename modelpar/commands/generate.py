@@ -1,0 +1,77 @@
+"""``modelpar generate``: sample a continuation from a trained model on one process (CPU or GPU).
+
+The model comes from a checkpoint directory, an export (``modelpar export``: model.safetensors,
+or the folder holding it) or a Hugging Face Llama directory (config.json + safetensors); text goes
+in and out through the tokenizer.json beside it, or bytes when there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="sample a continuation of a prompt from a trained model (KV cache)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("model", metavar="CHECKPOINT_DIR_OR_EXPORT",
+                   help="a --checkpoint-dir (its newest checkpoint) or one step_N in it, an export "
+                        "(model.safetensors or its folder), or a Hugging Face Llama directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws: the same seed, the same text")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.set_defaults(func=run)
+
+
+def _load(path: Path, device: Any) -> tuple[Any, Path]:
+    """The model at ``path`` and the folder where its tokenizer.json would be."""
+    import tempfile
+
+    from modelpar import hf
+    from modelpar.export import checkpoint_path, export_checkpoint, load_model
+
+    if path.is_file():
+        return load_model(path, device=device), path.parent
+    if (path / "model.safetensors").is_file() and not (path / hf.CONFIG).is_file():
+        return load_model(path / "model.safetensors", device=device), path
+    if (path / hf.CONFIG).is_file():
+        return hf.load_hf(path, device=device).eval(), path
+    checkpoint = checkpoint_path(path)  # a ValueError if it is not one either
+    with tempfile.TemporaryDirectory(prefix="modelpar-generate-") as tmp:
+        export_checkpoint(checkpoint, Path(tmp) / "model.safetensors")
+        return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from modelpar._validate import check_int, check_number
+    from modelpar.generate import generate
+    from modelpar.text import load_tokenizer
+
+    check_int("--max-new-tokens", args.max_new_tokens, minimum=0)
+    check_number("--temperature", args.temperature)
+    if args.top_k is not None:
+        check_int("--top-k", args.top_k, minimum=1)
+    check_int("--seed", args.seed, minimum=0)
+    if not args.prompt:
+        raise ValueError("--prompt must not be empty")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    path = Path(args.model)
+    if not path.exists():
+        raise ValueError(f"{str(path)!r} does not exist")
+    model, folder = _load(path, device)
+    tokenizer = load_tokenizer(folder)  # the tokenizer.json beside the model, or bytes
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
+    tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed)
+    if tokenizer.eos_id in tokens:  # the end of a document: stop there
+        tokens = tokens[:tokens.index(tokenizer.eos_id)]
+    print(args.prompt + tokenizer.decode(tokens))
+    return 0

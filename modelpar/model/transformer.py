@@ -1,0 +1,152 @@
+"""The model built from the tensor-parallel layers, split into pipeline stages by hand (§3.4, §6).
+
+    tokens ─► embed (VocabParallelEmbedding [+ learned positions, gpt]) ─► layers 0..L-1
+           ─► norm (final LayerNorm / RMSNorm) ─► head (ColumnParallelLinear over the padded
+              vocabulary, V/t per rank) ─► vocab_parallel_cross_entropy (§5.5: logits never gathered)
+
+Pre-norm layers with causal attention (``modelpar.tensor_parallel.ParallelTransformerLayer``),
+GPT-2 or Llama style (``ModelConfig.arch``). Splitting follows §3.4: build the whole model on the
+meta device (no memory), delete what a stage does not hold (``layers`` is a ModuleDict keyed by
+the global layer index, and ``embed``, ``norm``, ``head`` may be None), then materialise the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelpar._validate import check_divisible, check_int
+from modelpar.model.config import ModelConfig
+from modelpar.recompute.plan import Strategy, plan_recompute
+from modelpar.tensor_parallel import (
+    ColumnParallelLinear,
+    KVCache,
+    LayerNorm,
+    ParallelTransformerLayer,
+    RMSNorm,
+    TensorParallelModule,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = ["LMLoss", "TokenEmbedding", "Transformer", "split_stage", "stage_layers"]
+
+
+class TokenEmbedding(TensorParallelModule):
+    """Token embedding split by vocabulary (§5.5), plus learned positions (gpt), replicated.
+
+    With sequence parallelism the lookup is reduce-scattered along the sequence and each rank
+    adds the positions of its own s/t tokens (so their gradient is summed over the group).
+    """
+
+    def __init__(self, cfg: ModelConfig, group: Any, sequence_parallel: bool, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self._init_tensor_parallel(group)
+        self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden, group=group,
+                                           sequence_parallel=sequence_parallel, vocab_size=cfg.vocab_size, dtype=dtype)
+        self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype)) if cfg.arch == "gpt" else None
+        self._set_layout("pos", None, sequence_parallel=sequence_parallel)
+        self.seq_len, self.sequence_parallel = cfg.seq_len, sequence_parallel
+
+    def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Ids [b, s] at positions start … start + s − 1 → [b, s, h] (sequence parallel: [b, s/t, h])."""
+        if ids.dim() != 2 or start + ids.shape[1] > self.seq_len:
+            raise ValueError(f"token ids must be [batch, seq] with seq <= seq_len ({self.seq_len - start}), "
+                             f"got shape {tuple(ids.shape)}")
+        x = self.word(ids)
+        if self.pos is None:
+            return x
+        if self.sequence_parallel:  # this rank's tokens are [r·s/t, (r+1)·s/t)
+            start += self.tp_rank * x.shape[1]
+        return x + self.pos[start:start + x.shape[1]]
+
+
+class Transformer(nn.Module):
+    """The model, or one pipeline stage of it (``split_stage``): absent parts are None / missing layers.
+
+    ``group``: the tensor-parallel group (None: one process). ``recompute``: activation
+    recomputation (``modelpar.recompute.RECOMPUTE_NAMES``): ``"selective"`` re-runs every
+    attention core, the others (k, "full", ...) checkpoint this module's chain of layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, group: Any = None, sequence_parallel: bool = False,
+                 recompute: Strategy = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        selective = recompute == "selective"
+        self.recompute = None if (selective or recompute == "none") else recompute
+        if self.recompute is not None:
+            plan_recompute(cfg.layers, self.recompute)  # a bad name fails here, before any work
+        llama = cfg.arch == "llama"
+        kw: dict[str, Any] = {"group": group, "sequence_parallel": sequence_parallel, "dtype": dtype}
+        self.embed: TokenEmbedding | None = TokenEmbedding(cfg, group, sequence_parallel, dtype)
+        self.layers = nn.ModuleDict({
+            str(i): ParallelTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn_hidden, eps=cfg.norm_eps, llama=llama,
+                                             kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
+                                             recompute_core=selective, **kw)
+            for i in range(cfg.layers)})
+        self.norm: nn.Module | None = (RMSNorm if llama else LayerNorm)(cfg.hidden, eps=cfg.norm_eps, **kw)
+        self.head: ColumnParallelLinear | None = ColumnParallelLinear(cfg.hidden, cfg.padded_vocab_size, bias=False, **kw)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.word.weight  # the same [V/t, h] shard layout
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states [b, s(/t), h] in; hidden states or this rank's
+        vocabulary block of the logits [b, s, V/t] (last stage) out. ``cache``: decode on a whole
+        model, the ids being the positions after those already cached."""
+        start = 0 if cache is None else cache.pos
+        if self.embed is not None:
+            x = self.embed(x, start)
+        if cache is not None:
+            for index, layer in self.layers.items():
+                x = layer(x, cache.layer(int(index)))
+            cache.advance(x.shape[1])
+        elif self.recompute is None or not len(self.layers):
+            for layer in self.layers.values():
+                x = layer(x)
+        else:
+            from modelpar.recompute import recompute_sequential
+
+            x = recompute_sequential(list(self.layers.values()), x, self.recompute)
+        if self.head is not None:
+            assert self.norm is not None
+            x = self.head(self.norm(x))
+        return x
+
+
+class LMLoss:
+    """Mean next-token cross entropy of vocabulary-parallel logits, padded ids masked: the last stage's loss_fn."""
+
+    def __init__(self, vocab_size: int, group: Any = None) -> None:
+        self.vocab_size, self.group = vocab_size, group
+        self.check_shapes = True  # the cross-rank shape check (a training loop turns it off after step 1)
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.group, vocab_size=self.vocab_size,
+                                            check_shapes=self.check_shapes)
+
+
+def stage_layers(cfg: ModelConfig, stage: int, num_stages: int) -> range:
+    """Global indices of the layers of (virtual) stage ``stage``: L / num_stages consecutive ones."""
+    check_divisible("layers", cfg.layers, "the number of pipeline stages (pp * chunks)", num_stages)
+    check_int("stage", stage, minimum=0, maximum=num_stages - 1)
+    per = cfg.layers // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
+    """Keep only what (virtual) stage ``stage`` of ``num_stages`` holds, in place (§3.4).
+
+    The first stage keeps the embedding, the last the final norm and the head. A tied
+    head on a last stage without the embedding keeps the weight as its own parameter.
+    """
+    keep = {str(i) for i in stage_layers(model.cfg, stage, num_stages)}
+    for name in [n for n in model.layers if n not in keep]:
+        del model.layers[name]
+    if stage != 0:
+        model.embed = None
+    if stage != num_stages - 1:
+        model.norm = model.head = None
+    return model
