@@ -12,7 +12,7 @@ start to its rounded end, but always at least one, and never one already taken b
 before it (it starts at the next free cell instead). So every action of non-zero length shows,
 even one much shorter than a cell (measured runs); a row squeezed that way runs late by a cell
 or so until the next idle gap absorbs it, and the chart widens if it cannot. Timelines whose
-times fall on cells (simulated ones with ``auto_unit``) are drawn exactly as before.
+times fall on cells (simulated ones with ``auto_unit``) are drawn exactly: one cell per unit.
 Zero-length actions take no time and get no cell.
 """
 
