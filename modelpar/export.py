@@ -26,7 +26,7 @@ from torch import nn
 from modelpar.checkpoint import MARKER, latest_checkpoint, read_full_tensors, read_meta
 from modelpar.model import ModelConfig, build_stage
 
-__all__ = ["EXPORT_FORMAT", "checkpoint_path", "export_checkpoint", "load_model"]
+__all__ = ["EXPORT_FORMAT", "checkpoint_path", "export_checkpoint", "load_model", "save_safetensors"]
 
 EXPORT_FORMAT = "modelpar"  # the safetensors metadata "format"
 CONFIG = "model.json"
@@ -49,24 +49,36 @@ def checkpoint_path(path: str | os.PathLike) -> Path:
     return found
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, metadata: dict[str, str]) -> None:
+    """Write ``tensors`` to ``out`` atomically (a temporary file renamed), readable as any new file.
+
+    safetensors creates its files private (mode 0600); an exported model is meant to be shared,
+    so it gets the permissions the user's umask gives new files.
+    """
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> list[Path]:
     """Write the whole model of ``checkpoint`` (a checkpoint directory or one ``step_N`` in it) to ``out``.
 
     Returns the files written: ``out``, ``model.json`` beside it, and ``tokenizer.json`` if the
     checkpoint directory holds one. Nothing is written if the checkpoint cannot be read.
     """
-    from safetensors.torch import save_file
-
     path, out = checkpoint_path(checkpoint), Path(out)
     config = read_meta(path)["config"]["model"]
     ModelConfig(**config).check()
     tensors = {name: t.contiguous() for name, t in read_full_tensors(path, "model.").items()}
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        save_file(tensors, str(tmp), metadata={"format": EXPORT_FORMAT, "config": json.dumps(config, sort_keys=True)})
-        tmp.replace(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_safetensors(tensors, out, {"format": EXPORT_FORMAT, "config": json.dumps(config, sort_keys=True)})
     written = [out, out.with_name(CONFIG)]
     written[1].write_text(json.dumps(config, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer = path.parent / TOKENIZER

@@ -175,7 +175,7 @@ def save_hf(model: nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig, out
             tokenizer: str | Path | None = None) -> Path:
     """Write ``out_dir`` with config.json and model.safetensors that ``LlamaForCausalLM.from_pretrained``
     loads (and a copy of ``tokenizer``, a tokenizer.json). ``model``: a single-process model or its state dict."""
-    from safetensors.torch import save_file
+    from modelpar.export import save_safetensors
 
     state = model.state_dict() if isinstance(model, nn.Module) else model
     tensors = to_hf_state_dict(state, cfg)
@@ -183,7 +183,7 @@ def save_hf(model: nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig, out
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG).write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n", encoding="utf-8")
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(tensors, out / WEIGHTS, {"format": "pt"})
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / TOKENIZER)
     return out

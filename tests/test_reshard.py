@@ -8,6 +8,7 @@ the whole model (torch's cross entropy and ``clip_grad_norm_``).
 import dataclasses
 import datetime
 import math
+import os
 
 import pytest
 import torch
@@ -142,7 +143,11 @@ def test_resume_at_another_split_continues_the_run(cluster, tmp_path, saved, res
     assert second["losses"] == pytest.approx(want_losses, abs=TOL, rel=0)  # AdamW's state came along too
 
     # export the final checkpoint: one process, no torch.distributed, the distributed evaluation's loss
-    model = load_model(export_checkpoint(cfg.checkpoint_dir, tmp_path / "model.safetensors")[0])
+    exported = export_checkpoint(cfg.checkpoint_dir, tmp_path / "model.safetensors")[0]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert exported.stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' private 0600: it is meant to be shared
+    model = load_model(exported)
     assert val_loss(model, cfg) == pytest.approx(second["val"], abs=TOL, rel=0)
     assert val_loss(model, cfg) == pytest.approx(want_val, abs=TOL, rel=0)
     for name, p in model.named_parameters():
