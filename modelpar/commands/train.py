@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = prepare_data(cfg, console, progress=not args.no_progress).check()
         check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
-                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps")
+                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
+                      highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
         result, first = run_local(cfg, report), True
     if result.stop is not None:
         report.close()
