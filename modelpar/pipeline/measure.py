@@ -20,23 +20,25 @@ from typing import Any
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
-from modelpar.simulate.timeline import Event, Timeline
+from modelpar.simulate.timeline import CommSpan, Event, Timeline
 
 __all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "predict"]
 
 
 def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,
-                    timeout: float, recorder: Any) -> Timeline:
-    """Collective over ``group``: every device's (action, start, end) of one step, as a Timeline."""
+                    timeout: float, recorder: Any, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
+    """Collective over ``group``: every device's (action, start, end) of one step, and its
+    communication spans (label, start, end) on the same clock, as a Timeline."""
     from modelpar.pipeline.collectives import all_gather_object
 
-    mine = [(str(a), float(s), float(e)) for a, s, e in events]
+    mine = ([(str(a), float(s), float(e)) for a, s, e in events], [(str(c), float(s), float(e)) for c, s, e in comm])
     everyone = all_gather_object(mine, group, timeout, "the timeline gather", recorder)
     return Timeline.from_events(
-        [Event(d, Action.parse(a), s, e) for d, rows in enumerate(everyone) for a, s, e in rows],
+        [Event(d, Action.parse(a), s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
         schedule.num_devices,
         schedule,
         unit="s",
+        comm=[CommSpan(d, c, s, e) for d, (_, spans) in enumerate(everyone) for c, s, e in spans],
     )
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -261,9 +261,15 @@ class PipelineRunner:
         _FAILED_GROUPS[_name(self.group)] = self._failed
 
     # --- measuring -------------------------------------------------------------------------
-    def timeline(self) -> Timeline:
-        """Collective over the group: every rank's measured events of the last step, as a Timeline."""
-        return gather_timeline(self.record.events, self.schedule, self.group, self.timeout, self.recorder)
+    def timeline(self, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
+        """Collective over the group: every rank's measured events of the last step, as a Timeline.
+
+        ``comm``: this rank's (label, start, end) of other communication in that step (the
+        trainer's data-parallel collectives), in the step's clock (``self.timer``'s marks).
+        """
+        offset = self._clock or 0.0
+        spans = [(c, s + offset, e + offset) for c, s, e in comm]
+        return gather_timeline(self.record.events, self.schedule, self.group, self.timeout, self.recorder, spans)
 
     def message_bytes(self) -> list[float]:
         """Bytes of one message into each stage (its activation, and the gradient going back), the

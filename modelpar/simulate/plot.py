@@ -2,7 +2,9 @@
 
 Colour = microbatch; F solid, B hatched ``//``, I hatched ``\\\\``, W hatched ``xx`` and paler;
 the grey band behind each row is the step, so what shows through is the bubble. Labels in lower
-case are a device's second chunk (interleaved). Panels share one time axis, labelled in the
+case are a device's second chunk (interleaved). A measured timeline with data-parallel
+collectives (``Timeline.comm``) gets a thin row under each device for them, dark where they run
+past the device's last action (exposed), light where they overlap it. Panels share one time axis, labelled in the
 timelines' unit (forward units when simulated, s/ms/µs when measured; mixing them is an error);
 each title carries the metrics. matplotlib is imported here only, never by the simulator.
 """
@@ -40,20 +42,23 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rows = sum(t.num_devices for t in timelines)
-    width = max(8.0, min(18.0, 0.28 * max(t.step_time for t in timelines) + 3))
+    rows = sum(_rows(t) for t in timelines)
+    width = max(8.0, min(18.0, 0.28 * max(_end(t) for t in timelines) + 3))
     fig, axes = plt.subplots(
         len(timelines), 1, figsize=(width, 1.1 + 0.42 * rows + 0.75 * len(timelines)), squeeze=False,
-        gridspec_kw={"height_ratios": [t.num_devices for t in timelines]},
+        gridspec_kw={"height_ratios": [_rows(t) for t in timelines]},
     )
     cmap = plt.get_cmap("tab10")
-    span = max(t.step_time for t in timelines) or 1.0  # one time axis for all, to compare lengths
+    span = max(_end(t) for t in timelines) or 1.0  # one time axis for all, to compare lengths
     for ax, tl in zip(axes[:, 0], timelines):
         _draw(ax, tl, cmap, span, min_label=_LABEL_INCHES * span / width)
     axes[-1, 0].set_xlabel(f"time ({timelines[0].unit_name})")
     kinds = [k for k in Kind if any(a.kind is k for t in timelines for acts in t.actions for a in acts)]
     handles = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_kind_name(k)) for k in kinds]
     handles.append(Patch(facecolor="#e6e6e6", edgecolor="none", label="idle (bubble)"))
+    if any(_has_comm(t) for t in timelines):
+        handles += [Patch(facecolor=_COMM[False], label="dp collective, overlapped"),
+                    Patch(facecolor=_COMM[True], label="dp collective, exposed")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
     if title:
         fig.suptitle(title)
@@ -63,11 +68,35 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     return path
 
 
+_COMM = {False: "#9ecae1", True: "#d62728"}  # overlapped, exposed
+
+
+def _has_comm(tl: Timeline) -> bool:
+    return any(tl.comm)
+
+
+def _end(tl: Timeline) -> float:
+    """The last compute action's or collective's end."""
+    return max([tl.step_time] + [e for c in tl.comm for _, _, e in c])
+
+
+def _rows(tl: Timeline) -> float:
+    return tl.num_devices * (1.5 if _has_comm(tl) else 1)
+
+
 def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
     n = tl.num_devices
     few = sum(len(a) for a in tl.actions) <= _MAX_LABELS
+    pitch = 1.5 if _has_comm(tl) else 1.0  # a device row, and its collectives' row under it
+    ticks, names = [], []
     for d in range(n):
-        y = n - 1 - d  # device 0 on top, as in the ASCII chart
+        y = (n - 1 - d) * pitch + (pitch - 1)  # device 0 on top, as in the ASCII chart
+        ticks.append(y)
+        names.append(f"Device {d}")
+        if pitch > 1:
+            _draw_comm(ax, tl, d, y - 0.75)
+            ticks.append(y - 0.75)
+            names.append("dp comm")
         ax.broken_barh([(0, tl.step_time)], (y - 0.4, 0.8), facecolors="#e6e6e6")
         for a, s, e in zip(tl.actions[d], tl.starts[d], tl.ends[d]):
             ax.broken_barh(
@@ -76,15 +105,27 @@ def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
             )
             if few and e - s >= min_label:
                 ax.text((s + e) / 2, y, tl.token(a), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(n), [f"Device {d}" for d in reversed(range(n))])
+    ax.set_yticks(ticks, names)
     ax.set_xlim(0, span)
-    ax.set_ylim(-0.6, n - 0.4)
+    ax.set_ylim(-0.6, (n - 1) * pitch + pitch - 1 + 0.6)
     peaks = ", ".join(f"{p:g}" for p in tl.peak_activations)
+    exposed = f", dp exposed {tl.format_time(max(tl.exposed_comm), '.3g')}" if pitch > 1 else ""
     ax.set_title(
         f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.format_time(tl.step_time, '.4g')}, "
-        f"bubble {tl.bubble:.1%}, peak held [{peaks}], {tl.transfers} transfers",
+        f"bubble {tl.bubble:.1%}, peak held [{peaks}], {tl.transfers} transfers{exposed}",
         fontsize=10, loc="left",
     )
+
+
+def _draw_comm(ax, tl: Timeline, d: int, y: float) -> None:
+    """Device ``d``'s collectives on a thin row at ``y``: overlapped parts light, the exposed tail dark."""
+    last = max(tl.ends[d], default=0.0)
+    for _, s, e in tl.comm[d]:
+        if s < last:
+            ax.broken_barh([(s, min(e, last) - s)], (y - 0.2, 0.4), facecolors=_COMM[False], edgecolors="none")
+        if e > last:
+            ax.broken_barh([(max(s, last), e - max(s, last))], (y - 0.2, 0.4), facecolors=_COMM[True],
+                           edgecolors="none")
 
 
 def _kind_name(kind: Kind) -> str:

@@ -7,7 +7,10 @@ Metrics (all derived, nothing stored twice):
   1/v of a stage): a microbatch is held from its F until its B (or, split, its I) — the
   zero-bubble paper's in-flight count; ``peak_until_w`` also keeps it until W;
 - transfers: cross-device dependencies (one activation forward, one gradient back per boundary);
-- speed-up: the same work done back to back on one device, divided by the step time.
+- speed-up: the same work done back to back on one device, divided by the step time;
+- exposed communication: per device, how long its data-parallel collectives (``comm`` spans:
+  label, start, end — measured runs only) run past its last compute action, the time the
+  optimizer waits for them; the rest of their time overlapped with the pipeline.
 
 Every time is in the timeline's ``unit``: ``"forward"`` (the simulator's: one microbatch's
 forward through one whole stage) or a clock unit, ``"s"``, ``"ms"`` or ``"us"``, for measured
@@ -24,7 +27,7 @@ from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "Event", "Timeline"]
+__all__ = ["FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "CommSpan", "Event", "Timeline"]
 
 FORWARD = "forward"  # the simulator's unit: one microbatch's forward through one whole stage
 SECONDS_PER_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # clock units of measured timelines
@@ -41,12 +44,22 @@ class Event(NamedTuple):
     end: float
 
 
+class CommSpan(NamedTuple):
+    """Device ``device`` had collective ``label`` (e.g. "reduce-scatter") in flight from ``start`` to ``end``."""
+
+    device: int
+    label: str
+    start: float
+    end: float
+
+
 class Timeline:
     """Actions, starts and ends per device (aligned lists, times from 0) plus metrics.
 
     The simulator builds it from columns; ``Timeline.from_events`` builds it from measured or
     hand-made events. ``unit`` says what times are in: ``"forward"`` (simulated, the default)
-    or ``"s"``/``"ms"``/``"us"``.
+    or ``"s"``/``"ms"``/``"us"``. ``comm`` holds each device's data-parallel collectives
+    (label, start, end), drawn as a row of their own; empty lists when there are none.
     """
 
     def __init__(
@@ -56,6 +69,7 @@ class Timeline:
         ends: list[list[float]],
         schedule: Schedule | None = None,
         unit: str = FORWARD,
+        comm: Sequence[Sequence[tuple[str, float, float]]] | None = None,
     ) -> None:
         check_choice("unit", unit, TIME_UNITS)
         self.actions: list[list[Action]] = [list(a) for a in actions]
@@ -63,6 +77,10 @@ class Timeline:
         self.ends = ends
         self.schedule = schedule
         self.unit: str = unit
+        self.comm: list[list[tuple[str, float, float]]] = ([list(c) for c in comm] if comm is not None
+                                                           else [[] for _ in self.actions])
+        if len(self.comm) != len(self.actions):
+            raise ValueError(f"comm must hold one list per device ({len(self.actions)}), got {len(self.comm)}")
 
     @classmethod
     def from_events(
@@ -71,9 +89,10 @@ class Timeline:
         num_devices: int,
         schedule: Schedule | None = None,
         unit: str = FORWARD,
+        comm: Iterable[CommSpan | tuple] = (),
     ) -> Timeline:
-        """Sort each device's events by start and shift times so that the earliest start is 0
-        (measured clocks start anywhere)."""
+        """Sort each device's events (and ``comm`` spans) by start and shift times so that the
+        earliest action starts at 0 (measured clocks start anywhere)."""
         d_count = check_int("num_devices", num_devices, minimum=1)
         rows: list[list[Event]] = [[] for _ in range(d_count)]
         for raw in events:
@@ -83,6 +102,12 @@ class Timeline:
             if not e.end >= e.start:
                 raise ValueError(f"event end must be >= start, got {e.action} from {e.start} to {e.end}")
             rows[e.device].append(e)
+        spans: list[list[CommSpan]] = [[] for _ in range(d_count)]
+        for raw in comm:
+            c = CommSpan(*raw)
+            if not 0 <= c.device < d_count or not c.end >= c.start:
+                raise ValueError(f"comm span must have a device in 0..{d_count - 1} and end >= start, got {c}")
+            spans[c.device].append(c)
         rows = [sorted(r, key=lambda e: (e.start, e.end)) for r in rows]
         t0 = min((r[0].start for r in rows if r), default=0.0)
         return cls(
@@ -91,6 +116,7 @@ class Timeline:
             [[e.end - t0 for e in r] for r in rows],
             schedule,
             unit,
+            [[(c.label, c.start - t0, c.end - t0) for c in sorted(r, key=lambda c: c.start)] for r in spans],
         )
 
     # --- time unit -----------------------------------------------------------------------------
@@ -223,6 +249,11 @@ class Timeline:
         dev = self.stage_to_device
         crossings = sum(dev[s] != dev[s - 1] for s in range(1, len(dev)))
         return 2 * self.num_microbatches * crossings
+
+    @property
+    def exposed_comm(self) -> list[float]:
+        """Per device: how long its communication spans run past its last compute action (0 without spans)."""
+        return [max([0.0] + [end - (max(e) if e else 0.0) for _, _, end in c]) for e, c in zip(self.ends, self.comm)]
 
     def metrics(self) -> dict[str, object]:
         """The metrics as plain numbers (what ``modelpar simulate --json`` prints)."""

@@ -2,7 +2,9 @@
 
 One process per timeline, one thread per device, one complete event (``"ph": "X"``) per
 action; cross-device dependencies become flow arrows (``"s"`` at the producer's end, ``"f"``
-at the consumer's start), so the sends and receives the schedule implies are visible.
+at the consumer's start), so the sends and receives the schedule implies are visible. A
+device's data-parallel collectives (``Timeline.comm``) go on a thread of their own, "Device d
+dp comm".
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float | None = None
                     "ts": s * scale, "dur": (e - s) * scale,
                     "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
                 })
+            if tl.comm[d]:
+                tid = tl.num_devices + d
+                events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                               "args": {"name": f"Device {d} dp comm"}})
+                events += [{"name": what, "cat": "dp", "ph": "X", "pid": pid, "tid": tid, "ts": s * scale,
+                            "dur": (e - s) * scale} for what, s, e in tl.comm[d]]
         if tl.schedule is None:
             continue
         for d, acts in enumerate(tl.actions):

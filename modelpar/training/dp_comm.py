@@ -1,0 +1,137 @@
+"""The data-parallel collectives of a step: started asynchronously, waited for once, counted and timed.
+
+Each collective returns at once (``async_op=True``). On a GPU, NCCL runs it on its own stream,
+which waits for the gradients the compute stream produced; ``wait`` only makes the compute
+stream wait for it (the host does not block), so the backward kernels queued meanwhile overlap
+with it. On CPUs, gloo's threads run it while this one computes. ``wait`` is bounded by the
+run's timeout like every other collective of a run.
+
+What it records, for the accounting and the measured timeline:
+
+- ``bytes_sent``: what this rank sends with ring algorithms (the cost model's convention,
+  ``modelpar.costmodel.zero``): all-reduce 2(d-1)/d·n elements, reduce-scatter and all-gather
+  (d-1)/d·n, n being the elements of the full flat buffer;
+- ``spans``: (label, start, end) of each collective in this rank's step clock — from when it is
+  issued (after the gradients it reads are computed) until it completes. On a GPU both ends are
+  CUDA events; on a CPU a waiter thread stamps each completion as it happens.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modelpar.pipeline.collectives import FlightRecorder, is_nccl
+from modelpar.pipeline.timing import CudaTimer, HostTimer
+
+__all__ = ["DataParallelComm", "Pending"]
+
+
+@dataclass(eq=False)
+class Pending:
+    """One collective in flight."""
+
+    label: str
+    work: Any
+    start: Any  # the timer's mark when it was issued
+    end: Any = None  # CUDA: an event after it; CPU: perf_counter when it completed (the waiter's stamp)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class DataParallelComm:
+    """Asynchronous collectives over the data-parallel ``group`` (None: d = 1, nothing to do)."""
+
+    def __init__(self, group: Any, timer: HostTimer | CudaTimer, recorder: FlightRecorder, timeout: float) -> None:
+        self.group, self.timer, self.recorder, self.timeout = group, timer, recorder, timeout
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.nccl = is_nccl(group)
+        self.bytes_sent = 0.0  # since the last ``take_step``
+        self._spans: list[Pending] = []
+        self._side: Any = torch.cuda.Stream() if self.nccl else None  # records the completion events
+        self._queue: queue.Queue[Pending | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- issuing ------------------------------------------------------------------------------
+    def all_reduce(self, flat: torch.Tensor, label: str = "all-reduce") -> Pending:
+        """Sum ``flat`` over the group, in place."""
+        return self._issue(label, dist.all_reduce(flat, group=self.group, async_op=True),
+                           2 * (self.size - 1) / self.size * flat.numel() * flat.element_size())
+
+    def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "reduce-scatter") -> Pending:
+        """``shard`` (rank r's 1/d of ``flat``, possibly a view into it) becomes the sum of that part over the group."""
+        return self._issue(label, dist.reduce_scatter_single(shard, flat, group=self.group, async_op=True),
+                           (self.size - 1) / self.size * flat.numel() * flat.element_size())
+
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "all-gather") -> Pending:
+        """``flat`` becomes every rank's ``shard`` in rank order (``shard`` may be its own part of ``flat``)."""
+        return self._issue(label, dist.all_gather_single(flat, shard, group=self.group, async_op=True),
+                           (self.size - 1) / self.size * flat.numel() * flat.element_size())
+
+    def _issue(self, label: str, work: Any, nbytes: float) -> Pending:
+        self.bytes_sent += nbytes
+        pending = Pending(label, work, self.timer.mark())
+        self._spans.append(pending)
+        if self.nccl:
+            with torch.cuda.stream(self._side):  # an event that completes with the collective
+                work.wait()
+                pending.end = self.timer.mark()
+            pending.done.set()
+        else:
+            self._waiter().put(pending)
+        return pending
+
+    # --- waiting ------------------------------------------------------------------------------
+    def wait(self, pending: Pending) -> None:
+        """Make what follows wait for ``pending`` (on a GPU: the current stream; on a CPU: this thread)."""
+        if self.nccl:  # no timeout argument: with one NCCL's wait blocks the host (the group's own timeout holds)
+            pending.work.wait()
+            return
+        if not pending.done.wait(self.timeout + 5.0):
+            raise self.recorder.timeout(self.timeout, f"the data-parallel {pending.label}")
+        if pending.error is not None:
+            raise pending.error
+
+    def _waiter(self) -> queue.Queue[Pending | None]:
+        """The thread that waits for each CPU collective in issue order and stamps its completion."""
+        if self._queue is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._wait_all, args=(self._queue,), daemon=True,
+                                            name="modelpar-dp-waiter")
+            self._thread.start()
+        return self._queue
+
+    def _wait_all(self, q: queue.Queue[Pending | None]) -> None:
+        while (pending := q.get()) is not None:
+            try:
+                pending.work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except BaseException as err:  # handed to the training thread's wait
+                pending.error = err
+            pending.end = time.perf_counter()
+            pending.done.set()
+
+    def close(self) -> None:
+        """Stop the waiter thread (after the last wait)."""
+        if self._queue is not None:
+            self._queue.put(None)
+            assert self._thread is not None
+            self._thread.join(timeout=self.timeout)
+            self._queue = self._thread = None
+
+    # --- measuring ----------------------------------------------------------------------------
+    def take_step(self) -> tuple[float, list[tuple[str, float, float]]]:
+        """Bytes sent and (label, start, end) of each collective issued since the last call, in this
+        rank's step clock; call after they were all waited for, before the next pipeline step."""
+        nbytes, spans, self._spans, self.bytes_sent = self.bytes_sent, self._spans, [], 0.0
+        if self.nccl and spans:
+            times = self.timer.resolve([m for s in spans for m in (s.start, s.end)], self.timeout,
+                                       lambda: self.recorder.timeout(self.timeout, "the data-parallel collectives"))
+            return nbytes, [(s.label, times[2 * i], times[2 * i + 1]) for i, s in enumerate(spans)]
+        return nbytes, [(s.label, float(s.start), float(s.end)) for s in spans]
