@@ -180,3 +180,29 @@ def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cel
     assert len({len(r) for r in rows}) == 1
     for d, row in enumerate(rows):
         assert _runs(row) == [tl.token(a) for a in s.actions[d]]
+
+
+def test_communication_spans_are_a_row_of_their_own_with_the_exposed_tail(tmp_path):
+    s = one_f_one_b(stages=2, microbatches=2)
+    events = [(d, a, *t) for d, times in ((0, [(10.000, 10.002), (10.002, 10.003), (10.006, 10.010), (10.011, 10.015)]),
+                                          (1, [(10.003, 10.004), (10.004, 10.006), (10.006, 10.007), (10.007, 10.0104)]))
+              for a, t in zip(s.actions[d], times)]
+    comm = [(1, "all-reduce", 10.0104, 10.013), (0, "all-reduce", 10.015, 10.018), (0, "all-gather", 10.018, 10.019)]
+    tl = Timeline.from_events(events, 2, s, unit="s", comm=comm)
+    assert tl.comm[0] == [("all-reduce", pytest.approx(0.015), pytest.approx(0.018)),
+                          ("all-gather", pytest.approx(0.018), pytest.approx(0.019))]
+    # device 1's all-reduce hides under device 0's last backward; device 0's run 4 ms past its own
+    assert tl.exposed_comm == [pytest.approx(0.004), pytest.approx(0.0026)]
+    assert tl.step_time == pytest.approx(0.015)  # the compute's span: bubble and step as before
+    assert Timeline.from_events(events, 2, s, unit="s").exposed_comm == [0.0, 0.0]
+    svg = plot_timelines([tl], tmp_path / "comm.svg").read_text()
+    assert "dp comm" in svg and "dp exposed 0.004 s" in svg
+    trace = chrome_trace([tl])["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in trace if e["ph"] == "M" and "tid" in e}
+    assert names[2] == "Device 0 dp comm" and names[3] == "Device 1 dp comm"
+    spans = [e for e in trace if e.get("cat") == "dp"]
+    assert [(e["name"], e["tid"], e["dur"]) for e in spans] == [
+        ("all-reduce", 2, pytest.approx(3000.0)), ("all-gather", 2, pytest.approx(1000.0)),
+        ("all-reduce", 3, pytest.approx(2600.0))]
+    with pytest.raises(ValueError, match="comm span must have a device in 0..1"):
+        Timeline.from_events(events, 2, s, unit="s", comm=[(2, "all-reduce", 0.0, 1.0)])

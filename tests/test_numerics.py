@@ -1,0 +1,84 @@
+"""Precision, gradient buckets and ZeRO-1's ranges, in one process (the distributed runs are in test_train.py)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from modelpar.training.buckets import build_buckets
+from modelpar.training.precision import MixedPrecisionStage, check_precision, compute_dtype, param_dtype, wrap_stage
+from modelpar.training.zero import flat_boxes
+
+
+# --- precision ------------------------------------------------------------------------------------
+def test_precisions_and_the_refused_fp16():
+    assert [(param_dtype(p), compute_dtype(p)) for p in ("fp32", "bf16", "fp64")] == [
+        (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float64, torch.float64)]
+    with pytest.raises(ValueError, match=r"precision 'fp16' is not supported: fp16 needs loss scaling.*use bf16"):
+        check_precision("fp16")
+    with pytest.raises(ValueError, match=r"precision must be one of \{fp32, bf16, fp64\}, got 'float32'"):
+        check_precision("float32")
+
+
+def test_a_bf16_stage_computes_in_bf16_and_keeps_fp32_parameters_and_gradients():
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    assert wrap_stage(inner, "fp32", last=False) is inner
+    stage = wrap_stage(inner, "bf16", last=False)
+    assert isinstance(stage, MixedPrecisionStage) and list(stage.parameters()) == list(inner.parameters())
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)  # an activation received in bf16
+    y = stage(x)
+    assert y.dtype == torch.bfloat16  # the message to the next stage: half the bytes
+    y.float().pow(2).sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.bfloat16  # the gradient sent back
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+               for p in inner.parameters())
+    with torch.no_grad():
+        want = inner(x.float())
+    assert torch.allclose(y.float(), want, atol=0.05, rtol=0.05) and not torch.equal(y.float(), want)
+    last = wrap_stage(nn.Linear(8, 5), "bf16", last=True)
+    assert last(torch.randn(2, 8)).dtype == torch.bfloat16  # logits as autocast left them; the loss upcasts
+
+
+# --- buckets --------------------------------------------------------------------------------------
+def test_buckets_hold_a_stage_each_in_backward_order_with_views_and_padding():
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 4), nn.Linear(4, 2)  # stage 0: a (16 elements), stage 1: b (10)
+    tied = nn.Parameter(torch.randn(5))
+    b.register_parameter("tied", tied)
+    before = {id(p): p.detach().clone() for m in (a, b) for p in m.parameters()}
+    partial = {id(a.bias)}
+    buckets = build_buckets([(1, b), (0, a)], elements=12, shards=3, partial=lambda p: id(p) in partial, tied=[tied])
+    got = [(k.stage, k.ready, [tuple(p.shape) for p in k.params], k.numel, k.size) for k in buckets]
+    assert got == [(1, "backward", [(2,), (2, 4)], 10, 12),  # stage 1 first: its backward ends first
+                   (0, "backward", [(4, 3)], 12, 12),
+                   (0, "stage", [(4,)], 4, 6),  # the tensor-parallel partial gradient: its own bucket
+                   (1, "step", [(5,)], 5, 6)]  # the tied copy, reduced after the pipeline step
+    for k in buckets:
+        for p, offset in zip(k.params, k.offsets):
+            assert torch.equal(p, before[id(p)])  # same values, now views into the buffers
+            assert p.data_ptr() == k.data[offset:].data_ptr() and p.grad.data_ptr() == k.grad[offset:].data_ptr()
+    b(a(torch.ones(2, 3))).sum().backward()
+    b(a(torch.ones(2, 3))).sum().backward()  # accumulates in place, in the buffers
+    assert torch.equal(buckets[0].grad[:2], torch.full((2,), 4.0)) and buckets[0].shard_range(2, 3) == (8, 12)
+
+
+# --- ZeRO-1 ranges as boxes of the tensor ---------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_a_flat_range_is_a_few_contiguous_boxes_covering_it_exactly(shape, data):
+    n = math.prod(shape)
+    start = data.draw(st.integers(0, n - 1))
+    stop = data.draw(st.integers(start + 1, n))
+    full = torch.arange(n).view(shape)
+    boxes = flat_boxes(shape, start, stop)
+    assert len(boxes) <= 2 * len(shape) - 1
+    covered = []
+    for offsets, sizes, flat in boxes:
+        box = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        assert box.flatten().tolist() == list(range(flat, flat + box.numel()))  # contiguous, starting at flat
+        covered += box.flatten().tolist()
+    assert covered == list(range(start, stop))
