@@ -18,7 +18,7 @@ from modelpar.checkpoint import DirLock
 from modelpar.cli import main
 
 TINY = ["--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2", "--layers", "2", "--seq-len", "16",
-        "--batch-size", "4", "--microbatches", "2", "--eval-batches", "1", "--dtype", "float64", "--no-progress"]
+        "--batch-size", "4", "--microbatches", "2", "--eval-batches", "1", "--precision", "fp64", "--no-progress"]
 
 
 def rank_processes() -> list[int]:

@@ -40,7 +40,7 @@ def base(folder, tmp_path_factory):
     data = DataConfig(paths=(str(folder),), tokenizer="bpe", vocab_size=320, val_fraction=0.1,
                       cache_dir=str(tmp_path_factory.mktemp("cache")))
     cfg = TrainConfig(model=ModelConfig(hidden=32, heads=4, layers=2, seq_len=16), data=data, steps=3, batch_size=8,
-                      microbatches=2, dtype="float64", warmup=1, lr=1e-2, eval_every=0, eval_batches=1, tp=1, pp=1,
+                      microbatches=2, precision="fp64", warmup=1, lr=1e-2, eval_every=0, eval_batches=1, tp=1, pp=1,
                       dp=1, seed=1)
     return prepare_data(cfg)
 

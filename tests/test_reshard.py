@@ -28,7 +28,7 @@ TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 DEEP = dataclasses.replace(TINY, layers=8)  # p·v = 8 stages
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)  # kv replicated at t = 2
-BASE = TrainConfig(model=TINY, steps=2 * STEPS, batch_size=8, microbatches=2, dtype="float64", warmup=2, lr=1e-2,
+BASE = TrainConfig(model=TINY, steps=2 * STEPS, batch_size=8, microbatches=2, precision="fp64", warmup=2, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
 

@@ -31,7 +31,7 @@ from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PR
 
 # The tiny run of every case, as flags (for the command line) and as the config they make.
 FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
-         "--batch-size", "4", "--microbatches", "2", "--dtype", "float64", "--warmup", "1", "--eval-every", "0",
+         "--batch-size", "4", "--microbatches", "2", "--precision", "fp64", "--warmup", "1", "--eval-every", "0",
          "--eval-batches", "1", "--steps", "12"]
 BASE = build_config(build_parser().parse_args(["train", *FLAGS]))
 assert BASE.model == ModelConfig(hidden=32, layers=2, heads=2, seq_len=16) and BASE.steps == 12

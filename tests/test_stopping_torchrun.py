@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.torchrun,
               pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
 
 FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
-         "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--dtype", "float64", "--warmup", "1",
+         "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--precision", "fp64", "--warmup", "1",
          "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress"]
 
 

@@ -21,7 +21,7 @@ from modelpar.training import TrainConfig, lr_at, param_groups, train
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)  # one kv head: replicated at t = 2
-BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, dtype="float64", warmup=1, lr=1e-2,
+BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
 
@@ -262,7 +262,7 @@ def test_checkpoint_of_another_model_or_optimisation_is_refused_on_every_rank(c4
 
 # --- it learns ----------------------------------------------------------------------------------------
 def test_default_model_beats_the_unigram_baseline_quickly(c4):
-    cfg = TrainConfig(steps=30, eval_every=0, eval_batches=2, dtype="float32")  # the default t=2, p=2
+    cfg = TrainConfig(steps=30, eval_every=0, eval_batches=2, precision="fp32")  # the default t=2, p=2
     losses, _, val, _ = c4.run(_train, cfg)[0]
     baseline = load_corpus().unigram_baseline()
     assert baseline == pytest.approx(3.2404, abs=1e-4)

@@ -49,7 +49,10 @@ def test_replica_rows_tile_the_global_batch(dp, rows_per_replica, first, last):
     ({"recompute": "3"}, "recompute must be <= 2, got 3"),  # 4 layers over p = 2 stages
     ({"dp": 3}, r"batch_size \(16\) must be divisible by dp \(3\)"),
     ({"lr": 0.0}, "lr must be > 0.0, got 0.0"),
-    ({"dtype": "float16"}, r"dtype must be one of \{float32, float64\}, got 'float16'"),
+    ({"precision": "fp16"}, r"precision 'fp16' is not supported: fp16 needs loss scaling"),
+    ({"precision": "float64"}, r"precision must be one of \{fp32, bf16, fp64\}, got 'float64'"),
+    ({"zero": 2}, r"zero must be one of \{0, 1\}, got 2"),
+    ({"bucket_mb": 0.0}, "bucket_mb must be > 0.0, got 0.0"),
     ({"exit_after": -1}, "exit_after must be >= 0, got -1"),
     ({"tp": 0}, "tp must be >= 1, got 0"),
 ])
@@ -73,9 +76,14 @@ def test_checkpoint_metadata_rules():
     check_meta(meta, replace(cfg, tp=1, pp=4, dp=2, schedule="interleaved", chunks=2), "ck")  # any split
     with pytest.raises(ValueError, match=r"different model: heads, hidden differ \(checkpoint \[4, 128\], this run \[8, 256\]\)"):
         check_meta(meta, replace(cfg, model=ModelConfig(hidden=256, heads=8)), "ck")
-    for key, value in (("seed", 1), ("batch_size", 32), ("dtype", "float64")):
+    for key, value in (("seed", 1), ("batch_size", 32), ("precision", "fp64")):
         with pytest.raises(ValueError, match=f"written with {key}="):
             check_meta(meta, replace(cfg, **{key: value}), "ck")
+    check_meta(meta, replace(cfg, zero=1, overlap_grad_reduce=False, bucket_mb=1.0), "ck")  # layout, not arithmetic
+    legacy = {**meta, "config": {k: v for k, v in meta["config"].items() if k != "precision"} | {"dtype": "float64"}}
+    assert TrainConfig.from_dict(legacy["config"]).precision == "fp64"  # configs written before precision
+    with pytest.raises(ValueError, match="written with precision='fp64', this run has precision='fp32'"):
+        check_meta(legacy, cfg, "ck")
 
 
 def test_prefilled_adamw_state_steps_like_lazy_state():

@@ -51,7 +51,14 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("weight_decay", float, "AdamW weight decay on matrices"),
         ("clip", float, "max global gradient norm (0: off)"),
         ("seed", int, "seed of the initial weights and the batches"),
-        ("dtype", str, "float32 or float64"),
+    ],
+    "numerics and data parallelism (docs/numerics.md)": [
+        ("precision", str, "fp32 (default), bf16 (bfloat16 compute, fp32 master weights and AdamW) or fp64"),
+        ("zero", int, "1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, update, all-gather); "
+                      "0 (default): every replica holds all of it"),
+        ("no_overlap_grad_reduce", bool, "reduce the gradients over d after the pipeline step (default: each "
+                                         "bucket during the backward, as soon as its gradients are final)"),
+        ("bucket_mb", float, "MiB of gradients per data-parallel collective (default 25)"),
     ],
     "evaluation, checkpoints, output": [
         ("eval_every", int, "validation loss every this many steps (0: at the end)"),
@@ -116,6 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
     r.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for the MFU (default: known GPUs by name; on CPUs no MFU)")
+    p.add_argument("--dtype", help=argparse.SUPPRESS)  # retired: a one-line error pointing to --precision
     p.set_defaults(func=run)
 
 
@@ -126,6 +134,9 @@ def build_config(args: argparse.Namespace) -> Any:
     from modelpar.text import DataConfig
     from modelpar.training import TrainConfig
 
+    if getattr(args, "dtype", None) is not None:
+        raise ValueError(f"--dtype {args.dtype} is retired: use --precision fp32 (was float32), fp64 (was float64) "
+                         "or bf16")
     cfg = TrainConfig()
     data = {_DATA_FIELDS.get(name, name): getattr(args, name) for name, _, _ in _DATA_FLAGS
             if getattr(args, name, None) is not None}
@@ -140,6 +151,8 @@ def build_config(args: argparse.Namespace) -> Any:
     if "preempt_signal" in run:  # TERM, term, SIGTERM
         name = str(run["preempt_signal"]).upper()
         run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
+    if run.pop("no_overlap_grad_reduce", False):
+        run["overlap_grad_reduce"] = False
     if run.get("schedule") == "interleaved" and "chunks" not in run:
         run["chunks"] = 2
     base = cfg.model

@@ -9,16 +9,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+import torch
+
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
+from modelpar.training.precision import check_precision, param_dtype
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-DTYPES = ("float32", "float64")
+ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
+_LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
@@ -44,7 +48,10 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decoupled weight decay, matrices only
     clip: float = 1.0  # gradient clipping: max global L2 norm over all shards (0 = off)
     seed: int = 0  # one seed: initial weights and batches (identical for every split)
-    dtype: str = "float32"  # parameter and activation dtype (tests use float64)
+    precision: str = "fp32"  # fp32, bf16 (autocast, fp32 master weights) or fp64 (the tests); see docs/numerics.md
+    zero: int = 0  # 1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, shard update, all-gather)
+    overlap_grad_reduce: bool = True  # start each gradient bucket's dp reduction during the backward
+    bucket_mb: float = 25.0  # MiB of gradients per data-parallel collective
     eval_every: int = 50  # validation loss every this many steps (0 = only at the end)
     eval_batches: int = 4  # validation batches per evaluation
     checkpoint_dir: str | None = None  # where checkpoints go (None: no checkpoints)
@@ -69,6 +76,11 @@ class TrainConfig:
         return parse_strategy(self.recompute)
 
     @property
+    def param_dtype(self) -> torch.dtype:
+        """torch dtype of parameters, gradients and AdamW state."""
+        return param_dtype(self.precision)
+
+    @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.model.seq_len
 
@@ -78,7 +90,9 @@ class TrainConfig:
         if world_size is not None:
             dims.check_world(world_size)
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
-        check_choice("dtype", self.dtype, DTYPES)
+        check_precision(self.precision)
+        check_choice("zero", self.zero, ZERO_CHOICES)
+        check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         if self.schedule == "interleaved":
             check_int("chunks", self.chunks, minimum=2)
         elif self.chunks != 1:
@@ -122,6 +136,8 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
+        if "precision" not in d and d.get("dtype") in _LEGACY_DTYPES:
+            values["precision"] = _LEGACY_DTYPES[d["dtype"]]
         if isinstance(values.get("model"), dict):
             values["model"] = ModelConfig.from_dict(values["model"])
         if isinstance(values.get("data"), dict):

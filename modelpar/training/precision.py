@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from modelpar._validate import check_choice
+
 __all__ = ["PRECISIONS", "MixedPrecisionStage", "check_precision", "compute_dtype", "param_dtype", "wrap_stage"]
 
 PRECISIONS = ("fp32", "bf16", "fp64")
@@ -33,9 +35,7 @@ def check_precision(precision: str) -> str:
     if precision in ("fp16", "float16", "half"):
         raise ValueError(f"precision {precision!r} is not supported: fp16 needs loss scaling, which modelpar does "
                          "not do; use bf16 (same speed on GPUs since A100, fp32's exponent range)")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {{{', '.join(PRECISIONS)}}}, got {precision!r}")
-    return precision
+    return check_choice("precision", precision, PRECISIONS)
 
 
 def param_dtype(precision: str) -> torch.dtype:

@@ -35,7 +35,7 @@ __all__ = ["MUST_MATCH", "check_meta", "checkpoint_state", "init_optimizer_state
 # tokens and tokenizer, ``data.fingerprint``): the batches and everything the optimisation depends on
 # (the lr schedule depends on ``steps``). The split (t, p, d, v), the schedule, the micro-batches,
 # recomputation and sequence parallelism may change: they compute the same gradients up to rounding.
-MUST_MATCH = ("seed", "batch_size", "dtype", "steps", "lr", "warmup", "weight_decay", "clip")
+MUST_MATCH = ("seed", "batch_size", "precision", "steps", "lr", "warmup", "weight_decay", "clip")
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -88,11 +88,13 @@ def check_meta(meta: Mapping[str, Any], cfg: TrainConfig, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} is of a different model: {', '.join(diff)} differ (checkpoint "
                          f"{[their_model.get(k) for k in diff]}, this run {[my_model.get(k) for k in diff]})")
     theirs = {"data": meta.get("data"), **{key: saved.get(key) for key in MUST_MATCH}}
+    if theirs["precision"] is None:  # written before ``precision``: its ``dtype`` says
+        theirs["precision"] = TrainConfig.from_dict({"dtype": saved.get("dtype")}).precision
     mine = {"data": cfg.data.fingerprint, **{key: getattr(cfg, key) for key in MUST_MATCH}}
     for key, value in mine.items():
         if theirs[key] != value:
             raise ValueError(f"checkpoint {path!r} was written with {key}={theirs[key]!r}, this run has "
-                             f"{key}={value!r}; resume with the same data and tokenizer, seed, batch size, dtype "
+                             f"{key}={value!r}; resume with the same data and tokenizer, seed, batch size, precision "
                              "and optimisation settings (steps, lr, warmup, weight decay, clip) to continue exactly")
 
 
