@@ -192,9 +192,10 @@ def test_communication_spans_are_a_row_of_their_own_with_the_exposed_tail(tmp_pa
     assert tl.comm[0] == [("all-reduce", pytest.approx(0.015), pytest.approx(0.018)),
                           ("all-gather", pytest.approx(0.018), pytest.approx(0.019))]
     # device 1's all-reduce hides under device 0's last backward; device 0's run 4 ms past its own
-    assert tl.exposed_comm == [pytest.approx(0.004), pytest.approx(0.0026)]
+    assert tl.exposed_comm() == [pytest.approx(0.004), pytest.approx(0.0026)]
+    assert tl.exposed_comm({"all-gather"}) == [pytest.approx(0.004), 0.0]
     assert tl.step_time == pytest.approx(0.015)  # the compute's span: bubble and step as before
-    assert Timeline.from_events(events, 2, s, unit="s").exposed_comm == [0.0, 0.0]
+    assert Timeline.from_events(events, 2, s, unit="s").exposed_comm() == [0.0, 0.0]
     svg = plot_timelines([tl], tmp_path / "comm.svg").read_text()
     assert "dp comm" in svg and "dp exposed 0.004 s" in svg
     trace = chrome_trace([tl])["traceEvents"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.corpus import load_corpus
+from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes
 from modelpar.distributed import LocalCluster, free_port
 from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, lr_at, param_groups, train
@@ -82,6 +83,14 @@ def _train(cfg):
     return r.losses, r.grad_norms, r.val[-1][1], r.start_step
 
 
+def _train_accounted(cfg):
+    """``_train`` and this rank's measured figures: parameters, AdamW state, gradients, dp bytes, buckets."""
+    torch.set_num_threads(1)
+    r = train(cfg)
+    return (r.losses, r.grad_norms, r.val[-1][1], r.start_step,
+            (r.parameters_here, r.optimizer_state_bytes, r.gradient_bytes, r.dp_bytes_sent, r.buckets))
+
+
 def _try_train(cfg):
     try:
         return "ok", _train(cfg)
@@ -92,12 +101,27 @@ def _try_train(cfg):
 def check_split(cluster, **changes):
     cfg = dataclasses.replace(BASE, **changes)
     want_losses, want_norms, want_val = ref(cfg)
-    results = cluster.run(_train, cfg)
-    for losses, norms, val, _ in results:  # every rank reports the same numbers
+    results = cluster.run(_train_accounted, cfg)
+    for losses, norms, val, _, figures in results:  # every rank reports the same numbers
         assert losses == pytest.approx(want_losses, abs=TOL, rel=0)
         assert norms == pytest.approx(want_norms, abs=TOL, rel=0)
         assert val == pytest.approx(want_val, abs=TOL, rel=0)
+        check_accounting(cfg, *figures)
     assert max(want_norms) > cfg.clip  # clipping was active, so the global norm mattered
+
+
+def check_accounting(cfg, params, state_bytes, grad_bytes, dp_bytes, buckets):
+    """A rank's figures, measured from its tensors and the collectives it issued, are the cost model's.
+
+    ZeRO-1 pads each bucket to a multiple of d: up to d - 1 elements of rounding per bucket.
+    """
+    d, e = cfg.dp, 8  # float64
+    slack = buckets * (d - 1) * e
+    assert state_bytes == pytest.approx(optimizer_state_bytes(params, d, cfg.zero, e), abs=2 * slack, rel=0)
+    assert grad_bytes == pytest.approx(gradient_bytes(params, d, cfg.zero, e), abs=slack, rel=0)
+    assert dp_bytes == pytest.approx(dp_bytes_sent(params, d, cfg.zero, e, e), abs=2 * slack, rel=1e-12)
+    if cfg.zero:  # 1/d of every replica holding all of it
+        assert state_bytes == pytest.approx(optimizer_state_bytes(params, d, 0, e) / d, abs=2 * slack, rel=0)
 
 
 def test_the_oracle_learns_and_clips():
@@ -109,6 +133,7 @@ def test_the_oracle_learns_and_clips():
 # --- transparency: the same seed gives the same losses for every split and schedule ------------------
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 V2 = {"schedule": "interleaved", "chunks": 2}
+SMALL = 0.02  # MiB: 2621 float64 elements, several buckets per stage
 SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) × every schedule p = 2 allows
     {"tp": 2}, {"dp": 2},
     *({"pp": 2, "schedule": s} for s in ("gpipe", "1f1b", "zb-h1")), {"pp": 2, **V2},
@@ -119,6 +144,17 @@ SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) ×
     {"tp": 2, "pp": 2, "sequence_parallel": True, "model": TIED, "recompute": "1"},
     {"tp": 2, "pp": 2, "dp": 2},
     {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True},
+    # data parallelism: ZeRO-1, and the reduction overlapped with the backward (the default) or after it;
+    # small buckets put several in a stage and cut parameters between ranks
+    {"dp": 2, "zero": 1}, {"dp": 2, "zero": 1, "overlap_grad_reduce": False, "bucket_mb": SMALL},
+    {"dp": 2, **V2, "model": TIED, "zero": 1, "bucket_mb": SMALL},  # both tied copies on one rank
+    {"tp": 2, "dp": 2, "zero": 1, "bucket_mb": SMALL}, {"tp": 2, "dp": 2, "zero": 1, "overlap_grad_reduce": False},
+    {"pp": 2, "dp": 2, "schedule": "zb-h1", "model": TIED, "zero": 1, "bucket_mb": SMALL},
+    {"pp": 2, "dp": 2, "zero": 1, "overlap_grad_reduce": False},
+    {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "bucket_mb": SMALL},
+    {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True, "model": TIED, "zero": 1,
+     "overlap_grad_reduce": False},
+    {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "overlap_grad_reduce": False, "bucket_mb": SMALL},
 ]
 
 

@@ -109,7 +109,7 @@ def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, (n - 1) * pitch + pitch - 1 + 0.6)
     peaks = ", ".join(f"{p:g}" for p in tl.peak_activations)
-    exposed = f", dp exposed {tl.format_time(max(tl.exposed_comm), '.3g')}" if pitch > 1 else ""
+    exposed = f", dp exposed {tl.format_time(max(tl.exposed_comm()), '.3g')}" if pitch > 1 else ""
     ax.set_title(
         f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.format_time(tl.step_time, '.4g')}, "
         f"bubble {tl.bubble:.1%}, peak held [{peaks}], {tl.transfers} transfers{exposed}",

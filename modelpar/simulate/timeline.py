@@ -19,7 +19,7 @@ runs. The renderers label axes, headlines and traces from it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
@@ -250,10 +250,11 @@ class Timeline:
         crossings = sum(dev[s] != dev[s - 1] for s in range(1, len(dev)))
         return 2 * self.num_microbatches * crossings
 
-    @property
-    def exposed_comm(self) -> list[float]:
-        """Per device: how long its communication spans run past its last compute action (0 without spans)."""
-        return [max([0.0] + [end - (max(e) if e else 0.0) for _, _, end in c]) for e, c in zip(self.ends, self.comm)]
+    def exposed_comm(self, labels: Collection[str] | None = None) -> list[float]:
+        """Per device: how long its communication spans (those with ``labels``, or all) run past its
+        last compute action; 0 without any."""
+        return [max([0.0] + [end - (max(e) if e else 0.0) for what, _, end in c if labels is None or what in labels])
+                for e, c in zip(self.ends, self.comm)]
 
     def metrics(self) -> dict[str, object]:
         """The metrics as plain numbers (what ``modelpar simulate --json`` prints)."""

@@ -31,7 +31,9 @@ import torch.distributed as dist
 from modelpar.pipeline.collectives import FlightRecorder, is_nccl
 from modelpar.pipeline.timing import CudaTimer, HostTimer
 
-__all__ = ["DataParallelComm", "Pending"]
+__all__ = ["REDUCTIONS", "DataParallelComm", "Pending"]
+
+REDUCTIONS = ("all-reduce", "reduce-scatter")  # the labels of gradient reductions (all-gather: parameters)
 
 
 @dataclass(eq=False)

@@ -1,118 +1,199 @@
-"""After the pipeline's backward: make every rank's gradients those of the single-process model.
+"""After (and during) the pipeline's backward: make every rank's gradients those of the single-process model.
 
-Order (Megatron's ``finalize_model_grads``):
+Order (Megatron's ``finalize_model_grads``), per bucket of ``modelpar.training.buckets``:
 1. tensor parallelism: sum the partial gradients over the tp group (norms and row biases under
    sequence parallelism, key/value heads replicated when t > kv heads);
 2. tied embeddings split across stages: sum the first stage's embedding gradient and the last
    stage's head gradient over the embedding group (they are one weight in the model);
-3. data parallelism: average over the dp group, a few flat buckets at a time (one all-reduce each);
-4. clipping: the global L2 norm over all shards — each distinct tp shard counted once,
-   replicated parameters once, every pp stage included, dp replicas counted once.
+3. data parallelism: the mean over the dp group, one asynchronous collective per bucket — an
+   all-reduce (``zero`` 0), or a reduce-scatter into the rank's range of the bucket (``zero`` 1,
+   for ``ZeroAdamW``);
+4. clipping: the global L2 norm over all shards — each distinct tp shard counted once, every pp
+   stage included, each element once across dp (the dp replicas' copies under zero 0, the
+   ranges under zero 1) — in one scalar all-reduce.
+
+With ``overlap`` step 3 starts during the pipeline step: a stage's last backward arms it
+(``action_hook``, a ``PipelineRunner`` action hook), each bucket starts as soon as its last
+gradient has accumulated, the rest when that backward ends (after step 1 for the stage), while
+the pipeline's remaining work goes on; ``finish`` does step 2, starts the tied buckets and waits.
+Without it ``finish`` does everything after the pipeline step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar.model import Transformer
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.schedule import Schedule
 from modelpar.tensor_parallel import param_layout, sync_tensor_parallel_grads
+from modelpar.training.buckets import Bucket, build_buckets
+from modelpar.training.dp_comm import DataParallelComm, Pending
 
-__all__ = ["GradSync", "all_reduce_buckets", "param_groups"]
-
-BUCKET_ELEMENTS = 1 << 22  # ~32 MB of float64 per all-reduce
+__all__ = ["GradSync", "finish_order"]
 
 
-def all_reduce_buckets(tensors: Sequence[torch.Tensor], group: Any, scale: float = 1.0,
-                       bucket: int = BUCKET_ELEMENTS) -> None:
-    """Sum ``tensors`` in place over ``group`` (then multiply by ``scale``), packed in flat buckets."""
-    start = 0
-    while start < len(tensors):
-        stop, size = start, 0
-        while stop < len(tensors) and (stop == start or size + tensors[stop].numel() <= bucket):
-            size += tensors[stop].numel()
-            stop += 1
-        part = tensors[start:stop]
-        flat = torch.cat([t.reshape(-1) for t in part])
-        dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for t, f in zip(part, flat.split([t.numel() for t in part])):
-            t.copy_(f.view_as(t))
-        start = stop
+def finish_order(schedule: Schedule, device: int) -> list[int]:
+    """The stages of pipeline ``device`` in the order their last backward (B, or W when split) runs."""
+    last = {a.stage: i for i, a in enumerate(schedule.actions[device]) if a.kind in (Kind.B, Kind.W)}
+    return sorted(schedule.stages_on(device), key=lambda s: last.get(s, -1))
 
 
 @dataclass
 class GradSync:
     """The gradient work of one rank: its stage modules and where they sit in the (pp, dp, tp) grid."""
 
-    modules: Sequence[Transformer]  # this rank's stage modules (v of them when interleaved)
+    modules: Mapping[int, nn.Module]  # this rank's stage modules by stage (v of them when interleaved)
+    finish_order: Sequence[int]  # those stages in the order their backward ends in a step
+    comm: DataParallelComm  # the dp group's collectives
     tp_group: Any  # None when t = 1
-    dp_group: Any  # None when d = 1
     embed_group: Any  # first and last stage of this (dp, tp) pipeline, when tied across stages
     tp_rank: int
     dp_rank: int
-    dp: int
     tied_split: bool = False  # tied embeddings with the head on another stage (a separate copy)
+    zero: int = 0  # 1: reduce-scatter into this rank's ranges (the ZeRO-1 optimizer's)
+    bucket_elements: int = 1 << 22
+    overlap: bool = True
+    buckets: list[Bucket] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.params = [p for m in self.modules for p in m.parameters()]
+        self.params = [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
         self.tied: list[nn.Parameter] = []  # the tied weight's copies held here (embedding, head)
         self._tied_copy: set[int] = set()
-        for m in self.modules if self.tied_split else ():
-            if m.embed is not None:
-                self.tied.append(m.embed.word.weight)
-            if m.head is not None:
-                self.tied.append(m.head.weight)
-                self._tied_copy.add(id(m.head.weight))
+        for m in self.modules.values() if self.tied_split else ():
+            embed, head = getattr(m, "embed", None), getattr(m, "head", None)
+            if embed is not None:
+                self.tied.append(embed.word.weight)
+            if head is not None:
+                self.tied.append(head.weight)
+                self._tied_copy.add(id(head.weight))
+        partial = (lambda p: param_layout(p).partial_grad) if self.tp_group is not None else (lambda p: False)
+        self.buckets = build_buckets([(s, self.modules[s]) for s in self.finish_order], self.bucket_elements,
+                                     self.comm.size if self.zero else 1, partial, self.tied)
+        self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
+                                                   for s in self.modules}
+        self._started: set[int] = set()  # buckets whose reduction started this step
+        self._pending: list[tuple[Bucket, Pending]] = []  # and their collectives in flight
+        self._armed: int | None = None  # the stage whose last backward is running
+        self._final: dict[int, set[int]] = {}  # bucket index -> its parameters final so far (while armed)
+        if self.overlap:
+            for b in self.buckets:
+                if b.ready == "backward":
+                    for p in b.params:
+                        p.register_post_accumulate_grad_hook(self._accumulated(b))
 
-    def _grads(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """The gradients of ``params`` (``finish`` has given every parameter one)."""
-        grads = [p.grad for p in params]
-        assert all(g is not None for g in grads), "call finish() first: some parameters have no gradient"
-        return grads  # type: ignore[return-value]
-
+    # --- during the step --------------------------------------------------------------------
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        for b in self.buckets:
+            b.grad.zero_()
 
+    def action_hook(self, action: Action, last_backward: bool) -> Any:
+        """PipelineRunner action hook: around a stage's last backward, its buckets start reducing."""
+        return self._last_backward(action.stage) if last_backward and self.overlap else None
+
+    @contextmanager
+    def _last_backward(self, stage: int) -> Iterator[None]:
+        self._armed, self._final = stage, {}
+        try:
+            yield
+        finally:
+            self._armed = None
+        self._stage_done(stage)
+
+    def _accumulated(self, bucket: Bucket) -> Any:
+        """The post-accumulate-grad hook of ``bucket``'s parameters: during the stage's last backward,
+        the parameter's gradient is final."""
+        def hook(param: torch.Tensor) -> None:
+            if self._armed == bucket.stage:
+                self._final.setdefault(bucket.index, set()).add(id(param))
+                self._start_ready(bucket.stage)
+        return hook
+
+    def _start_ready(self, stage: int) -> None:
+        """Start the stage's buckets whose gradients are all final, in bucket order (the same on every rank)."""
+        for b in self._of_stage[stage]:
+            if b.index in self._started:
+                continue
+            if b.ready != "backward" or len(self._final.get(b.index, ())) < len(b.params):
+                return
+            self._start(b)
+
+    def _stage_done(self, stage: int) -> None:
+        """After the stage's last backward: its tensor-parallel sums, then every bucket of it not started yet."""
+        if self.tp_group is not None and any(b.ready == "stage" for b in self._of_stage[stage]):
+            sync_tensor_parallel_grads(self.modules[stage])
+        for b in self._of_stage[stage]:
+            if b.index not in self._started:
+                self._start(b)
+
+    def _start(self, bucket: Bucket) -> None:
+        """Start the bucket's data-parallel reduction (nothing to do when d = 1)."""
+        self._started.add(bucket.index)
+        if self.comm.size > 1:
+            owned = self._owned(bucket)
+            reduce = self.comm.reduce_scatter(bucket.grad, owned) if self.zero else self.comm.all_reduce(owned)
+            self._pending.append((bucket, reduce))
+
+    # --- after the step ---------------------------------------------------------------------
     def finish(self) -> None:
-        """Steps 1-3: gradients become the full model's mean-batch gradients on every rank."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.tp_group is not None:
-            for m in self.modules:
-                sync_tensor_parallel_grads(m)
+        """Steps 1-3 for whatever has not started; wait for all: the gradients (under ZeRO-1 this
+        rank's ranges of them) are the full model's mean-batch gradients."""
+        for stage in self.finish_order:
+            if any(b.index not in self._started for b in self._of_stage[stage]):
+                self._stage_done(stage)
         if len(self.tied) == 2:  # p = 1, interleaved: both copies on this rank
-            first, second = self._grads(self.tied)
+            first, second = (w.grad for w in self.tied)
+            assert first is not None and second is not None
             total = first + second
-            for g in (first, second):
-                g.copy_(total)
+            first.copy_(total)
+            second.copy_(total)
         elif self.tied and self.embed_group is not None:
-            all_reduce_buckets(self._grads(self.tied), self.embed_group)
-        if self.dp > 1:
-            all_reduce_buckets(self._grads(self.params), self.dp_group, scale=1.0 / self.dp)
+            grad = self.tied[0].grad
+            assert grad is not None
+            dist.all_reduce(grad, group=self.embed_group)
+        for b in self.buckets:
+            if b.ready == "step":
+                self._start(b)
+        for bucket, pending in self._pending:
+            self.comm.wait(pending)
+            self._owned(bucket).mul_(1.0 / self.comm.size)
+        self._started, self._pending = set(), []
+
+    def _owned(self, bucket: Bucket) -> torch.Tensor:
+        """The part of the bucket's gradient this rank reduced: all of it, or its range under ZeRO-1."""
+        if not self.zero:
+            return bucket.grad
+        lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
+        return bucket.grad[lo:hi]
 
     def _counted(self, p: nn.Parameter) -> bool:
-        if self.dp_rank != 0 or id(p) in self._tied_copy:
+        """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
+        if id(p) in self._tied_copy or (not self.zero and self.dp_rank != 0):
             return False
         layout = param_layout(p)
         return layout.rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
 
+    def _norm_terms(self) -> Iterator[torch.Tensor]:
+        """The gradient elements this rank adds to the global norm."""
+        for b in self.buckets:
+            lo, hi = b.shard_range(self.dp_rank, self.comm.size) if self.zero else (0, b.numel)
+            for p, offset in zip(b.params, b.offsets):
+                a, z = max(lo, offset), min(hi, offset + p.numel())
+                if a < z and self._counted(p):
+                    yield b.grad[a:z]
+
     def global_norm(self) -> float:
-        """Collective over all ranks: the L2 norm of the whole model's gradient."""
-        grads = self._grads([p for p in self.params if self._counted(p)])
-        ref = self.params[0]
-        local = torch.zeros((), dtype=torch.float64, device=ref.device)
-        for g in grads:
-            local += g.detach().double().pow(2).sum()
+        """Collective over all ranks (one scalar all-reduce): the L2 norm of the whole model's gradient."""
+        local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
+        for g in self._norm_terms():
+            local += g.double().pow(2).sum()
         dist.all_reduce(local)
         return math.sqrt(local.item())
 
@@ -121,13 +202,11 @@ class GradSync:
         norm = self.global_norm()
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
-            for g in self._grads(self.params):
-                g.mul_(coef)
+            for b in self.buckets:
+                self._owned(b).mul_(coef)
         return norm
 
-
-def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matrices (embeddings too), none on biases and LayerNorm (nanoGPT's rule)."""
-    params = list(params)
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # --- accounting -------------------------------------------------------------------------
+    def gradient_bytes(self) -> int:
+        """Bytes of this rank's gradient buffers."""
+        return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets)

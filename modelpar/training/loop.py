@@ -32,8 +32,11 @@ from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.config import TrainConfig
-from modelpar.training.grads import GradSync, param_groups
+from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
+from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
+from modelpar.training.precision import wrap_stage
 from modelpar.training.resume import CheckpointDir
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
@@ -61,6 +64,15 @@ class TrainResult:
     num_parameters: int = 0
     flops_per_token: float = 0.0  # model FLOPs per trained token (ModelConfig.flops_per_token)
     device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
+    parameters_here: int = 0  # elements of this rank's parameters (its tp / pp part; a tied copy included)
+    optimizer_state_bytes: int = 0  # this rank's AdamW moments (1/d of them under ZeRO-1), measured from the tensors
+    gradient_bytes: int = 0  # this rank's gradient buffers, measured
+    buckets: int = 0  # this rank's gradient buckets (one data-parallel collective each)
+    dp_bytes_sent: float = 0.0  # bytes this rank sent in the last step's data-parallel collectives (ring)
+    message_bytes: list[float] | None = None  # the pipeline's message into each stage (PipelineRunner.message_bytes)
+    exposed_reduction: float | None = None  # s of gradient reduction past the last compute action (median of the
+    #                                         last steps, the device that waits longest); the rest overlapped
+    timeline: Any = None  # the last measured step's Timeline of this rank's pipeline (with its dp collectives)
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
@@ -108,13 +120,12 @@ class _Run:
                  stop: StopController) -> None:
         self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, cfg.timeout)
         rs = self.rs
-        self.dtype = getattr(torch, cfg.dtype)
         self.corpus = open_corpus(cfg.data)
         self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=self.dtype, device=rs.device)
+                                       dtype=cfg.param_dtype, device=rs.device)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
@@ -122,11 +133,16 @@ class _Run:
             for module in self.modules.values():
                 load_hf_shards(module, cfg.init_from)
         self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group)
-        self.runner = PipelineRunner(self.schedule, self.modules, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
-        self.sync = GradSync(list(self.modules.values()), rs.tp_group, rs.dp_group, rs.embed_group, rs.tp_rank,
-                             rs.dp_rank, cfg.dp, tied_split=cfg.model.tie_embeddings and stages > 1)
-        self.optimizer = torch.optim.AdamW(param_groups(self.sync.params, cfg.weight_decay), lr=cfg.lr,
-                                           betas=(0.9, 0.95), eps=1e-8)
+        computed = {s: wrap_stage(m, cfg.precision, last=s == stages - 1) for s, m in self.modules.items()}
+        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
+        self.comm = DataParallelComm(rs.dp_group, self.runner.timer, self.runner.recorder, rs.timeout)
+        elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
+        self.sync = GradSync(self.modules, finish_order(self.schedule, rs.pp_rank), self.comm, rs.tp_group,
+                             rs.embed_group, rs.tp_rank, rs.dp_rank, tied_split=cfg.model.tie_embeddings and stages > 1,
+                             zero=cfg.zero, bucket_elements=elements, overlap=cfg.overlap_grad_reduce and cfg.dp > 1)
+        if self.sync.overlap:
+            self.runner.register_action_hook(self.sync.action_hook)
+        self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.dp_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
         self.state = checkpoint_state(cfg.model, self.modules, self.optimizer, self.rng)
@@ -136,6 +152,9 @@ class _Run:
                                   num_parameters=cfg.model.num_parameters(),
                                   flops_per_token=cfg.model.flops_per_token(),
                                   device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
+                                  parameters_here=sum(p.numel() for p in self.sync.params),
+                                  optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
+                                  gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
                                   unigram_baseline=self.corpus.unigram_baseline(),
                                   tokens_per_byte=self.corpus.tokens_per_byte)
         self.first = rs.pp_rank == self.schedule.device_of(0)
@@ -143,6 +162,7 @@ class _Run:
         self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
         self.timelines: list[Any] = []
+        self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, y = self.corpus.batch(split, index, self.cfg.batch_size, self.cfg.model.seq_len, self.cfg.seed)
@@ -164,22 +184,27 @@ class _Run:
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
         verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.params, self.rs.device)
         if verdict.update:
-            self.optimizer.step()
+            self.optimizer.step()  # ZeRO-1: then the all-gather of the updated parameters
         loss = verdict.loss
         r = self.result
+        r.dp_bytes_sent, self.comm_spans = self.comm.take_step()
         r.step_times.append(time.perf_counter() - t0)
         r.losses.append(loss)
         r.grad_norms.append(norm)
+        if r.message_bytes is None:
+            r.message_bytes = self.runner.message_bytes()
         if self.emit:
             self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
                        "step_time": r.step_times[-1],
-                       "peak_memory_mb": peak_memory_mb(self.rs.device)})
+                       "peak_memory_mb": peak_memory_mb(self.rs.device),
+                       "optimizer_state_bytes": r.optimizer_state_bytes, "gradient_bytes": r.gradient_bytes,
+                       "dp_bytes_sent": r.dp_bytes_sent})
         return verdict
 
     def measure(self) -> None:
-        """Keep this step's timeline (a collective over the pipeline group) for the bubble."""
-        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [self.runner.timeline()]
+        """Keep this step's timeline, with the data-parallel collectives (a collective over the pipeline group)."""
+        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [self.runner.timeline(self.comm_spans)]
 
     def validate(self, step: int) -> None:
         total = 0.0
@@ -261,6 +286,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
             if done > start:
                 run.save(done)
     finally:
+        run.comm.close()
         directory.close()
     run.result.skipped_steps = stop.skipped
     _bubbles(run.result, run.schedule, run.timelines)
@@ -270,7 +296,8 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
 
 
 def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
-    """Measured bubble of the last steps, the simulator's with their costs, and the ideal one."""
+    """Measured bubble and exposed data-parallel time of the last steps, the simulator's bubble with
+    their costs, and the ideal one."""
     from modelpar.pipeline.measure import measured_durations, predict
     from modelpar.simulate import simulate
 
@@ -278,3 +305,5 @@ def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
     if timelines:
         result.bubble_measured = statistics.median(tl.bubble for tl in timelines)
         result.bubble_simulated = predict(schedule, measured_durations(timelines)).bubble
+        result.exposed_reduction = statistics.median(max(tl.exposed_comm(REDUCTIONS)) for tl in timelines)
+        result.timeline = timelines[-1]

@@ -5,6 +5,8 @@ Entries (``modelpar.checkpoint.ShardedState``), each the *full* tensor of the si
     model.<name>                 every parameter under its single-process name (global layer index;
                                  a last stage's copy of a tied output weight is the embedding: saved once)
     optim.<name>.<field>         AdamW's exp_avg and exp_avg_sq, laid out like the parameter; step whole
+                                 (ZeRO-1: only the dp rank owning a range of the flattened parameter
+                                 adds that range's boxes, ``ZeroAdamW.checkpoint_shards``)
     rng                          the torch RNG state (one rank's: every rank holds the same one, as
                                  training draws no random numbers after initialisation)
 
@@ -27,6 +29,8 @@ from modelpar.model import ModelConfig, global_name
 from modelpar.tensor_parallel.sharding import ParamLayout, param_layout
 from modelpar.text.config import DataConfig
 from modelpar.training.config import TrainConfig
+from modelpar.training.optimizer import Optimizer
+from modelpar.training.zero import ZeroAdamW
 
 __all__ = ["MUST_MATCH", "check_meta", "checkpoint_state", "init_optimizer_state", "layout_shard", "resumed_config",
            "run_meta"]
@@ -38,7 +42,7 @@ __all__ = ["MUST_MATCH", "check_meta", "checkpoint_state", "init_optimizer_state
 MUST_MATCH = ("seed", "batch_size", "precision", "steps", "lr", "warmup", "weight_decay", "clip")
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: Optimizer) -> None:
     """Create AdamW's per-parameter state now (zeros, step 0) rather than lazily at the first step,
     so that a checkpoint can be loaded into it; AdamW then continues exactly as if it had made it."""
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -58,17 +62,25 @@ def layout_shard(tensor: torch.Tensor, layout: ParamLayout) -> Shard:
     return Shard.split(tensor, layout.dim, layout.shard, layout.shards, layout.blocks)
 
 
-def checkpoint_state(model: ModelConfig, modules: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
+def checkpoint_state(model: ModelConfig, modules: Mapping[int, nn.Module], optimizer: Optimizer,
                      rng: torch.Tensor) -> ShardedState:
-    """This rank's entries; loading fills these very tensors in place."""
+    """This rank's entries; loading fills these very tensors in place. Under ZeRO-1 (``ZeroAdamW``)
+    a rank adds the boxes of the optimizer state it owns, its ranges of the flattened parameters."""
     state = ShardedState()
+    names: dict[int, tuple[str, ParamLayout]] = {}
     for module in modules.values():
         for local_name, p in module.named_parameters():
             name, layout = global_name(model, local_name), param_layout(p)
+            names[id(p)] = name, layout
             state.add(f"model.{name}", layout_shard(p.data, layout))
+            if isinstance(optimizer, ZeroAdamW):
+                continue
             for field, value in optimizer.state.get(p, {}).items():
                 whole = value.shape != p.shape  # AdamW's step
                 state.add(f"optim.{name}.{field}", Shard.whole(value) if whole else layout_shard(value, layout))
+    if isinstance(optimizer, ZeroAdamW):
+        for entry, shard in optimizer.checkpoint_shards(names):
+            state.add(entry, shard)
     state.add("rng", Shard.whole(rng))
     return state
 

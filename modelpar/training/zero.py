@@ -139,11 +139,6 @@ class ZeroAdamW:
         for p in pending:
             self.comm.wait(p)
 
-    def state_bytes(self) -> int:
-        """Bytes of AdamW state tensors this rank holds (its moments; the step counts aside)."""
-        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
-                   for k, v in st.items() if k != "step")
-
     def checkpoint_shards(self, names: dict[int, tuple[str, ParamLayout]]) -> Iterator[tuple[str, Shard]]:
         """(``optim.<name>.<field>``, this rank's boxes of it) for each segment's AdamW state;
         ``names`` maps id(parameter) to its single-process name and layout."""
