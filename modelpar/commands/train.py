@@ -240,6 +240,13 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("model FLOPs per token", f"{result.flops_per_token:,.0f} (forward + backward)"),
         ("MFU", f"{100 * mfu:.2f}% of {peak:g} TFLOP/s x {cfg.dims.world_size}" if mfu is not None
          else "- (pass --peak-tflops)"),
+        ("precision", _PRECISION[cfg.precision]),
+        ("data parallel", f"ZeRO-{cfg.zero}, {result.buckets} bucket{'s' if result.buckets != 1 else ''}, "
+                          + ("overlapped" if cfg.overlap_grad_reduce and cfg.dp > 1 else "after the step")),
+        ("rank 0: AdamW state, grads", f"{_mib(result.optimizer_state_bytes)}, {_mib(result.gradient_bytes)}"),
+        ("rank 0: dp sent, exposed", f"{_mib(result.dp_bytes_sent)}/step, " + (
+            "-" if result.exposed_reduction is None else f"{1e3 * result.exposed_reduction:.1f} ms")),
+        ("pipeline message", ", ".join(f"{b / 1024:,.1f} KiB" for b in (result.message_bytes or []) if b) or "-"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
         ("  simulated, equal stages F=1 B=2", pct(result.bubble_ideal)),
@@ -253,11 +260,21 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "tokens_per_byte": result.tokens_per_byte, "val_bits_per_byte": bpb(final_val),
                "unigram_bits_per_byte": bpb(result.unigram_baseline),
                "num_parameters": result.num_parameters, "flops_per_token": result.flops_per_token,
-               "device": result.device_name, "peak_tflops": peak, "mfu": mfu, "skipped_steps": result.skipped_steps}
+               "device": result.device_name, "peak_tflops": peak, "mfu": mfu, "skipped_steps": result.skipped_steps,
+               "optimizer_state_bytes": result.optimizer_state_bytes, "gradient_bytes": result.gradient_bytes,
+               "dp_bytes_sent": result.dp_bytes_sent, "exposed_reduction": result.exposed_reduction,
+               "message_bytes": result.message_bytes}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
+
+
+_PRECISION = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights)", "fp64": "fp64"}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.2f} MiB"
 
 
 def _describe_data(cfg: Any) -> str:
