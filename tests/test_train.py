@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from modelpar.checkpoint import latest_checkpoint, read_meta
+from modelpar.checkpoint import latest_checkpoint, read_full_tensors, read_meta
 from modelpar.corpus import load_corpus
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes
 from modelpar.distributed import LocalCluster, free_port
