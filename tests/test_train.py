@@ -145,17 +145,20 @@ SPLITS = [  # (t, p, d) ∈ {1, 2}³ (the (1, 1, 1) oracle is the plain loop) ×
     {"tp": 2, "pp": 2, "sequence_parallel": True, "model": TIED, "recompute": "1"},
     {"tp": 2, "pp": 2, "dp": 2},
     {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True},
-    # data parallelism: ZeRO-1, and the reduction overlapped with the backward (the default) or after it;
-    # small buckets put several in a stage and cut parameters between ranks
-    {"dp": 2, "zero": 1}, {"dp": 2, "zero": 1, "overlap_grad_reduce": False, "bucket_mb": SMALL},
+]
+# Every d = 2 split with ZeRO-1, the reduction overlapped with the backward (the default) and after it, each
+# once (GPT or Llama); small buckets put several in a stage and cut parameters between the dp ranks.
+NO_OVERLAP = {"overlap_grad_reduce": False}
+DATA_PARALLEL = [
+    {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, **NO_OVERLAP, "bucket_mb": SMALL},  # ZeRO-0 after the step
+    {"dp": 2, "zero": 1}, {"dp": 2, "zero": 1, **NO_OVERLAP, "bucket_mb": SMALL, "model": LLAMA},
     {"dp": 2, **V2, "model": TIED, "zero": 1, "bucket_mb": SMALL},  # both tied copies on one rank
-    {"tp": 2, "dp": 2, "zero": 1, "bucket_mb": SMALL}, {"tp": 2, "dp": 2, "zero": 1, "overlap_grad_reduce": False},
+    {"tp": 2, "dp": 2, "zero": 1, "bucket_mb": SMALL, "model": LLAMA},  # kv heads replicated: summed over t first
+    {"tp": 2, "dp": 2, "zero": 1, **NO_OVERLAP},
     {"pp": 2, "dp": 2, "schedule": "zb-h1", "model": TIED, "zero": 1, "bucket_mb": SMALL},
-    {"pp": 2, "dp": 2, "zero": 1, "overlap_grad_reduce": False},
+    {"pp": 2, "dp": 2, "zero": 1, **NO_OVERLAP, "model": LLAMA},
     {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "bucket_mb": SMALL},
-    {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True, "model": TIED, "zero": 1,
-     "overlap_grad_reduce": False},
-    {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "overlap_grad_reduce": False, "bucket_mb": SMALL},
+    {"tp": 2, "pp": 2, "dp": 2, **V2, "sequence_parallel": True, "model": TIED, "zero": 1, **NO_OVERLAP},
 ]
 
 
@@ -164,7 +167,7 @@ def _as_llama(changes: dict) -> dict:
     return {**changes, "model": dataclasses.replace(LLAMA, tie_embeddings=changes.get("model", TINY).tie_embeddings)}
 
 
-SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS),
+SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS), *DATA_PARALLEL,
                {"tp": 2, "pp": 2, "recompute": "selective", "sequence_parallel": True,
                 "model": dataclasses.replace(LLAMA, kv_heads=2)},
                {"tp": 2, "pp": 2, "recompute": "selective", "model": TINY}]
