@@ -79,6 +79,7 @@ class GradSync:
                                      self.comm.size if self.zero else 1, partial, self.tied)
         self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
                                                    for s in self.modules}
+        self._counted_ranges = self._norm_ranges()
         self._started: set[int] = set()  # buckets whose reduction started this step
         self._pending: list[tuple[Bucket, Pending]] = []  # and their collectives in flight
         self._armed: int | None = None  # the stage whose last backward is running
@@ -180,20 +181,26 @@ class GradSync:
         layout = param_layout(p)
         return layout.rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
 
-    def _norm_terms(self) -> Iterator[torch.Tensor]:
-        """The gradient elements this rank adds to the global norm."""
+    def _norm_ranges(self) -> list[tuple[Bucket, int, int]]:
+        """The flat ranges of gradient this rank adds to the global norm, adjacent ones merged (few kernels)."""
+        ranges: list[tuple[Bucket, int, int]] = []
         for b in self.buckets:
             lo, hi = b.shard_range(self.dp_rank, self.comm.size) if self.zero else (0, b.numel)
             for p, offset in zip(b.params, b.offsets):
                 a, z = max(lo, offset), min(hi, offset + p.numel())
-                if a < z and self._counted(p):
-                    yield b.grad[a:z]
+                if a >= z or not self._counted(p):
+                    continue
+                if ranges and ranges[-1][0] is b and ranges[-1][2] == a:
+                    ranges[-1] = (b, ranges[-1][1], z)
+                else:
+                    ranges.append((b, a, z))
+        return ranges
 
     def global_norm(self) -> float:
         """Collective over all ranks (one scalar all-reduce): the L2 norm of the whole model's gradient."""
         local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
-        for g in self._norm_terms():
-            local += g.double().pow(2).sum()
+        for b, a, z in self._counted_ranges:
+            local += torch.linalg.vector_norm(b.grad[a:z], dtype=torch.float64).square()
         dist.all_reduce(local)
         return math.sqrt(local.item())
 
