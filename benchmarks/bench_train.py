@@ -8,14 +8,23 @@ model's predicted throughput ratio for the same layouts, calibrated so that (1, 
 the measured step time. The cost model assumes one device per rank; on a machine with fewer
 cores than ranks the ranks share the cores, which the ``cores`` column makes visible.
 
+Then the data-parallel reduction overlapped with the backward, on (1, 2, 2) and (2, 2, 2): the
+step time with the overlap (the default), without it (``--no-overlap-grad-reduce``) and with ZeRO-1,
+and the exposed reduction — how long the slowest device's gradient reduction runs past its last
+backward, read from the measured timeline. Each split's timelines are drawn one above the other,
+the dp collectives on a row of their own (OUT/overlap_<t><p><d>.png and a Chrome trace .json).
+
     python benchmarks/bench_train.py [--steps 15] [--hidden 128] [--layers 4] [--schedule 1f1b]
+    python benchmarks/bench_train.py --overlap-only [--bucket-mb 0.5] [--out bench-train]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
@@ -47,15 +56,51 @@ def cost_model_ratios(cfg: TrainConfig, measured_step_111: float) -> dict[tuple[
     return {s: base / step(s, peak) for s in SPLITS}
 
 
+OVERLAP_SPLITS = [(1, 2, 2), (2, 2, 2)]
+OVERLAP_RUNS = [("overlap", {}), ("no overlap", {"overlap_grad_reduce": False}), ("overlap, ZeRO-1", {"zero": 1})]
+
+
+def overlap_table(base: TrainConfig, bucket_mb: float, out: Path) -> None:
+    """Step time and exposed reduction with and without the overlap; the measured timelines drawn."""
+    from modelpar.simulate.plot import plot_timelines
+    from modelpar.simulate.trace import write_trace
+
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"\nData-parallel reduction overlapped with the backward (buckets of {bucket_mb:g} MiB, float32, gloo)\n")
+    print(f"{'(t, p, d)':>10} {'run':>16} {'step ms':>8} {'vs no overlap':>14} {'exposed reduction ms':>21} "
+          f"{'dp MiB/step':>12}")
+    for t, p, d in OVERLAP_SPLITS:
+        results = [(name, run_local(replace(base, tp=t, pp=p, dp=d, bucket_mb=bucket_mb, **changes)))
+                   for name, changes in OVERLAP_RUNS]
+        after = statistics.median(results[1][1].step_times[1:])
+        for name, res in results:
+            step = statistics.median(res.step_times[1:])
+            exposed = "-" if res.exposed_reduction is None else f"{1e3 * res.exposed_reduction:.2f}"
+            print(f"{(t, p, d)!s:>10} {name:>16} {1e3 * step:>8.1f} {step / after:>14.2f} {exposed:>21} "
+                  f"{res.dp_bytes_sent / 2**20:>12.2f}")
+        timelines = [res.timeline for _, res in results]
+        for (name, _), tl in zip(results, timelines):
+            tl.schedule = replace(tl.schedule, name=f"{name}: {tl.schedule.name}")
+        png = plot_timelines(timelines, out / f"overlap_{t}{p}{d}.png", f"(t, p, d) = ({t}, {p}, {d}), last step")
+        write_trace(timelines, out / f"overlap_{t}{p}{d}.json")
+        print(f"{'':>10} {'timelines':>16} {png} (+ .json)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--overlap-only", action="store_true", help="only the data-parallel overlap table")
+    ap.add_argument("--bucket-mb", type=float, default=0.5, help="gradient bucket size of the overlap runs")
+    ap.add_argument("--out", default="bench-train", help="folder for the overlap timelines")
     args = ap.parse_args()
     base = TrainConfig(model=ModelConfig(hidden=args.hidden, layers=args.layers), steps=args.steps, schedule=args.schedule,
                        chunks=2 if args.schedule == "interleaved" else 1, eval_every=0, eval_batches=1, warmup=5)
+    if args.overlap_only:
+        overlap_table(base, args.bucket_mb, Path(args.out))
+        return
     cores = os.cpu_count() or 1
     rows = []
     for t, p, d in SPLITS:
@@ -77,6 +122,7 @@ def main() -> None:
         print(f"{split!s:>10} {t * p * d:>5} {res.tokens_per_s:>9,.0f} {ratio:>6.2f} {pred:>10} "
               f"{pct(res.bubble_measured) if p > 1 else '-':>12} {pct(res.bubble_simulated) if p > 1 else '-':>18} "
               f"{pct(res.bubble_ideal):>6}")
+    overlap_table(base, args.bucket_mb, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     from matplotlib.patches import Patch
 
     rows = sum(_rows(t) for t in timelines)
-    width = max(8.0, min(18.0, 0.28 * max(_end(t) for t in timelines) + 3))
+    comm = any(_has_comm(t) for t in timelines)
+    width = max(11.0 if comm else 8.0, min(18.0, 0.28 * max(_end(t) for t in timelines) + 3))
     fig, axes = plt.subplots(
         len(timelines), 1, figsize=(width, 1.1 + 0.42 * rows + 0.75 * len(timelines)), squeeze=False,
         gridspec_kw={"height_ratios": [_rows(t) for t in timelines]},
@@ -56,13 +57,14 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     kinds = [k for k in Kind if any(a.kind is k for t in timelines for acts in t.actions for a in acts)]
     handles = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_kind_name(k)) for k in kinds]
     handles.append(Patch(facecolor="#e6e6e6", edgecolor="none", label="idle (bubble)"))
-    if any(_has_comm(t) for t in timelines):
+    if comm:
         handles += [Patch(facecolor=_COMM[False], label="dp collective, overlapped"),
                     Patch(facecolor=_COMM[True], label="dp collective, exposed")]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+    ncol = len(handles) if len(handles) <= 5 else (len(handles) + 1) // 2
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
+    fig.tight_layout(rect=(0, 0.06 if ncol == len(handles) else 0.1, 1, 0.97 if title else 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
