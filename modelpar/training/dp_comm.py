@@ -3,8 +3,8 @@
 Each collective returns at once (``async_op=True``). On a GPU, NCCL runs it on its own stream,
 which waits for the gradients the compute stream produced; ``wait`` only makes the compute
 stream wait for it (the host does not block), so the backward kernels queued meanwhile overlap
-with it. On CPUs, gloo's threads run it while this one computes. ``wait`` is bounded by the
-run's timeout like every other collective of a run.
+with it, and the group's own timeout (the run's ``--timeout``) bounds it. On CPUs, gloo's threads
+run it while this one computes, and ``wait`` gives up after the run's timeout.
 
 What it records, for the accounting and the measured timeline:
 
@@ -34,6 +34,9 @@ from modelpar.pipeline.timing import CudaTimer, HostTimer
 __all__ = ["REDUCTIONS", "DataParallelComm", "Pending"]
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")  # the labels of gradient reductions (all-gather: parameters)
+# torch 2.13 renamed the flat-tensor collectives; torch >= 2.6 has the old names
+_reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(eq=False)
@@ -69,12 +72,12 @@ class DataParallelComm:
 
     def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "reduce-scatter") -> Pending:
         """``shard`` (rank r's 1/d of ``flat``, possibly a view into it) becomes the sum of that part over the group."""
-        return self._issue(label, dist.reduce_scatter_single(shard, flat, group=self.group, async_op=True),
+        return self._issue(label, _reduce_scatter(shard, flat, group=self.group, async_op=True),
                            (self.size - 1) / self.size * flat.numel() * flat.element_size())
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "all-gather") -> Pending:
         """``flat`` becomes every rank's ``shard`` in rank order (``shard`` may be its own part of ``flat``)."""
-        return self._issue(label, dist.all_gather_single(flat, shard, group=self.group, async_op=True),
+        return self._issue(label, _all_gather(flat, shard, group=self.group, async_op=True),
                            (self.size - 1) / self.size * flat.numel() * flat.element_size())
 
     def _issue(self, label: str, work: Any, nbytes: float) -> Pending:
@@ -120,11 +123,11 @@ class DataParallelComm:
             pending.done.set()
 
     def close(self) -> None:
-        """Stop the waiter thread (after the last wait)."""
+        """Let the waiter thread end once it has waited for what it holds. It is not joined: after a
+        failed step it may be waiting for a collective that never completes (it times out, and it
+        is a daemon thread, so it never keeps the process alive)."""
         if self._queue is not None:
             self._queue.put(None)
-            assert self._thread is not None
-            self._thread.join(timeout=self.timeout)
             self._queue = self._thread = None
 
     # --- measuring ----------------------------------------------------------------------------
@@ -133,6 +136,7 @@ class DataParallelComm:
         rank's step clock; call after they were all waited for, before the next pipeline step."""
         nbytes, spans, self._spans, self.bytes_sent = self.bytes_sent, self._spans, [], 0.0
         if self.nccl and spans:
+            self._side.synchronize()  # its completion events must have happened to be read
             times = self.timer.resolve([m for s in spans for m in (s.start, s.end)], self.timeout,
                                        lambda: self.recorder.timeout(self.timeout, "the data-parallel collectives"))
             return nbytes, [(s.label, times[2 * i], times[2 * i + 1]) for i, s in enumerate(spans)]

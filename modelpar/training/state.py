@@ -47,10 +47,12 @@ def init_optimizer_state(optimizer: Optimizer) -> None:
     so that a checkpoint can be loaded into it; AdamW then continues exactly as if it had made it."""
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # as torch's AdamW keeps them: on the GPU, fp32
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                                 else torch.tensor(0.0, dtype=scalar))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
