@@ -106,7 +106,7 @@ def main() -> None:
     peak = args.peak_tflops or H200_BF16_TFLOPS
     flops = cfg.model.flops_per_token()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{name}: Llama {cfg.model.num_parameters() / 1e6:.0f} M parameters (h={cfg.model.hidden}, "
+    print(f"\n{name}: Llama {cfg.model.num_parameters():,} parameters (h={cfg.model.hidden}, "
           f"L={cfg.model.layers}, s={cfg.model.seq_len}), bf16, batch {cfg.batch_size} x {cfg.microbatches} "
           f"micro-batches, {cfg.steps} steps (median after {warmup}), peak {peak:g} TFLOP/s\n")
     print(f"{'':>16} {'tokens/s':>12} {'MFU':>7}")

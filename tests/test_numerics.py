@@ -10,7 +10,8 @@ from torch import nn
 
 from modelpar.training.buckets import build_buckets
 from modelpar.training.precision import MixedPrecisionStage, check_precision, compute_dtype, param_dtype, wrap_stage
-from modelpar.training.zero import flat_boxes
+from modelpar.tensor_parallel.sharding import ParamLayout
+from modelpar.training.zero import flat_boxes, segment_shard
 
 
 # --- precision ------------------------------------------------------------------------------------
@@ -82,3 +83,22 @@ def test_a_flat_range_is_a_few_contiguous_boxes_covering_it_exactly(shape, data)
         assert box.flatten().tolist() == list(range(flat, flat + box.numel()))  # contiguous, starting at flat
         covered += box.flatten().tolist()
     assert covered == list(range(start, stop))
+
+
+@settings(max_examples=150, deadline=None)
+@given(dim=st.sampled_from([None, 0, 1]), blocks=st.sampled_from([1, 3]), world=st.sampled_from([1, 2, 4]),
+       replicas=st.sampled_from([1, 2]), data=st.data())
+def test_a_range_of_a_tensor_parallel_shard_is_boxes_of_the_full_tensor(dim, blocks, world, replicas, data):
+    if replicas > world or (dim != 0 and blocks > 1):
+        return
+    rank = data.draw(st.integers(0, world - 1))
+    layout = ParamLayout(dim, blocks if dim is not None else 1, replicas if dim is not None else 1, rank, world)
+    full = torch.arange(12 * 8, dtype=torch.float64).view(12, 8)  # rows: 3 blocks x 4 shards; columns: 4 shards
+    local = layout.shard_of(full)
+    start = data.draw(st.integers(0, local.numel() - 1))
+    stop = data.draw(st.integers(start + 1, local.numel()))
+    shard = segment_shard(local.flatten()[start:stop].clone(), local.shape, start, stop, layout)
+    assert shard.shape == (12, 8) and sum(p.tensor.numel() for p in shard.pieces) == stop - start
+    for piece in shard.pieces:  # each box holds exactly the full tensor's values at its place
+        box = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))]
+        assert torch.equal(piece.tensor, box)

@@ -37,11 +37,22 @@ def test_flags_reach_the_config():
     (["--init-from", "/nonexistent"], "/nonexistent: no config.json (expected a Hugging Face model directory)"),
     (["--layers", "6", "--pp", "4"], "layers (6) must be divisible by the number of pipeline stages (pp * chunks) (4)"),
     (["--resume"], "resume needs checkpoint_dir"),
+    (["--dtype", "float64"], "--dtype float64 is retired: use --precision fp32 (was float32), fp64 (was float64) or bf16"),
+    (["--precision", "fp16"], "precision 'fp16' is not supported: fp16 needs loss scaling"),
+    (["--zero", "2"], "zero must be one of {0, 1}, got 2"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, flags, message):
     assert main(["train", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"modelpar train: error: {err.split('error: ', 1)[1]}" and message in err and "\n" not in err
+
+
+def test_numerics_flags_reach_the_config():
+    args = build_parser().parse_args(["train", "--precision", "bf16", "--zero", "1", "--no-overlap-grad-reduce",
+                                      "--bucket-mb", "4"])
+    cfg = build_config(args)
+    assert (cfg.precision, cfg.zero, cfg.overlap_grad_reduce, cfg.bucket_mb) == ("bf16", 1, False, 4.0)
+    assert (TrainConfig().precision, TrainConfig().zero, TrainConfig().overlap_grad_reduce) == ("fp32", 0, True)
 
 
 def test_llama_flags_reach_the_model_config():
@@ -66,6 +77,9 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
                                                           ("step", 4), ("eval", 4)]
     assert [m["loss"] for m in metrics if m["event"] == "step"] == summary["losses"]
     assert all(m["step_time"] > 0 and m["peak_memory_mb"] > 0 and m["lr"] > 0 for m in metrics if m["event"] == "step")
+    steps = [m for m in metrics if m["event"] == "step"]  # rank 0's accounting: fp32 AdamW is two moments, d = 1
+    assert all(m["optimizer_state_bytes"] == summary["optimizer_state_bytes"] == 2 * m["gradient_bytes"] > 0
+               and m["dp_bytes_sent"] == 0.0 for m in steps)
     assert [m["val_bpb"] for m in metrics if m["event"] == "eval"] == pytest.approx(
         [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
     assert "unigram baseline" in capsys.readouterr().out
