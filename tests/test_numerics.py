@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from modelpar.tensor_parallel.sharding import ParamLayout
 from modelpar.training.buckets import build_buckets
 from modelpar.training.precision import MixedPrecisionStage, check_precision, compute_dtype, param_dtype, wrap_stage
-from modelpar.tensor_parallel.sharding import ParamLayout
 from modelpar.training.zero import flat_boxes, segment_shard
 
 
@@ -102,3 +102,27 @@ def test_a_range_of_a_tensor_parallel_shard_is_boxes_of_the_full_tensor(dim, blo
     for piece in shard.pieces:  # each box holds exactly the full tensor's values at its place
         box = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))]
         assert torch.equal(piece.tensor, box)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_and_zero1_train_on_one_gpu_like_fp32():
+    """NCCL world of one: autocast on CUDA, fused AdamW (step counts on the GPU), ZeRO-1's ranges."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from modelpar.distributed import free_port
+    from modelpar.model import ModelConfig
+    from modelpar.training import TrainConfig, train
+
+    cfg = TrainConfig(model=ModelConfig(arch="llama", hidden=64, heads=4, kv_heads=2, layers=2, seq_len=32),
+                      tp=1, pp=1, dp=1, steps=20, batch_size=8, microbatches=2, warmup=2, lr=3e-3, eval_every=0,
+                      eval_batches=1)
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        fp32 = train(cfg).losses
+        bf16 = train(dataclasses.replace(cfg, precision="bf16", zero=1, bucket_mb=0.01)).losses
+    finally:
+        dist.destroy_process_group()
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < 0.05 and bf16[-1] < bf16[0] - 1.0

@@ -305,5 +305,6 @@ def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
     if timelines:
         result.bubble_measured = statistics.median(tl.bubble for tl in timelines)
         result.bubble_simulated = predict(schedule, measured_durations(timelines)).bubble
-        result.exposed_reduction = statistics.median(max(tl.exposed_comm(REDUCTIONS)) for tl in timelines)
+        if any(any(tl.comm) for tl in timelines):  # d > 1
+            result.exposed_reduction = statistics.median(max(tl.exposed_comm(REDUCTIONS)) for tl in timelines)
         result.timeline = timelines[-1]
