@@ -39,7 +39,7 @@ def main() -> None:
     init_from_env(args.backend, timeout=23.0)
     rank = dist.get_rank()
     cfg = TrainConfig(model=ModelConfig(hidden=64, heads=4, layers=4, seq_len=32), tp=args.tp, pp=args.pp, dp=1,
-                      steps=200, batch_size=8, microbatches=2, dtype="float64", eval_every=0, eval_batches=1,
+                      steps=200, batch_size=8, microbatches=2, precision="fp64", eval_every=0, eval_batches=1,
                       checkpoint_dir=args.dir, checkpoint_every=2, timeout=23.0)
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)

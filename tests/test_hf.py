@@ -98,7 +98,7 @@ def _train_first_loss(path: str, checkpoint_dir: str) -> float:
 
     torch.set_num_threads(1)
     cfg = TrainConfig(model=hf.read_hf_config(path), init_from=str(path), tp=2, pp=2, dp=1, steps=1, batch_size=4,
-                      microbatches=2, eval_every=0, eval_batches=1, dtype="float32", checkpoint_dir=checkpoint_dir)
+                      microbatches=2, eval_every=0, eval_batches=1, precision="fp32", checkpoint_dir=checkpoint_dir)
     return train(cfg).losses[0]
 
 
