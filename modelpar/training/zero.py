@@ -122,12 +122,6 @@ class ZeroAdamW:
     def state(self) -> Any:
         return self.optimizer.state
 
-    def grads(self) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, its gradient elements this rank owns) for each segment."""
-        for s in self.segments:
-            assert s.data.grad is not None
-            yield s.param, s.data.grad
-
     def step(self) -> None:
         """Update this rank's ranges, then all-gather every bucket's parameters."""
         self.optimizer.step()
