@@ -130,7 +130,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         results.put((rank, "error", _describe(exc)))
         return
     try:
-        while (task := tasks.get()) is not None:
+        while (task := _next_task(tasks)) is not None:
             fn, args, kwargs = pickle.loads(task)
             try:
                 results.put((rank, "ok", fn(*args, **kwargs)))
@@ -138,6 +138,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
                 results.put((rank, "error", _describe(exc)))
     finally:
         dist.destroy_process_group()
+
+
+def _next_task(tasks: Any) -> Any:
+    """The next task; None when told to stop, or when a Ctrl-C finds this rank idle between tasks
+    (the launcher decides what the interrupt means; a rank has nothing of its own to stop)."""
+    try:
+        return tasks.get()
+    except KeyboardInterrupt:
+        return None
 
 
 def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
