@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -122,7 +123,7 @@ def main() -> None:
             rows.append((name + (f" (v={v})" if v > 1 else ""), cls, f"{ours * 1e3:.2f}", f"{theirs * 1e3:.2f}",
                          f"{ours / theirs:.2f}", f"{res['grad_diff']:.1e}", f"{s['measured_bubble']:.1%}",
                          f"{s['simulated_bubble']:.1%}"))
-            print("  ".join(rows[-1]), flush=True)
+            print("  ".join(rows[-1]), file=sys.stderr, flush=True)  # progress; the table goes to stdout
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     print()
     for r in rows:
