@@ -12,9 +12,10 @@ from torch import nn
 
 from modelpar.cli import main
 from modelpar.pipeline import LocalStage, PipelineRunner, even_balance, measured_durations, predict, split_stages
+from modelpar.pipeline.measure import message_delays
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.pipeline.split_backward import backward_input
-from modelpar.schedules import Kind, get_schedule, on_one_device
+from modelpar.schedules import Action, Kind, get_schedule, on_one_device
 from modelpar.simulate import Costs, Event, Timeline, pipeline_speedup, simulate
 
 
@@ -166,6 +167,21 @@ def test_prediction_from_measured_costs_reproduces_the_simulator():
     assert with_transfer.step_time == 36 == 3 * 4 * 8 / pipeline_speedup(stages=4, microbatches=8, comm=0.5)
     shifted = Timeline.from_events([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
     assert shifted.step_time == 33  # measured clocks start anywhere
+
+
+def test_message_delays_are_read_off_waiting_receivers_only():
+    """GPipe K = 2, M = 2 by hand: device 1 waits 0.25 for each activation, device 0 waits 0.5 for
+    the first gradient; the second gradient arrives while device 0 is busy, so it says nothing."""
+    schedule = get_schedule("gpipe", stages=2, microbatches=2)
+    F0, F1, B0, B1 = (Action(s, k, m) for s, k, m in ((0, Kind.F, 0), (0, Kind.F, 1), (0, Kind.B, 0), (0, Kind.B, 1)))
+    events = [Event(0, F0, 0, 1), Event(0, F1, 1, 2),  # device 0: F0 F1 ... B1 B0
+              Event(0, B1, 5.5, 7.5), Event(0, B0, 7.5, 9.5),
+              Event(1, Action(1, Kind.F, 0), 1.25, 2.25), Event(1, Action(1, Kind.F, 1), 2.25, 3.25),
+              Event(1, Action(1, Kind.B, 1), 3.25, 5.0), Event(1, Action(1, Kind.B, 0), 5.0, 7.0)]
+    tl = Timeline.from_events(events, 2, schedule, unit="s")
+    # activations into stage 1: 1.25 - 1 (waited) and 2.25 - 2 (busy with F0 until 2.25: not counted);
+    # gradients into stage 0: 5.5 - 5.0 (waited), B0's 7.0 arrived while B1 ran (not counted)
+    assert message_delays([tl]) == [0.0, (0.25 + 0.5) / 2]
 
 
 def test_cli_bad_arguments_exit_2_before_starting_processes(capsys):

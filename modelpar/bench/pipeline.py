@@ -112,12 +112,15 @@ def gather_per_rank(obj: Any) -> list[Any]:
 
 def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
     """Measured (median step) vs simulated with the measured costs: step time, bubble, peaks."""
-    from modelpar.pipeline.measure import measured_durations, predict
+    from modelpar.pipeline.measure import measured_durations, message_delays, predict
 
     timelines: list[Timeline] = result["timelines"]
     order = sorted(range(len(timelines)), key=lambda i: timelines[i].step_time)
     median = timelines[order[len(order) // 2]]
-    predicted = predict(cfg.build_schedule(), measured_durations(timelines), result["transfer_in"])
+    durations = measured_durations(timelines)
+    predicted = predict(cfg.build_schedule(), durations, result["transfer_in"])
+    delays = message_delays(timelines)
+    in_run = predict(cfg.build_schedule(), durations, delays)
     chunks = median.chunks
     crossing = [t for t in result["transfer_in"] if t]
     return {
@@ -125,8 +128,11 @@ def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
         "simulated_step_s": predicted.step_time,
         "measured_bubble": median.bubble,
         "simulated_bubble": predicted.bubble,
+        "in_run_step_s": in_run.step_time,
+        "in_run_bubble": in_run.bubble,
         "wall_step_s": statistics.median(result["walls"]),
         "transfer_s": statistics.fmean(crossing) if crossing else 0.0,  # one message, mean over boundaries
+        "message_delay_s": statistics.fmean([d for d in delays if d]) if any(delays) else 0.0,  # the same, in the run
         "measured_peak_held": result["peak_held"],
         "simulated_peak_held": [round(p * chunks) for p in predicted.peak_activations],
         "measured": median,

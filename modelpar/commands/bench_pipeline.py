@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         write_trace([s["measured"], s["simulated"]], args.trace, us_per_unit=1e6)
     if args.json:
         keys = ("measured_step_s", "simulated_step_s", "measured_bubble", "simulated_bubble", "wall_step_s",
-                "transfer_s", "measured_peak_held", "simulated_peak_held")
+                "transfer_s", "measured_peak_held", "simulated_peak_held", "in_run_step_s", "in_run_bubble",
+                "message_delay_s")
         print(json.dumps({k: s[k] for k in keys}, indent=2))
         return 0
     print(report(cfg, s))
@@ -125,6 +126,7 @@ def report(cfg: Any, s: dict[str, Any]) -> str:
         ("step time (ms)", f"{s['measured_step_s'] * 1e3:.2f}", f"{s['simulated_step_s'] * 1e3:.2f}"),
         ("bubble", f"{s['measured_bubble']:.1%}", f"{s['simulated_bubble']:.1%}"),
         ("peak held microbatches", str(s["measured_peak_held"]), str(s["simulated_peak_held"])),
+        ("bubble, messages as slow as in this run", "", f"{s['in_run_bubble']:.1%}"),
     ]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     table = "\n".join(f"{r[0]:<{width[0]}}   {r[1]:>{width[1]}}   {r[2]:>{width[2]}}" for r in rows)
@@ -135,7 +137,8 @@ def report(cfg: Any, s: dict[str, Any]) -> str:
         f"{'NCCL processes (one GPU each)' if cfg.cuda else 'gloo processes'}: "
         f"MLP width {cfg.width}, {cfg.blocks} blocks per process, {cfg.rows} rows, median of {cfg.steps} steps\n"
         f"simulated = the simulator fed this run's mean action times and measured messages "
-        f"({s['transfer_s'] * 1e3:.3f} ms one way, latency + bytes / bandwidth)\n\n{table}\n"
+        f"({s['transfer_s'] * 1e3:.3f} ms one way, latency + bytes / bandwidth); in this run a message kept "
+        f"a waiting receiver {s['message_delay_s'] * 1e3:.3f} ms on average (wake-up included)\n\n{table}\n"
         f"(wall-clock step incl. entry and send completion: {s['wall_step_s'] * 1e3:.2f} ms)\n\n"
         f"Measured timeline, one cell = {unit * 1e3:.3f} ms:\n{ascii_chart(measured, unit=unit)}"
     )

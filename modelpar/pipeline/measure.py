@@ -22,7 +22,7 @@ from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import CommSpan, Event, Timeline
 
-__all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "predict"]
+__all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "message_delays", "predict"]
 
 
 def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,
@@ -57,6 +57,35 @@ def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]
         for e in tl.events:
             samples[e.action.kind][e.action.stage].append(e.end - e.start)
     return {k: [statistics.fmean(x) if x else 0.0 for x in per_stage] for k, per_stage in samples.items()}
+
+
+def message_delays(timelines: Iterable[Timeline]) -> list[float]:
+    """Mean time a message into each stage boundary took in the run itself (seconds; 0: same device).
+
+    For every cross-device dependency whose consumer's device sat idle from before the producer
+    ended, the consumer's start minus the producer's end is what that message cost on the
+    critical path: wire time plus waking the receiver. Unlike a ping-pong's median this includes
+    the slow wake-ups a loaded machine gives a waiting process. Both directions are pooled, as
+    the simulator charges ``transfer_in[s]`` to the activation into stage s and the gradient back.
+    """
+    timelines = list(timelines)
+    if not timelines or timelines[0].schedule is None:
+        raise ValueError("timelines must hold at least one measured timeline with its schedule")
+    schedule = timelines[0].schedule
+    dev = schedule.stage_to_device
+    samples: list[list[float]] = [[] for _ in dev]
+    for tl in timelines:
+        where = {a: (d, i) for d, acts in enumerate(tl.actions) for i, a in enumerate(acts)}
+        for a, (d, i) in where.items():
+            for dep in schedule.dependencies(a):
+                pd, pi = where[dep]
+                if pd == d:
+                    continue
+                produced, started = tl.ends[pd][pi], tl.starts[d][i]
+                idle_since = tl.ends[d][i - 1] if i else 0.0
+                if idle_since <= produced <= started:
+                    samples[max(a.stage, dep.stage)].append(started - produced)
+    return [statistics.fmean(x) if x and s and dev[s] != dev[s - 1] else 0.0 for s, x in enumerate(samples)]
 
 
 @dataclass(frozen=True)
