@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from modelpar.recompute.plan import Strategy
+from modelpar.recompute.plan import Strategy, parse_strategy
 
 
 def parse_strategies(text: str) -> list[Strategy]:
-    """``"none,4,sqrt,full"`` -> ``[None, 4, "sqrt", "full"]``; names are checked when planned."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
+    """``"none,4,sqrt,full"`` -> ``[None, 4, "sqrt", "full"]`` (each name checked by ``parse_strategy``)."""
+    items = [parse_strategy(item) for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"--strategies must list at least one strategy, got {text!r}")
-    return [None if item == "none" else int(item) if item.isdigit() else item for item in items]
+    return [None if item == "none" else item for item in items]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ from modelpar.costmodel.memory import (
 )
 from modelpar.costmodel.presets import GPUS, MODELS, NodePreset, gpu_preset, make_cluster, model_preset
 from modelpar.costmodel.search import SearchResult, chunk_counts, divisors, fitting_gpu_counts, search
-from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import device_layers, split_layers
 from modelpar.costmodel.zero import *  # noqa: F403
 from modelpar.costmodel.zero import __all__ as _zero_all
@@ -31,7 +31,7 @@ __all__ = [
     *_formulas_all,
     *_zero_all,
     "Assumptions", "ClusterSpec", "DEFAULT", "ENGINES", "Engine", "Estimate", "GPUS", "GPUSpec", "MODELS", "MODERN",
-    "ModelSpec", "NodePreset", "ParallelConfig", "RECOMPUTE", "REFERENCE", "SearchResult",
+    "ModelSpec", "NodePreset", "ParallelConfig", "PLANNED_RECOMPUTE", "REFERENCE", "SearchResult",
     "activation_bytes_per_layer", "assumptions_for", "check_config", "chunk_counts", "device_layers", "device_params", "divisors",
     "engine_assumptions", "estimate", "fitting_gpu_counts", "gpu_preset", "layerwise_stage_gb", "make_cluster",
     "matmul_efficiency", "memory_breakdown", "model_preset", "search", "split_layers", "stages_needed",

@@ -18,7 +18,7 @@ from modelpar.costmodel.assumptions import Assumptions, assumptions_for
 from modelpar.costmodel.engines import ENGINES, engine_assumptions
 from modelpar.costmodel.presets import GPUS, NodePreset, gpu_preset, make_cluster, model_preset
 from modelpar.costmodel.search import SearchResult, search
-from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, ModelSpec
+from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec
 from modelpar.costmodel.stages import check_split
 from modelpar.costmodel.zero import ZERO_STAGES
 
@@ -131,7 +131,7 @@ def _pins(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any]:
         if getattr(args, flag) is not None:
             pins[key] = check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), minimum=1)
     if args.recompute is not None:
-        pins["recompute"] = check_choice("--recompute", args.recompute, RECOMPUTE)
+        pins["recompute"] = check_choice("--recompute", args.recompute, PLANNED_RECOMPUTE)
     if args.sequence_parallel is not None:
         pins["sequence_parallel"] = check_choice("--sequence-parallel", args.sequence_parallel, ("on", "off")) == "on"
     if args.zero is not None:

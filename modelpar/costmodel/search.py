@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
-from modelpar.costmodel.specs import RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.zero import ZERO_STAGES
 
 __all__ = ["SearchResult", "chunk_counts", "divisors", "fitting_gpu_counts", "search"]
@@ -109,7 +109,7 @@ def search(
     """
     a, n, res = assumptions, cluster.gpus, SearchResult([])
     kv = model.kv_heads or model.heads
-    recomputes = list(RECOMPUTE) if recompute is None else [recompute]
+    recomputes = list(PLANNED_RECOMPUTE) if recompute is None else [recompute]
     for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
         if model.heads % tt or kv % tt:
             res.reject("heads", f"t = {tt} does not divide heads ({model.heads}, kv {kv})")

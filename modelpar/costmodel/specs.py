@@ -14,9 +14,11 @@ from functools import cached_property
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.costmodel.zero import ZERO_STAGES
 
-__all__ = ["RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
+__all__ = ["PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
 
-RECOMPUTE = ("none", "selective", "full")
+# The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
+# that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
+PLANNED_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("t", "p", "d", "micro_batch", "v"):
             check_int(name, getattr(self, name), minimum=1)
-        check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("recompute", self.recompute, PLANNED_RECOMPUTE)
         check_choice("zero", self.zero, ZERO_STAGES)
         if self.stage_layers is not None:
             if len(self.stage_layers) != self.p * self.v:
