@@ -44,18 +44,22 @@ class MetricsLog:
             _summary_writer_class()  # a missing package is an error now, before the run starts
 
     def __call__(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "start":
-            self._start(int(event.get("start_step", 0)))
-        elif kind in ("step", "eval"):
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(event) + "\n")
-            if self._writer is not None:
-                for name, value in event.items():
-                    if name not in ("event", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        self._writer.add_scalar(f"{kind}/{name}", value, event["step"])
-        elif kind == "done":
-            self.close()
+        match event.get("event"):
+            case "start":
+                self._start(int(event.get("start_step", 0)))
+            case "step" | "eval" as kind:
+                self._write(kind, event)
+            case "done":
+                self.close()
+
+    def _write(self, kind: str, event: dict[str, Any]) -> None:
+        """One JSON line, and the event's numbers as TensorBoard scalars under ``kind/``."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+        if self._writer is not None:
+            for name, value in event.items():
+                if name not in ("event", "step") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(f"{kind}/{name}", value, event["step"])
 
     def close(self) -> None:
         if self._writer is not None:
