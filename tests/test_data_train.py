@@ -7,13 +7,13 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
+from oracle import plain_loop
 
 from modelpar.corpus import load_corpus
 from modelpar.distributed import LocalCluster
-from modelpar.model import ModelConfig, build_stage
+from modelpar.model import ModelConfig
 from modelpar.text import DataConfig, open_corpus, prepare_data
-from modelpar.training import TrainConfig, lr_at, param_groups, train
+from modelpar.training import TrainConfig, train
 
 TOL = 1e-9
 
@@ -47,23 +47,8 @@ def base(folder, tmp_path_factory):
 
 def reference(cfg: TrainConfig) -> tuple[list[float], float]:
     """Losses and final validation loss of a plain loop over the memory-mapped corpus, one process."""
-    corpus = open_corpus(cfg.data)
-    model = build_stage(cfg.model, seed=cfg.seed, dtype=torch.float64)
-    opt = torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    xent = lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # noqa: E731
-    losses = []
-    for step in range(cfg.steps):
-        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        opt.zero_grad()
-        loss = xent(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        return losses, xent(*corpus.batch("val", 0, cfg.batch_size, cfg.model.seq_len, cfg.seed)).item()
+    run = plain_loop(cfg, open_corpus(cfg.data))
+    return run.losses, run.val
 
 
 def _train(cfg):

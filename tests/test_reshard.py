@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from oracle import plain_loop
 
 from modelpar.checkpoint import Shard, ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
 from modelpar.corpus import load_corpus
 from modelpar.distributed import LocalCluster, free_port
 from modelpar.export import export_checkpoint, load_model
 from modelpar.model import ModelConfig, build_stage
-from modelpar.training import TrainConfig, lr_at, param_groups, train
+from modelpar.training import TrainConfig, train
 
 STEPS = 4  # saved after STEPS, resumed for STEPS more
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
@@ -81,21 +82,8 @@ _ORACLES: dict = {}
 def oracle(cfg):
     """Losses, final parameters and validation loss of 2·STEPS steps of a plain single-process loop."""
     if cfg.model not in _ORACLES:
-        model = build_stage(cfg.model, seed=cfg.seed, dtype=torch.float64)
-        opt = torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                                eps=1e-8)
-        corpus, losses = load_corpus(), []
-        for step in range(cfg.steps):
-            x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(cfg, step)
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            losses.append(loss.item())
-        _ORACLES[cfg.model] = (losses, dict(model.named_parameters()), val_loss(model, cfg))
+        run = plain_loop(cfg)
+        _ORACLES[cfg.model] = (run.losses, run.params, run.val)
     return _ORACLES[cfg.model]
 
 

@@ -12,14 +12,14 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from oracle import plain_loop
 
 from modelpar.checkpoint import latest_checkpoint, read_full_tensors, read_meta
 from modelpar.corpus import load_corpus
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes
 from modelpar.distributed import LocalCluster, free_port
-from modelpar.model import ModelConfig, build_stage
-from modelpar.training import TrainConfig, lr_at, param_groups, train
+from modelpar.model import ModelConfig
+from modelpar.training import TrainConfig, train
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)  # one kv head: replicated at t = 2
@@ -46,35 +46,14 @@ def c8():
         yield c
 
 
-def reference(cfg: TrainConfig) -> tuple[list[float], list[float], float]:
-    """Losses, gradient norms and final validation loss of a plain single-process loop."""
-    torch.manual_seed(0)
-    model = build_stage(cfg.model, seed=cfg.seed, dtype=torch.float64)
-    opt = torch.optim.AdamW(param_groups(model.parameters(), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-    corpus, losses, norms = load_corpus(), [], []
-    xent = lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # noqa: E731
-    for step in range(cfg.steps):
-        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        opt.zero_grad()
-        loss = xent(x, y)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip).item())
-        opt.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        x, y = corpus.batch("val", 0, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        return losses, norms, xent(x, y).item()
-
-
 _REFERENCES: dict = {}
 
 
 def ref(cfg: TrainConfig):
     key = (cfg.model, cfg.steps)
     if key not in _REFERENCES:
-        _REFERENCES[key] = reference(dataclasses.replace(cfg, tp=1, pp=1, dp=1))
+        run = plain_loop(cfg)
+        _REFERENCES[key] = run.losses, run.norms, run.val
     return _REFERENCES[key]
 
 
