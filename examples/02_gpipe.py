@@ -15,17 +15,17 @@ from modelpar.simulate.ascii import ascii_chart
 def part1() -> None:
     """§2.2: wave k holds every (microbatch i, stage j) with i + j = k."""
     print("== Part 1: clock_cycles (HW5 Problem 2.1) ==")
-    print("clock_cycles(stages=3, microbatches=3):")
-    for k, wave in enumerate(clock_cycles(stages=3, microbatches=3)):
+    print("clock_cycles(3, 3):")
+    for k, wave in enumerate(clock_cycles(3, 3)):
         print(f"  k = {k}: {wave}")
-    waves = len(list(clock_cycles(stages=3, microbatches=2)))
-    print(f"clock_cycles(stages=3, microbatches=2) has {waves} waves; "
-          f"clock_cycles(stages=4, microbatches=0): {list(clock_cycles(stages=4, microbatches=0))}")
-    waves = clock_cycles(stages=3, microbatches=-1)  # a generator: no error yet
+    waves = len(list(clock_cycles(2, 3)))
+    print(f"clock_cycles(2, 3) has {waves} waves; "
+          f"clock_cycles(0, 4): {list(clock_cycles(0, 4))}")
+    waves = clock_cycles(-1, 3)  # a generator: no error yet
     try:
         next(waves)
     except ValueError as err:
-        print(f"clock_cycles(stages=3, microbatches=-1) raises on the first iteration: ValueError({err})")
+        print(f"clock_cycles(-1, 3) raises on the first iteration: ValueError({err})")
     print()
 
 

@@ -71,7 +71,7 @@ def test_call_order_for_three_microbatches_and_three_stages():
              ["submit(1)", "submit(2)", "receive(1)", "receive(2)"],
              ["submit(2)", "receive(2)"]]
     assert recorder.calls == [c for wave in waves for c in wave]
-    # Waves are barriers: the stage calls between them are exactly clock_cycles(stages=3, microbatches=3).
+    # Waves are barriers: the stage calls between them are exactly clock_cycles(3, 3).
     sizes = [1, 2, 3, 2, 1]
     groups = [set(log[sum(sizes[:k]):sum(sizes[:k + 1])]) for k in range(5)]
     assert groups == [{(0, 0)}, {(1, 0), (0, 1)}, {(2, 0), (1, 1), (0, 2)}, {(2, 1), (1, 2)}, {(2, 2)}]

@@ -3,7 +3,7 @@
 The batch is split into micro-batches and run wave by wave along ``clock_cycles`` (§2.2)::
 
     batches = list(torch.split(inputs, split_size))
-    for wave in clock_cycles(stages=len(stages), microbatches=len(batches)):
+    for wave in clock_cycles(len(batches), len(stages)):
         for i, j in wave:            # first submit the whole wave: its stages run at once
             submit(j, partial(run_stage, stages[j], batches[i], devices[j]))  # values bound now
         for i, j in wave:            # then receive in the same order
@@ -98,7 +98,7 @@ class Pipe(nn.Module):
             raise ValueError(f"inputs must have at least one row in dimension 0, got shape {tuple(inputs.shape)}")
         batches = list(torch.split(inputs, self.split_size))
         devices = self.workers.devices
-        for wave in clock_cycles(stages=len(self.stages), microbatches=len(batches)):
+        for wave in clock_cycles(len(batches), len(self.stages)):
             for i, j in wave:
                 self.workers.submit(j, partial(_run_stage, self.stages[j], batches[i], devices[j]))
             error: BaseException | None = None
