@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from modelpar.recompute import gpipe_activation_memory, measure_gpipe, scaled_tanh_stages, strategy_table
+from modelpar.bench import measure_gpipe
+from modelpar.recompute import gpipe_activation_memory, scaled_tanh_stages, strategy_table
 from modelpar.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from modelpar.simulate import Costs, simulate
 from modelpar.simulate.ascii import ascii_chart

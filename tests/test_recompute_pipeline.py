@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from modelpar.recompute import gpipe_activation_memory, measure_gpipe, scaled_tanh_stages
+from modelpar.bench import measure_gpipe
+from modelpar.recompute import gpipe_activation_memory, scaled_tanh_stages
 
 N, L, K, WIDTH = 256, 48, 4, 4  # the reference's batch, layers and stages; a narrow layer keeps it fast
 

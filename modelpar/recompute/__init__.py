@@ -31,10 +31,8 @@ if TYPE_CHECKING:
     from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats, recompute_function
     from modelpar.recompute.measure import (
         ChainReport,
-        GPipeReport,
         ScaledTanh,
         measure_chain,
-        measure_gpipe,
         scaled_tanh_stages,
         strategy_table,
     )
@@ -43,8 +41,7 @@ if TYPE_CHECKING:
 
 _TORCH_NAMES = {
     "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats", "recompute_function"],
-    "measure": ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages",
-                "strategy_table"],
+    "measure": ["ChainReport", "ScaledTanh", "measure_chain", "scaled_tanh_stages", "strategy_table"],
     "meter": ["ActivationMeter", "HeldActivations"],
     "module": ["Recompute", "recompute_sequential", "recompute_stage"],
 }

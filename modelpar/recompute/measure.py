@@ -1,10 +1,8 @@
 """Measure a strategy: activations held at peak, layer forwards re-run, and the gradients.
 
 ``measure_chain`` runs one forward + backward of a ``Recompute`` chain under an
-``ActivationMeter``. ``measure_gpipe`` runs GPipe's schedule through the pipeline runtime in one
-process (every stage on one device, in the simulator's order; each stage's graph cut at its
-input as between devices) with one meter per stage, to check GPipe's memory model (reference
-§4.3) on real tensors.
+``ActivationMeter``; ``strategy_table`` compares the strategies. GPipe's memory model measured
+through the pipeline runtime is ``modelpar.bench.measure_gpipe`` (it needs the runtime, a layer up).
 """
 
 from __future__ import annotations
@@ -19,11 +17,11 @@ from torch import nn
 
 from modelpar._validate import check_divisible, check_int
 from modelpar.recompute.functions import chain_parameters
-from modelpar.recompute.meter import ActivationMeter, HeldActivations
+from modelpar.recompute.meter import ActivationMeter
 from modelpar.recompute.module import Recompute
 from modelpar.recompute.plan import Strategy, chain_cost
 
-__all__ = ["ChainReport", "GPipeReport", "ScaledTanh", "measure_chain", "measure_gpipe", "scaled_tanh_stages", "strategy_table"]
+__all__ = ["ChainReport", "ScaledTanh", "measure_chain", "scaled_tanh_stages", "strategy_table"]
 
 
 class ScaledTanh(nn.Module):
@@ -108,50 +106,3 @@ def scaled_tanh_stages(layers: int, stages: int, width: int, recompute: Strategy
     chains = [[ScaledTanh(width) for _ in range(layers // stages)] for _ in range(stages)]
     torch.random.set_rng_state(generator_state)
     return [Recompute(chain, recompute) for chain in chains]
-
-
-@dataclass(frozen=True)
-class GPipeReport:
-    """Per-stage peak held activations of one GPipe step, and the parameter gradients."""
-
-    peaks: list[HeldActivations]
-    grads: list[torch.Tensor]
-
-    def sample_layers(self, width: int, itemsize: int = 8) -> list[float]:
-        """Each stage's peak in samples × layers: bytes / (width × itemsize)."""
-        return [peak.bytes / (width * itemsize) for peak in self.peaks]
-
-
-class _OwnStorage(nn.Module):
-    """Copies its input: each micro-batch gets its own storage, as if loaded on its own."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-
-def measure_gpipe(stages: Sequence[nn.Module], batch: torch.Tensor, microbatches: int) -> GPipeReport:
-    """One GPipe step in one process, through ``PipelineRunner`` (group None), one meter per stage.
-
-    A stage's input is the previous stage's output detached (what a device receives), so each
-    stage owns its graph and its meter — entered around every action of that stage, forward and
-    backward — sees only its own activations, re-runs included. The loss is the mean over rows
-    of the last stage's outputs summed; the first stage's input needs no grad.
-    """
-    from modelpar.pipeline.runner import PipelineRunner
-    from modelpar.schedules import gpipe, on_one_device
-
-    microbatches = check_int("microbatches", microbatches, minimum=1)
-    check_divisible("batch rows", batch.shape[0], "microbatches", microbatches)
-    schedule = on_one_device(gpipe(stages=len(stages), microbatches=microbatches))
-    modules = {s: nn.Sequential(_OwnStorage(), stage) if s == 0 else stage for s, stage in enumerate(stages)}
-    runner = PipelineRunner(schedule, modules, _row_mean_of_sums, None)
-    meters = [ActivationMeter() for _ in stages]
-    runner.register_action_hook(lambda action, _: meters[action.stage])
-    runner.step(batch, torch.zeros(batch.shape[0]))
-    params = [p for stage in stages for p in stage.parameters()]
-    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-    return GPipeReport([meter.peak for meter in meters], grads)
-
-
-def _row_mean_of_sums(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-    return out.sum() / out.shape[0]
