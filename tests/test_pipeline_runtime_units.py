@@ -18,6 +18,8 @@ from modelpar.pipeline.split_backward import backward_input
 from modelpar.schedules import Action, Kind, get_schedule, on_one_device
 from modelpar.simulate import Costs, Event, Timeline, pipeline_speedup, simulate
 
+pytestmark = pytest.mark.numerics  # float64 against one process at 1e-15
+
 
 def _mlp(widths, seed, tie=False):
     torch.manual_seed(seed)

@@ -12,6 +12,8 @@ from torch import nn
 import modelpar.tensor_parallel as tp
 from modelpar.tensor_parallel.accounting import CommRecord
 
+pytestmark = pytest.mark.numerics  # float64 errors of a few ulps
+
 
 # --- §5.1 / §5.2: the reference's numbers ---------------------------------------------------
 def test_matmul_splits_exact_but_gelu_does_not_distribute():
