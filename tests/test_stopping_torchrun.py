@@ -18,7 +18,7 @@ from _wait import wait_gone, wait_until
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.training.stopping import EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.torchrun,
+pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600),  # a torchrun and its restart: minutes when loaded
               pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
 
 FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
