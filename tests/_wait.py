@@ -7,6 +7,7 @@ run that never gets there fails at the deadline, not at CI's limit.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -51,3 +52,9 @@ def wait_gone(pids: Iterable[int], what: str, timeout: float = 10.0) -> None:
     """Wait until none of ``pids`` runs; fail naming ``what`` if one still does after ``timeout`` s."""
     pids = list(pids)
     wait_until(lambda: not any(map(pid_alive, pids)), f"{what} to exit (pids {pids})", timeout=timeout, poll=0.05)
+
+
+def join(thread: threading.Thread, timeout: float = DEADLINE) -> None:
+    """``thread.join()`` with a deadline: fail naming the thread if it is still running after ``timeout`` s."""
+    thread.join(timeout)
+    assert not thread.is_alive(), f"thread {thread.name} still running after {timeout:g} s"
