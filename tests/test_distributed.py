@@ -150,7 +150,7 @@ def test_busy_ranks_end_with_their_launcher_and_write_nothing_after(tmp_path, si
         ranks = [int(parent.stdout.readline()) for _ in range(2)]  # both ranks are writing
     finally:  # here, or on a parent that died without a word (readline: '')
         parent.send_signal(sig)  # kill -9: no chance to stop its ranks; Ctrl-C: it ends them itself
-        parent.communicate(timeout=60)
+        parent.wait(timeout=60)
     wait_gone(ranks, "the ranks of a launcher that is gone")  # so nothing can write after this
     assert all((tmp_path / str(p)).stat().st_size > 0 for p in ranks)
 
