@@ -15,6 +15,23 @@ from modelpar.pipeline.runner import CHECK_MESSAGES_ENV
 
 os.environ.setdefault(CHECK_MESSAGES_ENV, "1")
 
+# The CPU flags torch checks for each ATEN_CPU_CAPABILITY (compute_cpu_capability, ATen/native/DispatchStub.cpp).
+_CAPABILITY_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse, in one line, a capability this CPU lacks: torch would take it and die of SIGILL mid-suite."""
+    wanted = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if wanted not in _CAPABILITY_FLAGS or not os.path.exists("/proc/cpuinfo"):
+        return
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    missing = sorted(_CAPABILITY_FLAGS[wanted] - flags)
+    if missing:
+        raise pytest.UsageError(f"ATEN_CPU_CAPABILITY={wanted} needs CPU flags this machine lacks ({', '.join(missing)}): "
+                                "torch would run its kernels anyway and die of an illegal instruction; use default or a "
+                                "capability the CPU has")
+
 
 @pytest.fixture(autouse=True)
 def _seeded() -> None:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from _images import assert_drawn
 
 from modelpar.cli import main
 
@@ -52,7 +53,11 @@ def test_from_file_table_and_outputs(capsys, tmp_path):
     assert code == 0
     assert "mine (K = 2, M = 2): step 9 units, bubble 33.3%" in out
     assert "   3  0B0       1F1" in out  # the step x device table
-    assert png.read_bytes()[:4] == b"\x89PNG" and svg.read_text().startswith("<?xml")
+    import matplotlib.pyplot as plt
+
+    colours = assert_drawn(png)
+    assert all(tuple(round(255 * c) for c in plt.get_cmap("tab10")(m)[:3]) in colours for m in (0, 1))  # both microbatches
+    assert svg.read_text().startswith("<?xml")
     assert "traceEvents" in json.loads(trace.read_text())
 
 

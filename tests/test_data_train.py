@@ -15,6 +15,8 @@ from modelpar.model import ModelConfig
 from modelpar.text import DataConfig, open_corpus, prepare_data
 from modelpar.training import TrainConfig, train
 
+pytestmark = pytest.mark.numerics  # float64 against one process at 1e-9
+
 TOL = 1e-9
 
 

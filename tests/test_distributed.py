@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _wait import pid_alive, wait_gone
 
 from modelpar.distributed import LocalCluster, ParallelDims, RankError, coordinates, launch, rank_groups
 
@@ -145,16 +146,13 @@ def test_busy_ranks_end_with_their_launcher_and_write_nothing_after(tmp_path, si
     script.write_text(_BUSY_SCRIPT)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    ranks = [int(parent.stdout.readline()) for _ in range(2)]
-    parent.send_signal(sig)  # kill -9: no chance to stop its ranks; Ctrl-C: it ends them itself
-    parent.wait()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in ranks)
-    written = {p: (tmp_path / str(p)).stat().st_size for p in ranks}
-    time.sleep(0.3)
-    assert all(written[p] == (tmp_path / str(p)).stat().st_size > 0 for p in ranks)
+    try:
+        ranks = [int(parent.stdout.readline()) for _ in range(2)]  # both ranks are writing
+    finally:  # here, or on a parent that died without a word (readline: '')
+        parent.send_signal(sig)  # kill -9: no chance to stop its ranks; Ctrl-C: it ends them itself
+        parent.wait(timeout=60)
+    wait_gone(ranks, "the ranks of a launcher that is gone")  # so nothing can write after this
+    assert all((tmp_path / str(p)).stat().st_size > 0 for p in ranks)
 
 
 def test_kill_and_signal_reach_every_rank(cluster):
@@ -164,14 +162,5 @@ def test_kill_and_signal_reach_every_rank(cluster):
     threading.Timer(0.5, cluster.signal, (signal.SIGUSR1,)).start()  # the ranks start with the default: death
     with pytest.raises(RankError, match=r"rank \d died \(exit code -10\)"):
         cluster.run(_hang_on, 0)
-    assert not any(_alive(p) for p in pids) and cluster.pids == []
+    assert not any(map(pid_alive, pids)) and cluster.pids == []
     assert cluster.run(_rank_and_sum)[1] == (1, 10.0)  # started again
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its (forkserver) parent is gone too
-        return f.read().split()[2] != "Z"

@@ -17,6 +17,7 @@ def _model(cfg, dtype=torch.float64):
     return build_stage(cfg, seed=1, dtype=dtype)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_cached_logits_equal_the_whole_prefix(cfg):
     model = _model(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -127,9 +128,13 @@ def synthetic_times(monkeypatch):
 
 def test_measure_stage_times_runs_the_stage_on_each_size():
     seen = []
-    times = measure_stage_times(lambda x: seen.append(x.shape[0]), [3, 1, 7], lambda b: torch.zeros(b, 2),
-                                repeats=2, min_seconds=0.0)
-    assert len(times) == 3 and all(t > 0 for t in times)
+
+    def stage(x):  # at least 1 ms per row: a lower bound on each measured time that no clock can break
+        seen.append(x.shape[0])
+        time.sleep(1e-3 * x.shape[0])
+
+    times = measure_stage_times(stage, [3, 1, 7], lambda b: torch.zeros(b, 2), repeats=2, min_seconds=0.0)
+    assert len(times) == 3 and all(t >= 1e-3 * rows for t, rows in zip(times, [3, 1, 7]))
     assert seen == [3] * 3 + [1] * 3 + [7] * 3  # a warm-up call, then one call per repeat
 
 

@@ -71,6 +71,7 @@ def _ids(cfg: ModelConfig, seed: int = 0, batch: int = 3) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("cfg, reference", [
     (CFG, _reference_logits), (dataclasses.replace(CFG, tie_embeddings=True), _reference_logits),
     (LLAMA, _llama_reference_logits), (dataclasses.replace(LLAMA, kv_heads=1, tie_embeddings=True), _llama_reference_logits),
@@ -106,6 +107,7 @@ def test_attention_is_causal(cfg):
     assert not torch.allclose(a[:, 7:], b[:, 7:])
 
 
+@pytest.mark.numerics
 def test_padded_vocabulary_rows_are_zero_and_get_no_probability():
     assert (LLAMA.padded_vocab_size, CFG.padded_vocab_size, ModelConfig().padded_vocab_size) == (64, 64, 256)
     assert ModelConfig(vocab_size=50257).padded_vocab_size == 50304  # GPT-2's, as Megatron pads it

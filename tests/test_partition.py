@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -51,30 +50,59 @@ def test_balance_by_size_counts_parameters():
     assert balance_by_size(seq, 6) == [1] * 6
 
 
-class Sleep(nn.Module):
-    """A layer whose forward takes at least ``seconds``: its measured cost is known from below."""
+class _Clock:
+    """A clock that only the layers below move: a measured time is exactly the cost they charged."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__()
-        self.seconds = seconds
+    now = 0.0
 
-    def forward(self, x):
-        time.sleep(self.seconds)
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+class _Charge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, backward_cost):
+        ctx.backward_cost = backward_cost
         return x * 1.0
 
+    @staticmethod
+    def backward(ctx, grad):
+        _Clock.now += ctx.backward_cost
+        return grad, None
 
-def test_balance_by_time_isolates_the_slow_layer():
-    seq = nn.Sequential(Sleep(0.01), Sleep(0.01), Sleep(0.04))
+
+class Costly(nn.Module):
+    """A layer whose forward costs ``forward`` and whose backward costs ``backward`` seconds of ``_Clock``."""
+
+    def __init__(self, forward: float, backward: float) -> None:
+        super().__init__()
+        self.cost = (forward, backward)
+
+    def forward(self, x):
+        _Clock.now += self.cost[0]
+        return _Charge.apply(x, self.cost[1])
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import modelpar.pipeline.partition as partition
+
+    _Clock.now = 0.0
+    monkeypatch.setattr(partition, "time", _Clock)  # the module's clock only: pytest keeps the real one
+    return _Clock
+
+
+def test_balance_by_time_isolates_the_slow_layer(clock):
+    seq = nn.Sequential(Costly(1, 2), Costly(1, 2), Costly(3, 6))
     sample = torch.randn(2, 3)
-    times = layer_times(seq, sample, repeats=2)
-    assert len(times) == 3 and times[2] >= 0.04 and min(times) >= 0.01
-    assert balance_by_time(seq, sample, 2, repeats=2) == [2, 1]
+    assert layer_times(seq, sample, repeats=2) == [3, 3, 9]  # forward + backward of each layer
+    assert balance_by_time(seq, sample, 2, repeats=2) == [2, 1]  # 6 | 9, not 3 | 12
 
 
-def test_layer_times_runs_backward_and_leaves_no_gradients():
-    seq = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    times = layer_times(seq, torch.randn(5, 3), repeats=1)
-    assert len(times) == 3 and all(t > 0 for t in times)
+def test_layer_times_runs_backward_and_leaves_no_gradients(clock):
+    seq = nn.Sequential(nn.Linear(3, 4), Costly(0.5, 0.25), nn.ReLU(), nn.Linear(4, 1))
+    assert layer_times(seq, torch.randn(5, 3), repeats=1) == [0, 0.75, 0, 0]  # the backward was timed too
     assert all(p.grad is None for p in seq.parameters())
 
 

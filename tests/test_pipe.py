@@ -12,6 +12,8 @@ from torch import nn
 
 from modelpar.pipeline import Pipe, StageWorkers
 
+pytestmark = pytest.mark.numerics  # float64 against the plain model at 1e-12
+
 CPU = ["cpu"] * 3
 CUDA_2 = pytest.param(["cuda:0", "cuda:1", "cuda:0"], marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs two CUDA devices"), id="cuda2")

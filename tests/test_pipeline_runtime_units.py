@@ -18,6 +18,8 @@ from modelpar.pipeline.split_backward import backward_input
 from modelpar.schedules import Action, Kind, get_schedule, on_one_device
 from modelpar.simulate import Costs, Event, Timeline, pipeline_speedup, simulate
 
+pytestmark = pytest.mark.numerics  # float64 against one process at 1e-15
+
 
 def _mlp(widths, seed, tie=False):
     torch.manual_seed(seed)
@@ -199,5 +201,6 @@ def test_cli_json_runs_two_processes(capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_peak_held"] == out["simulated_peak_held"] == [2, 1]
-    assert out["measured_step_s"] > 0 and out["simulated_step_s"] > 0
+    for kind in ("measured", "simulated"):  # two stages: each device idles while the other fills or drains
+        assert out[f"{kind}_step_s"] > 0 and 0 < out[f"{kind}_bubble"] < 1
     assert 0 <= out["simulated_bubble"] < 1 and 0 <= out["measured_bubble"] < 1

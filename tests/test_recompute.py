@@ -431,6 +431,7 @@ def test_double_backward_is_a_clear_error(recompute):
         torch.autograd.grad(g.sum(), x)
 
 
+@pytest.mark.numerics
 def test_recompute_all_sums_a_parameter_shared_by_several_layers():
     torch.manual_seed(0)
     shared = nn.Linear(4, 4).double()

@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from _wait import pid_alive, wait_until
 
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.cli import build_parser, main
@@ -74,10 +74,15 @@ def check_resume_is_bitwise(cluster, cfg: TrainConfig, start: int) -> None:
 
 
 def signal_when_saved(cluster: LocalCluster, rank: int, sig: int, ckpt: Path) -> threading.Thread:
-    """Send ``sig`` to ``rank`` once the first checkpoint is complete (the ranks are training)."""
+    """Send ``sig`` to ``rank`` once the first checkpoint is complete (the ranks are training).
+
+    If the rank dies first or no checkpoint comes, nothing is sent and the test fails on the run's result.
+    """
+    def alive() -> bool:  # the ranks may still be starting
+        return len(cluster.pids) <= rank or pid_alive(cluster.pids[rank])
+
     def wait_and_signal():
-        while latest_checkpoint(ckpt) is None:
-            time.sleep(0.01)
+        wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=alive)
         os.kill(cluster.pids[rank], sig)
 
     thread = threading.Thread(target=wait_and_signal, daemon=True)
@@ -141,10 +146,9 @@ def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(clu
     signal_when_saved(cluster, 1, signal.SIGKILL, tmp_path)
     with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code -9\)|\[rank 0\] .*(Connection|closed)"):  # or its peer first
         cluster.run(_train, cfg)
-    assert not any(_alive(p) for p in pids)
-    saved = steps_saved(tmp_path)
-    time.sleep(0.5)
-    assert steps_saved(tmp_path) == saved  # nothing written after the kill
+    assert not any(map(pid_alive, pids))  # every rank is gone, so nothing can be written after the kill:
+    saved = steps_saved(tmp_path)  # what is on disk now is final
+    assert latest_checkpoint(tmp_path) == tmp_path / f"step_{saved[-1]:08d}"
     check_resume_is_bitwise(cluster, cfg, saved[-1])
 
 
@@ -163,21 +167,30 @@ def test_every_group_of_the_run_has_the_run_timeout(cluster):
 
 
 # --- `python -m modelpar train` and a signal to the launcher -------------------------------------------
-def start_cli(tmp_path: Path, *flags: str) -> subprocess.Popen:
-    """The command in a session of its own (so the test can signal its process group), Ctrl-C enabled."""
-    cmd = [sys.executable, "-m", "modelpar", "train", *FLAGS, "--steps", "400", "--checkpoint-dir",
-           str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--no-progress", "--out", str(tmp_path / "out"), *flags]
-    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+@pytest.fixture
+def start_cli(tmp_path: Path):
+    """Starts the command in a session of its own (so the test can signal its process group), Ctrl-C
+    enabled; at the end of the test, a session still running (the test failed) is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(*flags: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "modelpar", "train", *FLAGS, "--steps", "400", "--checkpoint-dir",
+               str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--no-progress", "--out", str(tmp_path / "out"), *flags]
+        started.append(subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if _session(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, list[str]]:
     """Exit code and stderr lines; then check that no process of its session is left."""
     _, err = proc.communicate(timeout=120)
-    deadline = time.monotonic() + 10
-    while _session(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _session(proc.pid)
+    wait_until(lambda: not _session(proc.pid), f"every process of the session of {proc.pid} to exit", timeout=10, poll=0.1)
     return proc.returncode, err.splitlines()
 
 
@@ -185,11 +198,10 @@ def _session(sid: int) -> list[str]:
     return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
 
 
-def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(tmp_path):
-    proc = start_cli(tmp_path)
+def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(start_cli, tmp_path):
+    proc = start_cli()
     ckpt = tmp_path / "ckpt"
-    while latest_checkpoint(ckpt) is None:
-        time.sleep(0.01)
+    wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
     code, err = finish(proc)
     assert code == EXIT_INTERRUPTED
@@ -199,11 +211,10 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(tmp_pa
     assert not list(ckpt.glob(".*"))
 
 
-def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, tmp_path):
-    proc = start_cli(tmp_path)
+def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, start_cli, tmp_path):
+    proc = start_cli()
     ckpt = tmp_path / "ckpt"
-    while latest_checkpoint(ckpt) is None:
-        time.sleep(0.01)
+    wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
     proc.send_signal(signal.SIGTERM)  # `kill PID`: the launcher only; it relays to its ranks
     code, err = finish(proc)
     assert code == EXIT_PREEMPTED
@@ -211,15 +222,6 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, tm
                             rf"{re.escape(str(ckpt))}/step_\d+ \(resume continues from there\)", err[-1])[1])
     assert steps_saved(ckpt)[-1] == step and len(err) == 2
     check_resume_is_bitwise(cluster, dataclasses.replace(BASE, steps=400, checkpoint_dir=str(ckpt)), step)
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_stop_flags_reach_the_config_and_bad_ones_are_one_line(capsys):

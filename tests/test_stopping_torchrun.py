@@ -10,15 +10,15 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from _wait import wait_gone, wait_until
 
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.training.stopping import EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.torchrun,
+pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600),  # a torchrun and its restart: minutes when loaded
               pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
 
 FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
@@ -26,19 +26,33 @@ FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--lay
          "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress"]
 
 
+_started: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left():
+    """A test that failed half-way leaves no torchrun behind (its workers die with it)."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def torchrun(tmp_path: Path, name: str, *options: str, steps: int = 12) -> subprocess.Popen:
     """`torchrun --nproc-per-node 4 [options] -m modelpar train ... --resume`, in a session of its own."""
     cmd = ["torchrun", "--nproc-per-node", "4", *options, "-m", "modelpar", "train", *FLAGS, "--steps", str(steps),
            "--checkpoint-dir", str(tmp_path / name), "--resume", "--out", str(tmp_path / f"{name}-out")]
-    return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _started.append(subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+    return _started[-1]
 
 
 def workers_when_saved(proc: subprocess.Popen, ckpt: Path) -> list[int]:
     """The agent's four workers, once the first checkpoint is complete."""
-    while latest_checkpoint(ckpt) is None:
-        time.sleep(0.01)
+    wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
     pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
     assert len(pids) == 4
     return pids
@@ -47,19 +61,8 @@ def workers_when_saved(proc: subprocess.Popen, ckpt: Path) -> list[int]:
 def finish(proc: subprocess.Popen, workers: list[int]) -> tuple[int, str]:
     """torchrun's exit code and stderr, once it and ``workers`` (in sessions of their own) are gone."""
     _, err = proc.communicate(timeout=300)
-    deadline = time.monotonic() + 10
-    while any(map(_alive, workers)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(map(_alive, workers))
+    wait_gone(workers, "torchrun's workers")
     return proc.returncode, err
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def losses(tmp_path: Path, name: str) -> list[float]:
@@ -119,6 +122,5 @@ def test_kill_9_of_the_agent_ends_every_worker_and_nothing_is_written_after(tmp_
     workers = workers_when_saved(proc, tmp_path / "e")
     proc.kill()  # the workers have no agent left: they die with it (exit_with_parent)
     saved = sorted(p.name for p in (tmp_path / "e").iterdir())
-    finish(proc, workers)
-    time.sleep(0.5)
+    finish(proc, workers)  # the agent and every worker are gone: nothing can write after this
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == saved

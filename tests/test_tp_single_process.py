@@ -12,6 +12,8 @@ from torch import nn
 import modelpar.tensor_parallel as tp
 from modelpar.tensor_parallel.accounting import CommRecord
 
+pytestmark = pytest.mark.numerics  # float64 errors of a few ulps
+
 
 # --- §5.1 / §5.2: the reference's numbers ---------------------------------------------------
 def test_matmul_splits_exact_but_gelu_does_not_distribute():
@@ -230,13 +232,15 @@ def test_grouped_query_attention_is_multi_head_attention_with_shared_heads():
 def test_comm_log_is_scoped_to_its_block_and_thread():
     import threading
 
+    from _wait import join
+
     from modelpar.tensor_parallel.accounting import record
 
     with tp.comm_log() as outer:
         record("all_reduce", "forward", 4, 8, 2)
         worker = threading.Thread(target=record, args=("all_gather", "forward", 4, 8, 2))
         worker.start()
-        worker.join()  # another thread's collective is not this block's
+        join(worker)  # another thread's collective is not this block's
         with tp.comm_log() as inner:
             record("reduce_scatter", "backward", 2, 8, 2)
     record("all_reduce", "forward", 1, 8, 2)  # after the block: recorded nowhere

@@ -8,6 +8,7 @@ import traceback
 
 import pytest
 import torch
+from _wait import join
 
 from modelpar.pipeline import StageWorkers
 
@@ -36,7 +37,7 @@ def test_plain_thread_ignores_callers_no_grad_but_workers_do_not():
     with torch.no_grad():
         raw = threading.Thread(target=lambda: seen.setdefault("raw", torch.is_grad_enabled()))
         raw.start()
-        raw.join()
+        join(raw)
     assert seen["raw"] is True  # the bug a naive worker has
 
     w = torch.ones(3, requires_grad=True)

@@ -65,7 +65,7 @@ PUBLISHED: list[PublishedRun] = [
     *(PublishedRun(f"SC'21 {n}", _SC21, f"{_gpt(l, h, a)} --gpus {g} --batch {bs} --tp {t} --pp {p} "
                    "--recompute full --sequence-parallel off --zero 0 --engine megatron-2021", tf, fitted=GRID)
       for n, l, h, a, t, p, g, bs, tf in _SC21_RUNS),
-    PublishedRun("SC'21 GPT-3 175B, 1024 GPUs", "Narayanan et al. 2021 (SC'21) §5.10",
+    PublishedRun("SC'21 GPT-3 175B, 1024 GPUs", "Narayanan et al. 2021 (SC'21) §5.1, Training Time Estimates",
                  "--model gpt3-175b --gpus 1024 --batch 1536 --tp 8 --recompute full --sequence-parallel off --zero 0 "
                  "--engine megatron-2021",
                  140,
@@ -81,9 +81,9 @@ PUBLISHED: list[PublishedRun] = [
                    f"{_gpt(l, h, a)} --gpus {8 * p} --batch {bs} --tp 8 --pp {p} --micro-batch {b} "
                    "--recompute selective --sequence-parallel on", mfu, "mfu", fitted=GRID)
       for n, l, h, a, p, b, bs, _, mfu in _KORTHIKANTI_RUNS),
-    # Smith et al. 2022 §3.2: DeepSpeed's pipeline engine with Megatron's tensor parallelism and ZeRO-1;
-    # t = 8, p = 35, micro-batch 1, batch 1920, full recomputation.
-    *(PublishedRun(f"MT-NLG 530B, {g} GPUs", "Smith et al. 2022 §3.2",
+    # Smith et al. 2022 §3.2 (the layout): DeepSpeed's pipeline engine with Megatron's tensor parallelism and ZeRO-1;
+    # t = 8, p = 35, micro-batch 1, batch 1920, full recomputation. §2.4 gives the throughput figures.
+    *(PublishedRun(f"MT-NLG 530B, {g} GPUs", "Smith et al. 2022 §2.4 (throughput), §3.2 (layout)",
                    f"{_gpt(105, 20480, 128)} --gpus {g} --batch 1920 --tp 8 --pp 35 --micro-batch 1 "
                    "--recompute full --sequence-parallel off --engine deepspeed --zero 1", tf, fitted=ENGINE)
       for g, tf in ((2240, 126), (2800, 121), (3360, 113))),
