@@ -25,10 +25,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
+from modelpar.distributed.devices import rank_device, require_gpus
 from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed
 
 __all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
@@ -68,7 +68,8 @@ def is_torchrun() -> bool:
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
     """Join the process group described by torchrun's variables (RANK, WORLD_SIZE, MASTER_*).
 
-    The backend defaults to NCCL when CUDA is available, gloo otherwise; LOCAL_RANK picks the GPU.
+    The backend defaults to NCCL when CUDA is available, gloo otherwise; LOCAL_RANK picks the GPU
+    (``devices.rank_device``: the current device, and the group's ``device_id``).
     """
     import torch
     import torch.distributed as dist
@@ -77,8 +78,8 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = rank_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    bound = {"device_id": device} if device is not None else {}
     limit = datetime.timedelta(seconds=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
@@ -88,9 +89,9 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=limit)
         store = dist.PrefixStore(f"modelpar/attempt_{attempt}", agent)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **bound)
     else:
-        dist.init_process_group(backend, timeout=limit)
+        dist.init_process_group(backend, timeout=limit, **bound)
 
 
 def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseException:
@@ -124,8 +125,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        device = rank_device(backend, rank)  # one machine: the local rank is the rank
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=timeout),
+                                **({"device_id": device} if device is not None else {}))
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
         return
@@ -191,6 +194,8 @@ class LocalCluster:
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
         self.run_timeout = None if run_timeout is None else check_number(
             "run_timeout", run_timeout, minimum=0.0, strict=True)
+        if self.backend == "nccl":  # one GPU per rank, cuda:r for rank r (devices.rank_device)
+            require_gpus(self.world_size, f"LocalCluster(backend='nccl') with {self.world_size} ranks")
         self._procs: list[Any] = []
         self._lifeline: Any = None  # the write end of the pipe whose closing ends every rank
         self._lock = threading.Lock()
@@ -266,8 +271,10 @@ class LocalCluster:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        from modelpar._compat import dumps_for_children
+
         try:  # pickle once, here: a failure is raised now, not lost in the queue's feeder thread
-            task = bytes(ForkingPickler.dumps((fn, args, kwargs)))
+            task = dumps_for_children((fn, args, kwargs))
         except Exception as err:
             raise ValueError(
                 f"fn and its arguments must be picklable (a module-level function, importable by the "

@@ -8,7 +8,6 @@ the slowest-varying index and cross machines (point-to-point, little traffic).
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,12 +102,6 @@ class ParallelDims:
 
 def group_options(backend: str, timeout: float) -> Any:
     """Process-group options for ``backend`` ("gloo" or "nccl") whose collectives time out after ``timeout`` s."""
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import Backend
+    from modelpar._compat import backend_options
 
-    limit = datetime.timedelta(seconds=timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = limit
-        return options
-    return Backend.Options(backend, limit)
+    return backend_options(backend, timeout)
