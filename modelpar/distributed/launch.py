@@ -79,7 +79,6 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = rank_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
-    bound = {"device_id": device} if device is not None else {}
     limit = datetime.timedelta(seconds=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
@@ -89,9 +88,9 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=limit)
         store = dist.PrefixStore(f"modelpar/attempt_{attempt}", agent)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, **bound)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, device_id=device)
     else:
-        dist.init_process_group(backend, timeout=limit, **bound)
+        dist.init_process_group(backend, timeout=limit, device_id=device)
 
 
 def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseException:
@@ -127,8 +126,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     try:
         device = rank_device(backend, rank)  # one machine: the local rank is the rank
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout),
-                                **({"device_id": device} if device is not None else {}))
+                                timeout=datetime.timedelta(seconds=timeout), device_id=device)
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
         return
