@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode  # test-only: the ops a computation dispatches
 
@@ -202,3 +204,87 @@ def test_group_timeout_reads_the_mesh_groups_timeout(cluster):
 def test_backend_options_carry_the_timeout():
     options = _compat.backend_options("gloo", 12.0)
     assert options.backend == "gloo" and options._timeout == datetime.timedelta(seconds=12)
+
+
+# --- the NCCL watchdog versus receives posted at a step's start ------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_critical_path_is_2_m_plus_p_minus_1_actions(name):
+    from modelpar.pipeline.collectives import critical_path
+
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8):
+            assert critical_path(get_schedule(name, stages=p, microbatches=m)) == 2 * (m + p - 1)
+
+
+def test_step_timeout_hand_checked():
+    from modelpar.pipeline.collectives import critical_path, step_timeout
+
+    # GPipe, p = 2, M = 1: F on stage 0, F on stage 1, B on stage 1, B on stage 0, one after the other
+    assert critical_path(get_schedule("gpipe", stages=2, microbatches=1)) == 4
+    assert step_timeout(get_schedule("gpipe", stages=2, microbatches=1), 10.0) == 50.0
+    assert step_timeout(get_schedule("1f1b", stages=4, microbatches=8), 300.0) == 300.0 * 23
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), p=st.integers(1, 4), m=st.integers(1, 8),
+       forward=st.floats(0.01, 1.0), backward=st.floats(0.01, 1.0), share=st.floats(0.0, 1.0))
+def test_a_step_whose_actions_and_messages_fit_in_the_timeout_fits_in_the_step_timeout(name, p, m, forward, backward,
+                                                                                          share):
+    """The rule's premise → its conclusion, on the simulator: every action plus the message it sends takes
+    at most T (= 1 here), so the whole step lasts at most critical_path × T."""
+    from modelpar.pipeline.collectives import critical_path
+    from modelpar.simulate import simulate
+    from modelpar.simulate.costs import Costs
+
+    chunks = 2 if name == "interleaved" else 1
+    if name == "interleaved" and m % p:
+        m = p
+    schedule = get_schedule(name, stages=p, microbatches=m, **({"chunks": chunks} if chunks > 1 else {}))
+    longest = max(forward, backward) / chunks  # the longest action (F, or B = I + W)
+    costs = Costs(forward=forward, backward=backward, transfer=max(0.0, share * (1.0 - longest)))
+    assert simulate(schedule, costs).step_time <= critical_path(schedule) + 1e-9
+
+
+def test_mesh_gives_the_step_timeout_to_nccl_pipeline_groups_only():
+    from modelpar.distributed.mesh import dim_settings
+
+    assert dim_settings("nccl", None, 30.0, 690.0) == {"pp": ("nccl", 690.0), "dp": ("nccl", 30.0),
+                                                       "tp": ("nccl", 30.0)}
+    assert dim_settings("nccl", "gloo", 30.0, 690.0)["pp"] == ("gloo", 30.0)  # gloo: every wait is the runtime's own
+    assert dim_settings("gloo", None, 30.0, 690.0)["pp"] == ("gloo", 30.0)
+    assert dim_settings("gloo", None, None, None)["tp"] == ("gloo", None)
+
+
+class _Event:
+    """A fake CUDA event that completes at a given time of a fake clock."""
+
+    def __init__(self, clock, at):
+        self.clock, self.at = clock, at
+
+    def query(self):
+        return self.clock.now >= self.at
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += max(seconds, 0.01)
+
+
+def test_gpu_step_wait_bounds_each_action_not_the_whole_step():
+    from modelpar.pipeline.timing import wait_for_events
+
+    clock = _Clock()
+    events = [_Event(clock, 0.9 * k) for k in range(1, 11)]  # a 9 s step, one action every 0.9 s
+    wait_for_events(events, 1.0, lambda: TimeoutError("stuck"), clock, clock.sleep)
+    assert clock.now >= 9.0
+    clock = _Clock()
+    stuck = [_Event(clock, 0.5), _Event(clock, float("inf"))]
+    with pytest.raises(TimeoutError, match="stuck"):
+        wait_for_events(stuck, 1.0, lambda: TimeoutError("stuck"), clock, clock.sleep)
+    assert 1.5 <= clock.now <= 1.6  # the last completion (0.5 s) + the timeout, in the fake clock's steps
