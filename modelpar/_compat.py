@@ -141,9 +141,13 @@ def stop_multiprocessing_helpers() -> list[int]:
 
     Otherwise they exit on their own a fraction of a second after this process does, outliving
     it. Python has no public call for it: ``ForkServer._stop`` and ``ResourceTracker._stop``
-    (Python ≥ 3.8; what CPython's own tests use). The next ``LocalCluster`` starts them again.
+    (Python ≥ 3.8; what CPython's own tests use). For use at exit: multiprocessing's own exit
+    work runs first (``util._exit_function``, idempotent: it releases the queues' semaphores, which
+    a stopped tracker would otherwise report as leaked and unlink under their finalizers).
     """
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import forkserver, resource_tracker, util
+
+    util._exit_function()  # type: ignore[attr-defined]
 
     stopped = []
     for helper, pid_attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),

@@ -13,6 +13,7 @@ for any reason, ``kill -9`` included. Ctrl-C in the launcher ends every rank at 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -29,7 +30,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
 from modelpar.distributed.devices import rank_device, require_gpus
-from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed
+from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed, name_process
 
 __all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
 
@@ -114,9 +115,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     import torch.distributed as dist
 
     threading.Thread(target=exit_when_closed, args=(lifeline,), name="modelpar-lifeline", daemon=True).start()
+    name_process(f"modelpar-rank{rank}")  # in ps and top: which rank is which (a kill names its rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores these (and so did
     for sig in SCHEDULER_SIGNALS:                              # this rank until now): back to Python's defaults
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *SCHEDULER_SIGNALS))  # held while the forkserver was born
 
     if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -150,6 +153,24 @@ def _next_task(tasks: Any) -> Any:
         return None
 
 
+_DEATH_GRACE = 1.0  # s a failed run waits to see whether a rank died (the cause of its peers' errors)
+
+
+def _death(rank: int, proc: Any, killed_by_us: set[int]) -> RankError:
+    """The one line for a rank that died: its pid, and the signal that killed it or its exit code."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = f" ({signal.Signals(-code).name})"
+        except ValueError:
+            name = ""
+        text = f"rank {rank} (pid {proc.pid}) was killed by signal {-code}{name}"
+        if -code == signal.SIGKILL and proc.pid not in killed_by_us:
+            text += " (not sent by modelpar: out of memory? The kernel's OOM killer sends SIGKILL; `dmesg` names its victims)"
+        return RankError(text, rank, code)
+    return RankError(f"rank {rank} died (exit code {code}) before finishing (pid {proc.pid})", rank, code)
+
+
 def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
     exc_type: Any = type(exc)
     try:  # only send the type if the parent can unpickle it
@@ -157,6 +178,33 @@ def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
     except Exception:
         exc_type = None
     return type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), exc_type
+
+
+_REAPING: list[bool] = []
+
+
+def _reap_helpers_at_exit() -> None:
+    """Once per process: at exit, stop the forkserver and resource tracker and wait for them, so that
+    nothing of a run outlives its launcher (they would exit on their own a moment later)."""
+    if not _REAPING:
+        from modelpar._compat import stop_multiprocessing_helpers
+
+        _REAPING.append(True)
+        atexit.register(stop_multiprocessing_helpers)
+
+
+@contextlib.contextmanager
+def _blocked(*signals: int) -> Any:
+    """Hold ``signals`` in this thread inside the block (a process it starts inherits the mask).
+
+    Python does the same when it starts its resource tracker: a Ctrl-C while the forkserver is
+    still importing torch would otherwise print its KeyboardInterrupt traceback.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _context() -> mp.context.BaseContext:
@@ -199,6 +247,7 @@ class LocalCluster:
         self._lock = threading.Lock()
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        self._killed: set[int] = set()  # pids this launcher sent SIGKILL to (kill())
 
     def start(self) -> LocalCluster:
         """Begin starting the ranks in the background and return at once; ``run`` waits for them.
@@ -236,6 +285,7 @@ class LocalCluster:
             self.kill()
 
     def _start(self) -> None:
+        _reap_helpers_at_exit()
         ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
@@ -248,8 +298,9 @@ class LocalCluster:
             for r in range(self.world_size)
         ]
         try:
-            for p in self._procs:
-                p.start()
+            with _blocked(signal.SIGINT):  # the forkserver, started here, is born with Ctrl-C held (see _forkserver)
+                for p in self._procs:
+                    p.start()
         except BaseException:
             self.kill()  # e.g. a script without an `if __name__ == "__main__":` guard
             raise
@@ -292,7 +343,8 @@ class LocalCluster:
                 except queue.Empty:
                     self._check_alive(results, deadline)
                     continue
-                if status == "error":
+                if status == "error":  # a rank that died is the cause, and its peers' errors follow from it
+                    self._raise_if_died(_DEATH_GRACE)
                     raise _rebuild_error(rank, value)
                 results[rank] = value
         except BaseException:  # a rank failed, or Ctrl-C here: no rank outlives the run
@@ -303,15 +355,27 @@ class LocalCluster:
     def _check_alive(self, done: dict[int, Any], deadline: float) -> None:
         if not self._procs:
             raise RankError("the ranks were ended while running (LocalCluster.kill)")
-        for rank, p in enumerate(self._procs):
-            if rank not in done and not p.is_alive():
-                raise RankError(f"rank {rank} died (exit code {p.exitcode}) before finishing", rank, p.exitcode)
+        dead = [(rank, p) for rank, p in enumerate(self._procs) if rank not in done and not p.is_alive()]
+        if dead:
+            raise _death(*dead[0], self._killed)
         if time.monotonic() > deadline:
             waiting = [r for r in range(self.world_size) if r not in done]
             raise RankError(
                 f"ranks {waiting} did not finish within run_timeout={self.run_timeout:g} s "
                 "(a hang: a collective or a receive that nobody answers?)"
             )
+
+    def _raise_if_died(self, grace: float) -> None:
+        """Raise the death of a rank (lowest rank first) if one is seen within ``grace`` seconds."""
+        end = time.monotonic() + grace
+        while True:
+            dead = [(rank, p) for rank, p in enumerate(self._procs) if p.pid is not None and not p.is_alive()
+                    and p.exitcode != 0]
+            if dead:
+                raise _death(*dead[0], self._killed)
+            if time.monotonic() > end:
+                return
+            time.sleep(0.02)
 
     def kill(self) -> None:
         """End every rank at once (SIGKILL) and wait for them; the next ``run`` starts new ones.
@@ -323,6 +387,7 @@ class LocalCluster:
             procs, self._procs = [p for p in self._procs if p.pid is not None], []
             for p in procs:
                 if p.is_alive():
+                    self._killed.add(p.pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGKILL)
             if self._lifeline is not None:  # also ends a rank whose status the forkserver could not tell
