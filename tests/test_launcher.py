@@ -88,7 +88,12 @@ def finish(proc: subprocess.Popen, watch=()) -> tuple[int, list[str], list[int]]
     The exit is waited for first: reading stderr to its end would also wait for every process
     that inherited it, and hide one that outlives the launcher.
     """
-    proc.wait(timeout=DEADLINE)
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its ranks follow through their lifeline
+        proc.wait()
+        pytest.fail(f"the command did not exit within {DEADLINE:g} s")
     left = alive(watch)
     return proc.returncode, [line for line in proc.stderr.read().splitlines() if line.strip()], left
 
@@ -109,8 +114,9 @@ def test_a_killed_rank_is_named_first_and_alone(tmp_path):
 
 def test_ctrl_c_while_the_forkserver_starts_prints_no_traceback(tmp_path):
     proc = start(tmp_path, "--dp", "2", "--batch-size", "4", "--steps", "100000")
-    # the forkserver is born: it now imports torch for a second or more, the moment a Ctrl-C used to hit
-    wait_for(proc, "the forkserver", lambda: any("forkserver" in _cmdline(p) for p in descendants(proc.pid)))
+    # the forkserver has loaded torch's library: it is importing torch (a second or more), when a Ctrl-C used to hit
+    wait_for(proc, "the forkserver importing torch", lambda: any(
+        "forkserver" in _cmdline(p) and "libtorch" in _maps(p) for p in descendants(proc.pid)))
     os.killpg(proc.pid, signal.SIGINT)
     code, err, _ = finish(proc)
     assert code == EXIT_INTERRUPTED
@@ -154,6 +160,13 @@ def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank():
         stop.begin()
         os.kill(os.getpid(), signal.SIGINT)  # recorded: the step boundary decides
         assert stop._request.name == "INTERRUPT"
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:
