@@ -156,6 +156,15 @@ def _next_task(tasks: Any) -> Any:
 _DEATH_GRACE = 1.0  # s a failed run waits to see whether a rank died (the cause of its peers' errors)
 
 
+def _ended(proc: Any) -> bool:
+    """True once ``proc`` has exited: in /proc a zombie not yet reaped, or gone; without /proc, as it reports."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return os.path.isdir("/proc/self") or not proc.is_alive()
+
+
 def _death(rank: int, proc: Any, killed_by_us: set[int]) -> RankError:
     """The one line for a rank that died: its pid, and the signal that killed it or its exit code."""
     code = proc.exitcode
@@ -366,13 +375,19 @@ class LocalCluster:
             )
 
     def _raise_if_died(self, grace: float) -> None:
-        """Raise the death of a rank (lowest rank first) if one is seen within ``grace`` seconds."""
+        """Raise the death of a rank (lowest rank first) if one is seen within ``grace`` seconds.
+
+        A dead rank is seen at once in /proc (a zombie, or gone); how it died comes from the
+        forkserver, which reports it when it has reaped the rank, a moment later.
+        """
         end = time.monotonic() + grace
         while True:
-            dead = [(rank, p) for rank, p in enumerate(self._procs) if p.pid is not None and not p.is_alive()
-                    and p.exitcode != 0]
+            dead = [(rank, p) for rank, p in enumerate(self._procs) if p.pid is not None and _ended(p)]
             if dead:
-                raise _death(*dead[0], self._killed)
+                rank, p = dead[0]
+                p.join(_DEATH_GRACE * 5)  # the exit status, once the forkserver has it
+                if p.exitcode is not None and p.exitcode != 0:
+                    raise _death(rank, p, self._killed)
             if time.monotonic() > end:
                 return
             time.sleep(0.02)
