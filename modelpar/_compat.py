@@ -51,7 +51,8 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Any 
 def backend_options(backend: str, timeout: float) -> Any:
     """Process-group options for ``backend`` ("gloo" or "nccl") whose operations time out after ``timeout`` s.
 
-    gloo: ``dist.ProcessGroupGloo.Options`` is public (torch ≥ 2.0). NCCL: ``ProcessGroupNCCL.Options``
+    gloo: ``dist.ProcessGroupGloo.Options`` (public, an alias of the backends' common options; the private
+    ``torch._C._distributed_c10d.Backend.Options`` where a release lacks the alias). NCCL: ``ProcessGroupNCCL.Options``
     is public but its timeout is only settable as the private ``_timeout`` (torch ≥ 2.0, unchanged
     through 2.13); a DeviceMesh's subgroups take their timeout from these options alone.
     """
@@ -60,7 +61,12 @@ def backend_options(backend: str, timeout: float) -> Any:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = limit  # private: no public setter on the options
         return options
-    return dist.ProcessGroupGloo.Options(backend, limit)  # type: ignore[call-arg]  # the stub omits the arguments
+    options_class = getattr(dist.ProcessGroupGloo, "Options", None)
+    if options_class is None:
+        from torch._C._distributed_c10d import Backend
+
+        options_class = Backend.Options
+    return options_class(backend, limit)
 
 
 def group_timeout(group: Any) -> float:
