@@ -3,7 +3,7 @@
 The rest of the package imports these names from here and never reaches into a private API
 itself, so a torch release that moves one breaks one function here (tested on torch 2.13 on
 CPUs; written to run on 2.11 as well, where a GPU machine runs it). Where a public API exists it
-is used instead: ``dist.ProcessGroupGloo.Options`` (gloo options), ``ProcessGroup.set_timeout``,
+is used instead: ``dist.ProcessGroupGloo.Options`` (gloo options), ``init_process_group(device_id=)``,
 ``torch.autograd.graph.Node.next_functions`` / ``register_prehook`` / ``GradientEdge``.
 docs/gpu.md lists what remains and why.
 
