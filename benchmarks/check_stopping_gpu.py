@@ -19,11 +19,12 @@ import threading
 import time
 from dataclasses import replace
 
-import torch
 import torch.distributed as dist
 
+from modelpar._compat import group_timeout
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.distributed import init_from_env
+from modelpar.distributed.devices import require_gpus
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
 from modelpar.training.setup import setup_rank
@@ -36,6 +37,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/modelpar-check-stopping")
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: a dry run on CPUs")
     args = parser.parse_args()
+    if args.backend == "nccl":  # one line, before any process group, on a machine with too few GPUs
+        need = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        try:
+            require_gpus(need, f"check_stopping_gpu.py with {need} ranks on this machine")
+        except ValueError as err:
+            raise SystemExit(f"{err}; run it with --backend gloo for a dry run on CPUs") from None
     init_from_env(args.backend, timeout=23.0)
     rank = dist.get_rank()
     cfg = TrainConfig(model=ModelConfig(hidden=64, heads=4, layers=4, seq_len=32), tp=args.tp, pp=args.pp, dp=1,
@@ -46,10 +53,13 @@ def main() -> None:
     dist.barrier()
 
     rs = setup_rank(cfg, cfg.timeout)
-    device = rs.device if args.backend == "nccl" else torch.device("cpu")
-    timeouts = {name: group._get_backend(device if name != "pp" else torch.device("cpu")).options._timeout.total_seconds()
+    timeouts = {name: group_timeout(group)  # each group's own backend: NCCL on the GPU, gloo on the CPU
                 for name, group in (("tp", rs.tp_group), ("dp", rs.dp_group), ("pp", rs.pp_group)) if group is not None}
-    report(rank, "mesh group timeouts are the run's 23 s", timeouts, all(t == 23.0 for t in timeouts.values()))
+    want = dict.fromkeys(timeouts, 23.0)
+    if "pp" in want:
+        want["pp"] = rs.pipeline_timeout
+    report(rank, f"mesh group timeouts are the run's 23 s (the pipeline group's: {rs.pipeline_timeout:g} s, "
+                 "a whole step)", timeouts, timeouts == want)
 
     if rank == dist.get_world_size() - 1:  # one rank only: the others learn it at the next step
         threading.Thread(target=signal_when_saved, args=(args.dir,), daemon=True).start()

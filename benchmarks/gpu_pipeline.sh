@@ -17,6 +17,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 NPROC=${NPROC:-4}
 OUT=${OUT:-gpu-pipeline-out}
+# one line and exit 2 on a machine that cannot run it (t = 2 x p = 2 x d = NPROC / 4, one GPU per rank)
+python -c "import sys; from modelpar.distributed.devices import require_gpus
+if $NPROC % 4: sys.exit('gpu_pipeline.sh: NPROC must be a multiple of 4 (t = 2, p = 2, d = NPROC / 4), got $NPROC')
+try: require_gpus($NPROC, 'gpu_pipeline.sh (NPROC=$NPROC)')
+except ValueError as err: print(err, file=sys.stderr); sys.exit(2)"
 mkdir -p "$OUT"
 run() { torchrun --standalone --nproc-per-node "$NPROC" -m modelpar "$@"; }
 

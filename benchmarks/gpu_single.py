@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from modelpar.corpus import load_corpus
 from modelpar.distributed import free_port
+from modelpar.distributed.devices import require_gpus
 from modelpar.model import LMLoss, ModelConfig, build_stage
 from modelpar.training import TrainConfig, lr_at, param_groups, train
 
@@ -98,8 +99,11 @@ def main() -> None:
     if args.smoke:
         cfg = replace(cfg, model=replace(model, hidden=64, heads=4, kv_heads=2, layers=2, seq_len=64), steps=6,
                       batch_size=8, microbatches=2)
-    elif device.type != "cuda":
-        raise SystemExit("gpu_single.py: no GPU here; run with --smoke to check the script on this machine")
+    else:
+        try:
+            require_gpus(1, "gpu_single.py")
+        except ValueError as err:
+            raise SystemExit(f"{err}; run with --smoke to check the script on this machine") from None
     warmup = 2 if args.smoke else 5
     plain = plain_loop(cfg, device, warmup)
     ours = modelpar_train(cfg, device, warmup)

@@ -48,6 +48,18 @@ def main(argv: list[str] | None = None) -> int:
         if str(err):
             print(f"modelpar {args.command}: {err}", file=sys.stderr)
         return 130
+    except RuntimeError as err:  # a rank that died (killed, out of memory): its launcher says which and how
+        if not _rank_death(err):
+            raise
+        print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
+        return 1
+
+
+def _rank_death(err: BaseException) -> bool:
+    """True for the launcher's error about a rank that died (``modelpar.distributed.RankError`` with an exit code)."""
+    from modelpar.distributed import RankError
+
+    return isinstance(err, RankError) and err.exitcode is not None
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from modelpar._compat import read_items_for_chunks
 from modelpar._validate import check_int
 
 __all__ = ["Piece", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "ShardedState"]
@@ -180,7 +180,7 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             if not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != shard.shape:
                 raise ValueError(f"checkpoint entry {name!r} is {stored}, this rank expects a tensor of full "
                                  f"shape {shard.shape}")
-            items += create_read_items_for_chunk_list(name, stored, [_chunk(p) for p in shard.pieces])
+            items += read_items_for_chunks(name, stored, [_chunk(p) for p in shard.pieces])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

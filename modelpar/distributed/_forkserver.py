@@ -7,6 +7,9 @@ forked from it starts with these signals ignored, so one that arrives while it i
 born is dropped rather than killing it half-started; ``launch._worker`` then restores the
 defaults and the launcher passes the signal on again once the ranks train. The forkserver still
 exits on its own once the launcher and every rank are gone.
+
+The launcher starts the forkserver with SIGINT blocked (``launch._blocked``), so a Ctrl-C while
+it imports torch waits; ignoring SIGINT here drops it, and only then is it unblocked.
 """
 
 import signal
@@ -15,3 +18,4 @@ from modelpar.distributed.lifeline import SCHEDULER_SIGNALS
 
 for _sig in (signal.SIGINT, *SCHEDULER_SIGNALS):
     signal.signal(_sig, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))

@@ -13,6 +13,7 @@ for any reason, ``kill -9`` included. Ctrl-C in the launcher ends every rank at 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -25,11 +26,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
-from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed
+from modelpar.distributed.devices import rank_device, require_gpus
+from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed, name_process
 
 __all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
 
@@ -68,7 +69,8 @@ def is_torchrun() -> bool:
 def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
     """Join the process group described by torchrun's variables (RANK, WORLD_SIZE, MASTER_*).
 
-    The backend defaults to NCCL when CUDA is available, gloo otherwise; LOCAL_RANK picks the GPU.
+    The backend defaults to NCCL when CUDA is available, gloo otherwise; LOCAL_RANK picks the GPU
+    (``devices.rank_device``: the current device, and the group's ``device_id``).
     """
     import torch
     import torch.distributed as dist
@@ -77,8 +79,7 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         return
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = rank_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
     limit = datetime.timedelta(seconds=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt is not None:
@@ -88,9 +89,9 @@ def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
         agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                               timeout=limit)
         store = dist.PrefixStore(f"modelpar/attempt_{attempt}", agent)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit, device_id=device)
     else:
-        dist.init_process_group(backend, timeout=limit)
+        dist.init_process_group(backend, timeout=limit, device_id=device)
 
 
 def _rebuild_error(rank: int, payload: tuple[str, str, str, Any]) -> BaseException:
@@ -114,9 +115,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     import torch.distributed as dist
 
     threading.Thread(target=exit_when_closed, args=(lifeline,), name="modelpar-lifeline", daemon=True).start()
+    name_process(f"modelpar-rank{rank}")  # in ps and top: which rank is which (a kill names its rank)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores these (and so did
     for sig in SCHEDULER_SIGNALS:                              # this rank until now): back to Python's defaults
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *SCHEDULER_SIGNALS))  # held while the forkserver was born
 
     if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -124,8 +127,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
+        device = rank_device(backend, rank)  # one machine: the local rank is the rank
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=timeout), device_id=device)
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
         return
@@ -149,6 +153,33 @@ def _next_task(tasks: Any) -> Any:
         return None
 
 
+_DEATH_GRACE = 1.0  # s a failed run waits to see whether a rank died (the cause of its peers' errors)
+
+
+def _ended(proc: Any) -> bool:
+    """True once ``proc`` has exited: in /proc a zombie not yet reaped, or gone; without /proc, as it reports."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return os.path.isdir("/proc/self") or not proc.is_alive()
+
+
+def _death(rank: int, proc: Any, killed_by_us: set[int]) -> RankError:
+    """The one line for a rank that died: its pid, and the signal that killed it or its exit code."""
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            name = f" ({signal.Signals(-code).name})"
+        except ValueError:
+            name = ""
+        text = f"rank {rank} (pid {proc.pid}) was killed by signal {-code}{name}"
+        if -code == signal.SIGKILL and proc.pid not in killed_by_us:
+            text += " (not sent by modelpar: out of memory? The kernel's OOM killer sends SIGKILL; `dmesg` names its victims)"
+        return RankError(text, rank, code)
+    return RankError(f"rank {rank} died (exit code {code}) before finishing (pid {proc.pid})", rank, code)
+
+
 def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
     exc_type: Any = type(exc)
     try:  # only send the type if the parent can unpickle it
@@ -156,6 +187,33 @@ def _describe(exc: BaseException) -> tuple[str, str, str, Any]:
     except Exception:
         exc_type = None
     return type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), exc_type
+
+
+_REAPING: list[bool] = []
+
+
+def _reap_helpers_at_exit() -> None:
+    """Once per process: at exit, stop the forkserver and resource tracker and wait for them, so that
+    nothing of a run outlives its launcher (they would exit on their own a moment later)."""
+    if not _REAPING:
+        from modelpar._compat import stop_multiprocessing_helpers
+
+        _REAPING.append(True)
+        atexit.register(stop_multiprocessing_helpers)
+
+
+@contextlib.contextmanager
+def _blocked(*signals: int) -> Any:
+    """Hold ``signals`` in this thread inside the block (a process it starts inherits the mask).
+
+    Python does the same when it starts its resource tracker: a Ctrl-C while the forkserver is
+    still importing torch would otherwise print its KeyboardInterrupt traceback.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _context() -> mp.context.BaseContext:
@@ -191,11 +249,14 @@ class LocalCluster:
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
         self.run_timeout = None if run_timeout is None else check_number(
             "run_timeout", run_timeout, minimum=0.0, strict=True)
+        if self.backend == "nccl":  # one GPU per rank, cuda:r for rank r (devices.rank_device)
+            require_gpus(self.world_size, f"LocalCluster(backend='nccl') with {self.world_size} ranks")
         self._procs: list[Any] = []
         self._lifeline: Any = None  # the write end of the pipe whose closing ends every rank
         self._lock = threading.Lock()
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        self._killed: set[int] = set()  # pids this launcher sent SIGKILL to (kill())
 
     def start(self) -> LocalCluster:
         """Begin starting the ranks in the background and return at once; ``run`` waits for them.
@@ -233,6 +294,7 @@ class LocalCluster:
             self.kill()
 
     def _start(self) -> None:
+        _reap_helpers_at_exit()
         ctx = _context()
         port = free_port()
         self._results = ctx.Queue()
@@ -245,8 +307,9 @@ class LocalCluster:
             for r in range(self.world_size)
         ]
         try:
-            for p in self._procs:
-                p.start()
+            with _blocked(signal.SIGINT):  # the forkserver, started here, is born with Ctrl-C held (see _forkserver)
+                for p in self._procs:
+                    p.start()
         except BaseException:
             self.kill()  # e.g. a script without an `if __name__ == "__main__":` guard
             raise
@@ -266,8 +329,10 @@ class LocalCluster:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        from modelpar._compat import dumps_for_children
+
         try:  # pickle once, here: a failure is raised now, not lost in the queue's feeder thread
-            task = bytes(ForkingPickler.dumps((fn, args, kwargs)))
+            task = dumps_for_children((fn, args, kwargs))
         except Exception as err:
             raise ValueError(
                 f"fn and its arguments must be picklable (a module-level function, importable by the "
@@ -287,7 +352,8 @@ class LocalCluster:
                 except queue.Empty:
                     self._check_alive(results, deadline)
                     continue
-                if status == "error":
+                if status == "error":  # a rank that died is the cause, and its peers' errors follow from it
+                    self._raise_if_died(_DEATH_GRACE)
                     raise _rebuild_error(rank, value)
                 results[rank] = value
         except BaseException:  # a rank failed, or Ctrl-C here: no rank outlives the run
@@ -298,15 +364,33 @@ class LocalCluster:
     def _check_alive(self, done: dict[int, Any], deadline: float) -> None:
         if not self._procs:
             raise RankError("the ranks were ended while running (LocalCluster.kill)")
-        for rank, p in enumerate(self._procs):
-            if rank not in done and not p.is_alive():
-                raise RankError(f"rank {rank} died (exit code {p.exitcode}) before finishing", rank, p.exitcode)
+        dead = [(rank, p) for rank, p in enumerate(self._procs) if rank not in done and not p.is_alive()]
+        if dead:
+            raise _death(*dead[0], self._killed)
         if time.monotonic() > deadline:
             waiting = [r for r in range(self.world_size) if r not in done]
             raise RankError(
                 f"ranks {waiting} did not finish within run_timeout={self.run_timeout:g} s "
                 "(a hang: a collective or a receive that nobody answers?)"
             )
+
+    def _raise_if_died(self, grace: float) -> None:
+        """Raise the death of a rank (lowest rank first) if one is seen within ``grace`` seconds.
+
+        A dead rank is seen at once in /proc (a zombie, or gone); how it died comes from the
+        forkserver, which reports it when it has reaped the rank, a moment later.
+        """
+        end = time.monotonic() + grace
+        while True:
+            dead = [(rank, p) for rank, p in enumerate(self._procs) if p.pid is not None and _ended(p)]
+            if dead:
+                rank, p = dead[0]
+                p.join(_DEATH_GRACE * 5)  # the exit status, once the forkserver has it
+                if p.exitcode is not None and p.exitcode != 0:
+                    raise _death(rank, p, self._killed)
+            if time.monotonic() > end:
+                return
+            time.sleep(0.02)
 
     def kill(self) -> None:
         """End every rank at once (SIGKILL) and wait for them; the next ``run`` starts new ones.
@@ -318,6 +402,7 @@ class LocalCluster:
             procs, self._procs = [p for p in self._procs if p.pid is not None], []
             for p in procs:
                 if p.is_alive():
+                    self._killed.add(p.pid)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGKILL)
             if self._lifeline is not None:  # also ends a rank whose status the forkserver could not tell

@@ -15,13 +15,23 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["SCHEDULER_SIGNALS", "exit_when_closed", "exit_with_parent"]
+__all__ = ["SCHEDULER_SIGNALS", "exit_when_closed", "exit_with_parent", "name_process"]
 
 # Signals a scheduler may send to every process of a job to ask for a checkpoint (Slurm --signal,
 # Kubernetes, `kill -TERM -- -PGID`). The forkserver ignores them (see modelpar.distributed._forkserver);
 # the ranks start with them at their defaults and the training loop decides what they mean.
 SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_SET_NAME = 15
+
+
+def name_process(name: str) -> None:
+    """Show this process as ``name`` (15 bytes at most) in ps, top and /proc/PID/comm (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def exit_with_parent() -> None:

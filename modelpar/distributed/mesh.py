@@ -8,7 +8,6 @@ the slowest-varying index and cross machines (point-to-point, little traffic).
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ from modelpar._validate import check_int
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "coordinates", "group_options", "rank_groups"]
+__all__ = ["ParallelDims", "coordinates", "dim_settings", "group_options", "rank_groups"]
 
 DIM_NAMES = ("pp", "dp", "tp")
 
@@ -77,13 +76,15 @@ class ParallelDims:
         return coordinates(rank, self.pp, self.dp, self.tp)
 
     def build_mesh(self, device_type: str = "cpu", pipeline_backend: str | None = None,
-                   timeout: float | None = None) -> DeviceMesh:
+                   timeout: float | None = None, pipeline_timeout: float | None = None) -> DeviceMesh:
         """A ``torch.distributed.device_mesh.DeviceMesh`` of shape (pp, dp, tp), dims named.
 
         ``pipeline_backend="gloo"`` gives the pp dimension its own gloo groups (NCCL runs keep NCCL
         for tp and dp): pipeline activations are then staged through host memory, if one wants that.
         ``timeout`` (seconds) bounds every collective of every group of the mesh; without it torch
-        gives subgroups its 30-minute default, whatever the world's timeout is.
+        gives subgroups its 30-minute default, whatever the world's timeout is. ``pipeline_timeout``
+        replaces it for the pp groups when they run on NCCL, whose watchdog times an operation from
+        when it was posted (``modelpar.pipeline.collectives.step_timeout``).
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -91,24 +92,29 @@ class ParallelDims:
         self.check_world(dist.get_world_size())
         world_backend = str(dist.get_backend())
         override: dict[int | str, Any] = {}
-        for dim in DIM_NAMES:
-            backend = pipeline_backend if dim == "pp" and pipeline_backend else world_backend
-            if timeout is not None:
-                override[dim] = (backend, group_options(backend, timeout))
+        for dim, (backend, limit) in dim_settings(world_backend, pipeline_backend, timeout, pipeline_timeout).items():
+            if limit is not None:
+                override[dim] = (backend, group_options(backend, limit))
             elif backend != world_backend:
                 override[dim] = backend
         extra = {"backend_override": override} if override else {}  # torch >= 2.6
         return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=DIM_NAMES, **extra)
 
 
+def dim_settings(world_backend: str, pipeline_backend: str | None, timeout: float | None,
+                 pipeline_timeout: float | None) -> dict[str, tuple[str, float | None]]:
+    """(backend, timeout) of each mesh dimension: the pp dimension may have its own backend, and on
+    NCCL its own timeout; None: torch's default."""
+    out = {}
+    for dim in DIM_NAMES:
+        backend = pipeline_backend if dim == "pp" and pipeline_backend else world_backend
+        limit = pipeline_timeout if dim == "pp" and "nccl" in backend and pipeline_timeout else timeout
+        out[dim] = (backend, limit)
+    return out
+
+
 def group_options(backend: str, timeout: float) -> Any:
     """Process-group options for ``backend`` ("gloo" or "nccl") whose collectives time out after ``timeout`` s."""
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import Backend
+    from modelpar._compat import backend_options
 
-    limit = datetime.timedelta(seconds=timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = limit
-        return options
-    return Backend.Options(backend, limit)
+    return backend_options(backend, timeout)

@@ -21,8 +21,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelpar.schedules.execute import execute
+from modelpar.schedules.schedule import Schedule
+
 __all__ = ["FlightRecorder", "all_gather_object", "all_reduce_ints", "broadcast_object", "comm_device",
-           "is_nccl", "wait"]
+           "critical_path", "is_nccl", "step_timeout", "wait"]
+
+
+def critical_path(schedule: Schedule) -> int:
+    """The number of actions on the longest chain of a step: its length with every action costing 1
+    and messages free (each action waits for its input and for the action before it on its device)."""
+    _, ends = execute(schedule)
+    return round(max((e for device in ends for e in device), default=0.0))
+
+
+def step_timeout(schedule: Schedule, timeout: float) -> float:
+    """The NCCL watchdog timeout of a pipeline group: ``timeout × (critical_path + 1)`` seconds.
+
+    NCCL times every operation from when it was posted, and receives are posted early (at the
+    start of a step, or just after the previous send: ``modelpar.schedules.lower``), so a receive
+    may legitimately wait for most of a step. If one action and the message it sends take at
+    most ``timeout`` (every wait of the runtime is bounded by it), a step's last message arrives
+    within ``critical_path × timeout`` of its start, plus one ``timeout`` for the ranks starting the
+    step at different times. docs/stopping.md states the rule.
+    """
+    return timeout * (critical_path(schedule) + 1)
 
 
 def is_nccl(group: Any) -> bool:

@@ -33,8 +33,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from modelpar._validate import check_number
+from modelpar.distributed.devices import check_stage_device
 from modelpar.pipeline.clock import clock_offset
-from modelpar.pipeline.collectives import FlightRecorder
+from modelpar.pipeline.collectives import FlightRecorder, comm_device
 from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
 from modelpar.pipeline.measure import gather_timeline, measure_link
 from modelpar.pipeline.p2p import P2P
@@ -82,6 +83,10 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.recorder = FlightRecorder(rank, self.group_rank)
         compute_device = _device_of(stage_modules.values())
+        if schedule.num_devices > 1:  # sends and receives leave from the group's device
+            for s, m in sorted(stage_modules.items()):
+                if any(True for _ in (*m.parameters(), *m.buffers())):  # a stage without tensors computes anywhere
+                    check_stage_device(_device_of([m]), comm_device(self.group), f"stage {s}'s parameters")
         if check_messages is None:
             check_messages = os.environ.get(CHECK_MESSAGES_ENV, "") not in ("", "0")
         self.p2p = (P2P(self.group, self.timeout, compute_device, self.recorder, check_messages)

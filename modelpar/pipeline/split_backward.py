@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from modelpar._compat import grad_accumulator_variable
+
 __all__ = ["backward_input"]
 
 
@@ -95,7 +97,7 @@ def _leads_to(root: Node, leaf: torch.Tensor) -> dict[Node, bool]:
         if n in memo:
             continue
         if expanded:
-            memo[n] = getattr(n, "variable", None) is leaf or any(memo[c] for c in _children(n))
+            memo[n] = grad_accumulator_variable(n) is leaf or any(memo[c] for c in _children(n))
         else:
             stack.append((n, True))
             stack.extend((c, False) for c in _children(n) if c not in memo)
@@ -129,4 +131,4 @@ def _weight_groups(on_path: dict[Node, bool]) -> tuple[dict[Node, list[torch.Ten
 
 def _leaves(node: Node) -> list[torch.Tensor]:
     """The leaf tensors (parameters) whose AccumulateGrad nodes lie under ``node``."""
-    return [n.variable for n in _under(node) if getattr(n, "variable", None) is not None]  # type: ignore[attr-defined]
+    return [v for n in _under(node) if (v := grad_accumulator_variable(n)) is not None]

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from modelpar._compat import tensor_version
 from modelpar.recompute.rng import capture_state, replay
 
 __all__ = ["Checkpoint", "RecomputeAll", "RecomputeStats", "Segment", "chain_parameters", "recompute_function",
@@ -129,9 +130,9 @@ class _KeepInput(torch.autograd.Function):
     def forward(ctx, segment: Segment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.segment, ctx.state = segment, capture_state(x)  # parameters are inputs only to get gradients
         ctx.save_for_backward(x)
-        version = x._version
+        version = tensor_version(x)
         y = segment.run(x)  # autograd.Function.forward runs with grad mode off
-        if x._version != version:  # the re-run would start from the modified input: wrong gradients
+        if tensor_version(x) != version:  # the re-run would start from the modified input: wrong gradients
             raise ValueError(
                 f"layers[{segment.start}] ({_name(segment.layers[0])}) modified its input in place; a "
                 "recomputed segment must start from the input it saw (use inplace=False, e.g. nn.Dropout)"

@@ -13,15 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar._tensor_meta import META_LEN, describe_meta, encode_meta
 from modelpar.tensor_parallel.accounting import record
 
 __all__ = ["all_gather", "all_reduce", "check_same_shape", "group_rank", "group_size",
            "reduce_scatter", "resolve_group", "split"]
 
-# torch >= 2.11 renamed the tensor forms; keep working on older releases.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -69,7 +67,7 @@ def check_same_shape(x: torch.Tensor, group: dist.ProcessGroup | None, what: str
         return
     meta = torch.tensor([int(bool(local_error)), *encode_meta(x)], dtype=torch.int64, device=x.device)
     out = torch.empty(n * (1 + META_LEN), dtype=torch.int64, device=x.device)
-    _all_gather_single(out, meta, group=group)
+    all_gather_single(out, meta, group=group)
     record("shape_check", "forward", out.numel(), 8, n, op="")
     rows = out.view(n, 1 + META_LEN).tolist()
     flagged = [i for i, r in enumerate(rows) if r[0]]
@@ -98,7 +96,7 @@ def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, phase
         return x
     dim = dim % x.dim()
     flat = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_single(flat, x.contiguous().view(-1), group=group)
+    all_gather_single(flat, x.contiguous().view(-1), group=group)
     record("all_gather", phase, flat.numel(), x.element_size(), n, op="")
     stacked = flat.view(n, *x.shape)  # [n, ...]: move the rank index next to dim and merge them
     return stacked.movedim(0, dim).flatten(dim, dim + 1) if dim else stacked.flatten(0, 1)
@@ -113,7 +111,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, p
     _check_divisible(x, dim, n)
     chunks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, ...]
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
+    reduce_scatter_single(out.view(-1), chunks.view(-1), group=group)
     record("reduce_scatter", phase, chunks.numel(), x.element_size(), n)
     return out
 

@@ -20,7 +20,7 @@ from torch.autograd import Function
 
 from modelpar._validate import check_choice, check_int
 from modelpar.tensor_parallel._comm import all_reduce, check_same_shape, group_rank, group_size, resolve_group
-from modelpar.tensor_parallel.layers import token_ids_error
+from modelpar.tensor_parallel.layers import TOKEN_DTYPES, token_ids_error
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -72,7 +72,8 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     contribute no loss and no gradient. ``reduction``: "mean" (over non-ignored tokens, as
     ``F.cross_entropy``), "sum" or "none". 16-bit logits are computed in float32.
     ``vocab_size``: the real vocabulary when the logits are padded beyond it (default: all of them);
-    the padded ids get probability 0. ``check_shapes``: compare shapes across ranks first.
+    the padded ids get probability 0. ``check_shapes``: compare shapes across ranks first and check
+    the target ids (both read on the host, so a device sync: off, nothing in here waits for the device).
     """
     check_choice("reduction", reduction, ["mean", "sum", "none"])
     group = resolve_group(group)
@@ -81,8 +82,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
                          f"{tuple(logits_shard.shape[:-1])}, got {tuple(target.shape)}")
     width = logits_shard.shape[-1] * group_size(group)
     vocab = width if vocab_size is None else check_int("vocab_size", vocab_size, minimum=1, maximum=width)
-    check_same_shape(logits_shard, group, "logits_shard", token_ids_error("target", target, vocab, ignore_index),
-                     check_shapes)
+    if check_shapes:  # the ids are read on the host (a device sync): only while checks are on
+        check_same_shape(logits_shard, group, "logits_shard", token_ids_error("target", target, vocab, ignore_index))
+    elif target.dtype not in TOKEN_DTYPES:
+        raise ValueError(f"target must be an integer tensor, got dtype {target.dtype}")
     logits = logits_shard if logits_shard.dtype in (torch.float32, torch.float64) else logits_shard.float()
     losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                               group, ignore_index, vocab)

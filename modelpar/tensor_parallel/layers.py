@@ -135,7 +135,10 @@ class VocabParallelEmbedding(TensorParallelModule):
     Each rank looks up the ids in its range, writes zeros for the others, and g sums the t
     partial lookups (with ``sequence_parallel``: reduce-scatter to [b, s/t, h] instead).
     ``vocab_size``: the ids a tokenizer produces when the table is padded beyond them
-    (default ``num_embeddings``); larger ids are refused like ids past the table.
+    (default ``num_embeddings``); larger ids are refused like ids past the table, while
+    ``check_shapes`` is on (the check reads the ids on the host, a device sync, so a training loop
+    turns it off after its first step and the data side validates each batch where it is made:
+    ``modelpar.text.Corpus.batch``).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
@@ -161,7 +164,10 @@ class VocabParallelEmbedding(TensorParallelModule):
         nn.init.normal_(self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.vocab_size), self.check_shapes)
+        if self.check_shapes:  # reads the ids on the host: a device sync, so only while checks are on
+            check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.vocab_size), True)
+        elif ids.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if self.tp_world == 1:
             out = F.embedding(ids, self.weight)
             return C.scatter_to_sequence_parallel_region(out, self.group) if self.sequence_parallel else out
@@ -208,9 +214,15 @@ class RMSNorm(nn.RMSNorm, TensorParallelModule):
         return self.weight * normed.to(x.dtype)
 
 
+TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
 def token_ids_error(name: str, ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> str | None:
-    """The error message if some id is outside [0, vocab) (and not ``ignore_index``), else None."""
-    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+    """The error message if some id is outside [0, vocab) (and not ``ignore_index``), else None.
+
+    Reads the ids on the host (a device sync): call it only where checks are asked for.
+    """
+    if ids.dtype not in TOKEN_DTYPES:
         return f"{name} must be an integer tensor, got dtype {ids.dtype}"
     bad = (ids < 0) | (ids >= vocab)
     if ignore_index is not None:

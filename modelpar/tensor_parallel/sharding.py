@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelpar._compat import AfterApply
 from modelpar._validate import check_int
 from modelpar.tensor_parallel._comm import all_gather, all_reduce, group_rank, group_size, resolve_group
 
@@ -98,7 +99,7 @@ def param_layout(param: torch.Tensor) -> ParamLayout:
     return getattr(param, _ATTRIBUTE, None) or ParamLayout()
 
 
-class TensorParallelModule(nn.Module):
+class TensorParallelModule(AfterApply):
     """Base of the parallel layers: the group, this rank's index ``tp_rank`` in it, its size
     ``tp_world``, a ``ParamLayout`` per parameter (``tp_layouts``, also attached to the
     parameters) and ``check_shapes``, the cross-rank shape check before each forward collective."""
@@ -121,10 +122,8 @@ class TensorParallelModule(nn.Module):
             if param is not None:
                 setattr(param, _ATTRIBUTE, layout)
 
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        out = super()._apply(fn, *args, **kwargs)  # to_empty / to() may build new Parameters
-        self._attach_layouts()
-        return out
+    def _after_apply(self) -> None:
+        self._attach_layouts()  # to_empty / to() may have built new Parameters
 
 
 def set_shape_checks(module: nn.Module, enabled: bool) -> None:

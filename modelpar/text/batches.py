@@ -52,8 +52,18 @@ class Corpus:
         rng = np.random.default_rng([seed, _SPLIT_IDS[split], step])
         starts = rng.integers(0, len(data) - seq_len, size=batch_size)
         windows = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int64)
+        self._check_ids(windows, split, step)
         tokens = torch.from_numpy(windows)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def _check_ids(self, windows: np.ndarray, split: str, step: int) -> None:
+        """ValueError unless every id of the batch is in [0, vocab_size): checked here, on the host, once per
+        batch, so that the model's forward never has to read ids back from the device."""
+        lo, hi = int(windows.min()), int(windows.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"the {split} tokens of batch {step} hold id {bad}, outside the vocabulary "
+                             f"[0, {self.vocab_size}): the token file does not match its tokenizer")
 
     @property
     def tokens_per_byte(self) -> float:

@@ -28,15 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.pipeline.collectives import FlightRecorder, is_nccl
 from modelpar.pipeline.timing import CudaTimer, HostTimer
 
 __all__ = ["REDUCTIONS", "DataParallelComm", "Pending"]
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")  # the labels of gradient reductions (all-gather: parameters)
-# torch 2.13 renamed the flat-tensor collectives; torch >= 2.6 has the old names
-_reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(eq=False)
@@ -72,12 +70,12 @@ class DataParallelComm:
 
     def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "reduce-scatter") -> Pending:
         """``shard`` (rank r's 1/d of ``flat``, possibly a view into it) becomes the sum of that part over the group."""
-        return self._issue(label, _reduce_scatter(shard, flat, group=self.group, async_op=True),
+        return self._issue(label, reduce_scatter_single(shard, flat, group=self.group, async_op=True),
                            (self.size - 1) / self.size * flat.numel() * flat.element_size())
 
     def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, label: str = "all-gather") -> Pending:
         """``flat`` becomes every rank's ``shard`` in rank order (``shard`` may be its own part of ``flat``)."""
-        return self._issue(label, _all_gather(flat, shard, group=self.group, async_op=True),
+        return self._issue(label, all_gather_single(flat, shard, group=self.group, async_op=True),
                            (self.size - 1) / self.size * flat.numel() * flat.element_size())
 
     def _issue(self, label: str, work: Any, nbytes: float) -> Pending:

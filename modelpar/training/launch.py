@@ -40,10 +40,11 @@ def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
 class _Relay:
     """In the launching process: pass Ctrl-C and the preemption signal on to the ranks.
 
-    Training ranks stop together at the next step boundary; ranks still starting up end at once, or
-    get the signal again when they report "start". A second Ctrl-C ends every rank at once
-    (KeyboardInterrupt), and so does a preemption whose step outlasts ``preempt_grace`` (a ``Stop``,
-    no checkpoint).
+    Training ranks stop together at the next step boundary. Before rank 0 reports "start" (ranks
+    starting up, building the model, loading a checkpoint: nothing to save) a Ctrl-C ends every rank
+    at once (``end_now``), and a preemption signal is passed on again at "start". A second Ctrl-C
+    ends every rank at once (KeyboardInterrupt), and so does a preemption whose step outlasts
+    ``preempt_grace`` (a ``Stop``, no checkpoint).
     """
 
     def __init__(self, cluster: LocalCluster, cfg: TrainConfig) -> None:
@@ -58,7 +59,7 @@ class _Relay:
         """Ctrl-C and the preemption signal to this relay, inside the block."""
         return handled((signal.SIGINT, self.preempt_signal), self._on_signal)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:  # only flags and signals: the loop ends ranks
         if signum == signal.SIGINT:
             if self.interrupted:
                 raise KeyboardInterrupt(self.interrupted_at_once())
@@ -80,6 +81,10 @@ class _Relay:
             self.step = event["step"]
         elif kind == "stopping":
             self.stopping = True
+
+    def end_now(self) -> bool:
+        """Ctrl-C before training started: nothing to save or finish, so the ranks end at once."""
+        return self.interrupted and not self.started
 
     def overdue(self) -> bool:
         """Preempted, and the ranks have not reached a step boundary within the grace period."""
@@ -140,7 +145,9 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
                         relay.seen(event)
                         if display is not None:
                             display(event)
-                    if not overdue and relay.overdue():
+                    if relay.end_now():  # every pass: also ends ranks the cluster was still starting
+                        cluster.kill()
+                    elif not overdue and relay.overdue():
                         overdue = True
                         cluster.kill()
     finally:

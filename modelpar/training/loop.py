@@ -40,7 +40,7 @@ from modelpar.training.precision import wrap_stage
 from modelpar.training.resume import CheckpointDir
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
-from modelpar.training.stopping import Stop, StopController, Verdict
+from modelpar.training.stopping import Stop, StopController, Verdict, slow_init
 
 __all__ = ["TrainResult", "lr_at", "train"]
 
@@ -127,6 +127,7 @@ class _Run:
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
                                        dtype=cfg.param_dtype, device=rs.device)
                         for s in self.schedule.stages_on(rs.pp_rank)}
+        slow_init()
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
 
@@ -257,6 +258,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         directory.close()
         raise
     start = done = run.result.start_step
+    stop.begin()
     if run.emit:
         run.emit({"event": "start", "start_step": start, "steps": cfg.steps, "params": run.result.num_parameters,
                   "unigram": run.result.unigram_baseline, "unigram_bpb": run.result.bits_per_byte(run.result.unigram_baseline),

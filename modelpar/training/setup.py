@@ -4,7 +4,9 @@ Tensor-parallel groups are consecutive ranks (inside a machine), pipeline groups
 index (across machines), data-parallel in between; ``modelpar.distributed.ParallelDims`` owns
 the layout and the mesh its groups and this rank's place in them. Tied embeddings split across
 stages also need the "embedding group": the first and last rank of each pipeline group
-(Megatron's ``_EMBEDDING_GROUP``). Every group times out after the run's ``timeout``.
+(Megatron's ``_EMBEDDING_GROUP``). Every group times out after the run's ``timeout``, except the
+pipeline groups on NCCL, whose watchdog must let a receive posted at a step's start wait for the
+step (``modelpar.pipeline.collectives.step_timeout``; docs/stopping.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from modelpar.pipeline.collectives import step_timeout
+from modelpar.schedules import get_schedule
 from modelpar.training.config import TrainConfig
 
 __all__ = ["RankSetup", "setup_rank"]
@@ -36,6 +40,7 @@ class RankSetup:
     tp_rank: int
     device: torch.device
     timeout: float
+    pipeline_timeout: float  # the pp groups' NCCL watchdog timeout (step_timeout); ``timeout`` on gloo
 
 
 def _group(dim: DeviceMesh) -> Any:
@@ -62,7 +67,11 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     pipeline_backend = "gloo" if use_cuda and cfg.pipeline_gloo else None
-    mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout)
+    on_nccl = use_cuda and not cfg.pipeline_gloo
+    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    pipeline_timeout = step_timeout(schedule, timeout) if on_nccl else timeout
+    mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout,
+                               pipeline_timeout=pipeline_timeout)
     pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
     tied_across_stages = cfg.model.tie_embeddings and cfg.pp > 1
     return RankSetup(
@@ -72,5 +81,5 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
         dp_group=_group(dp),
         embed_group=_embedding_group(mesh, timeout) if tied_across_stages else None,
         pp_rank=pp.get_local_rank(), dp_rank=dp.get_local_rank(), tp_rank=tp.get_local_rank(),
-        device=device, timeout=timeout,
+        device=device, timeout=timeout, pipeline_timeout=pipeline_timeout,
     )

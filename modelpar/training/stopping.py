@@ -9,7 +9,9 @@ every rank reads the same table and takes the same decision at the same step bou
         [loss · weight, request, s since the signal, s the last save took, loss finite?, grads finite?]
     every rank, same table ──▶ update and go on | skip the update | stop (with a checkpoint?)
 
-- Ctrl-C (SIGINT): stop after the step, no checkpoint (exit 130).
+- Ctrl-C (SIGINT): stop after the step, no checkpoint (exit 130). Before the first step
+  (``begin`` not yet called: building the model, loading a checkpoint) there is nothing to save
+  and no step to finish: KeyboardInterrupt at once, so a long initialisation stops within a moment.
 - The preemption signal (``preempt_signal``, SIGTERM by default): stop after the step and write a
   checkpoint at it if the signal's age plus the last save's duration fits in ``preempt_grace``;
   otherwise say so and write nothing (exit 75 either way: run again with ``resume``).
@@ -39,14 +41,16 @@ import torch.distributed as dist
 
 from modelpar.training.config import TrainConfig
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "INJECT_NONFINITE", "Stop", "StopController",
-           "Verdict", "handled"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "INJECT_NONFINITE", "SLOW_INIT", "Stop",
+           "StopController", "Verdict", "handled", "slow_init"]
 
 EXIT_NONFINITE = 65  # EX_DATAERR: a non-finite loss or gradient norm
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: preempted; run again with --resume
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 # Test-only: "k" or "k:r" makes rank r (default 0) see a NaN gradient in step k (1-based).
 INJECT_NONFINITE = "MODELPAR_TEST_NONFINITE"
+# Test-only: seconds every rank spends more building its model (a long initialisation to interrupt).
+SLOW_INIT = "MODELPAR_TEST_SLOW_INIT"
 
 
 class Request(IntEnum):
@@ -113,6 +117,7 @@ class StopController:
         self._save_seconds = 0.0  # how long this rank's last save took
         self._handlers = contextlib.ExitStack()
         self._inject = _parse_injection(os.environ.get(INJECT_NONFINITE, ""))
+        self._training = False  # begin() called: a Ctrl-C waits for the step boundary
 
     def __enter__(self) -> StopController:
         self._handlers.enter_context(handled((signal.SIGINT, self.preempt_signal), self._on_signal))
@@ -121,8 +126,14 @@ class StopController:
     def __exit__(self, *exc: object) -> None:
         self._handlers.close()
 
+    def begin(self) -> None:
+        """Training starts: from now on a Ctrl-C stops every rank together at a step boundary."""
+        self._training = True
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         request = Request.PREEMPT if signum == self.preempt_signal else Request.INTERRUPT
+        if request == Request.INTERRUPT and not self._training:
+            raise KeyboardInterrupt("interrupted (SIGINT) before training started: nothing to save")
         self._request = max(self._request, request)
         if request == Request.PREEMPT and self._preempted_at is None:
             self._preempted_at = time.monotonic()
@@ -200,6 +211,13 @@ class StopController:
         else:
             message = f"{head}; {verdict.detail}"
         return Stop("preempt", step, latest, message, EXIT_PREEMPTED)
+
+
+def slow_init() -> None:
+    """Test-only (``MODELPAR_TEST_SLOW_INIT``): sleep that many seconds, as a long model initialisation would take."""
+    seconds = float(os.environ.get(SLOW_INIT, "") or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def _parse_injection(text: str) -> tuple[int, int] | None:
