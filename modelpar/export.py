@@ -94,7 +94,14 @@ def _config(path: Path) -> ModelConfig:
     if meta.get("format") != EXPORT_FORMAT or "config" not in meta:
         raise ValueError(f"{str(path)!r} is not a modelpar export (its metadata has format "
                          f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r} and a config)")
-    return ModelConfig(**json.loads(meta["config"]))
+    try:
+        config = json.loads(meta["config"])
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        return ModelConfig.from_dict(config).check()
+    except ValueError as err:  # json's errors are ValueErrors too
+        raise ValueError(f"{str(path)!r}: its safetensors metadata field 'config' is not a model config "
+                         f"as JSON ({err})") from None
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",

@@ -44,7 +44,7 @@ def lock_holder(root: str | os.PathLike, name: str = LOCK) -> str | None:
     path = Path(root) / name
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock; or no such directory (a file on the way)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -1,9 +1,10 @@
-"""Checks ``modelpar train`` makes before it starts any rank: paths it must write, and the output lock.
+"""Checks ``modelpar train`` makes before it starts any rank: memory, paths it must write, the output lock.
 
-Each failure is one line (a ValueError): an ``--out`` that is a file or cannot be written, a
-``--checkpoint-dir`` under a file or on a read-only file system, a token cache that cannot be
-created. ``out_lock`` gives ``--out`` one run at a time, as ``LOCK`` does a checkpoint directory,
-so two runs never interleave one ``metrics.jsonl``.
+Each failure is one line (a ValueError): a model whose training state cannot fit in this
+machine's memory (``check_memory``, the cost model's bytes per rank), an ``--out`` that is a file
+or cannot be written, a ``--checkpoint-dir`` under a file or on a read-only file system, a token
+cache that cannot be created. ``out_lock`` gives ``--out`` one run at a time, as ``LOCK`` does a
+checkpoint directory, so two runs never interleave one ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OUT_LOCK", "check_paths", "check_writable", "out_lock"]
+__all__ = ["OUT_LOCK", "check_memory", "check_paths", "check_writable", "out_lock", "state_bytes_per_rank"]
 
 OUT_LOCK = ".modelpar-out.lock"  # in --out, held by the launching process (under torchrun: global rank 0)
 
@@ -44,6 +45,47 @@ def _why(path: Path) -> str:
     except OSError:
         pass
     return "permission denied"
+
+
+def state_bytes_per_rank(cfg: Any) -> float:
+    """Bytes of weights, gradients and AdamW state on the most loaded rank of ``cfg`` (a ``TrainConfig``):
+    the cost model's ``memory_breakdown`` state at the trainer's element sizes. Activations come on top."""
+    from modelpar.costmodel import DEFAULT
+    from modelpar.costmodel.memory import memory_breakdown
+    from modelpar.costmodel.specs import ParallelConfig
+
+    width = cfg.param_dtype.itemsize  # bf16 keeps fp32 weights, gradients and moments
+    layout = ParallelConfig(t=cfg.tp, p=cfg.pp, d=cfg.dp, micro_batch=max(1, cfg.batch_size // cfg.dp // cfg.microbatches),
+                            v=cfg.chunks, recompute="none", zero=cfg.zero)
+    assumptions = DEFAULT.with_(param_bytes=width, grad_bytes=width, uniform_stages=False, memory_reserve_gb=0.0)
+    return memory_breakdown(cfg.model.spec(), layout, cfg.microbatches, assumptions)["state"]
+
+
+def _host_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg: Any, ranks_here: int, device_bytes: int | None = None) -> None:
+    """ValueError in one line if ``ranks_here`` ranks of ``cfg`` cannot hold their training state in this
+    machine's memory (``device_bytes``: one GPU's, for a rank on a GPU; else the host's, shared by them)."""
+    per_rank = state_bytes_per_rank(cfg)
+    what = f"{cfg.model.num_parameters():,} parameters, {cfg.precision}, t={cfg.tp} p={cfg.pp} d={cfg.dp}"
+    if device_bytes is not None:
+        if per_rank > device_bytes:
+            raise ValueError(f"the model does not fit: each rank needs at least {per_rank / 1e9:,.1f} GB for its "
+                             f"weights, gradients and AdamW state ({what}), a GPU here has {device_bytes / 1e9:,.1f} GB; "
+                             "use a smaller model or more ranks (--tp, --pp, --zero 1)")
+        return
+    host = _host_memory()
+    if host is not None and per_rank * ranks_here > host:
+        raise ValueError(f"the model does not fit: {ranks_here} rank{'s' if ranks_here > 1 else ''} here need at least "
+                         f"{per_rank * ranks_here / 1e9:,.1f} GB for their weights, gradients and AdamW state "
+                         f"({per_rank / 1e9:,.1f} GB each; {what}), this machine has {host / 1e9:,.1f} GB; use a "
+                         "smaller model or more machines")
 
 
 def check_paths(cfg: Any, out: str) -> None:

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     """Train; exit code 0, or the stop's (docs/stopping.md): 130 Ctrl-C, 75 preempted, 65 non-finite."""
     import os
 
-    from modelpar.commands.preflight import check_paths, out_lock
+    from modelpar.commands.preflight import check_memory, check_paths, out_lock
     from modelpar.distributed import is_torchrun
     from modelpar.training.resume import check_directory
 
@@ -191,8 +191,25 @@ def run(args: argparse.Namespace) -> int:
     if not is_torchrun():
         check_directory(cfg.check())  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg.check(), args.out)  # one line for a path that cannot be written, before anything starts
+    check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
     with out_lock(args.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
         return _run(args, cfg)
+
+
+def _ranks_here(cfg: Any) -> tuple[int, int | None]:
+    """(ranks on this machine, one GPU's bytes if they run on GPUs): local runs start all t·p·d ranks here
+    on the CPU; under torchrun, ``LOCAL_WORLD_SIZE`` ranks, each on its GPU when there is one."""
+    import os
+
+    from modelpar.distributed import is_torchrun
+
+    if not is_torchrun():
+        return cfg.dims.world_size, None
+    import torch
+
+    if torch.cuda.is_available():
+        return 1, torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None
 
 
 def _run(args: argparse.Namespace, cfg: Any) -> int:
