@@ -159,3 +159,25 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
     assert steps == list(range(1, len(steps) + 1))  # the first run's lines only, each step once
     assert not (out / OUT_LOCK).exists()
     assert Path(out).is_dir() and rank_processes() == []
+
+
+def test_export_while_a_run_prunes_takes_the_newest_valid_checkpoint(capsys, tmp_path, cache):
+    ckpt, model = tmp_path / "ck", tmp_path / "model.safetensors"
+    run = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "20", "--checkpoint-every", "1",
+                            "--keep", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "out"),
+                            "--cache-dir", str(cache)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while latest_checkpoint(ckpt, checksums=False) is None:
+            assert run.poll() is None and time.monotonic() < deadline, "the run wrote no checkpoint"
+            time.sleep(0.05)
+        codes = []
+        while run.poll() is None and time.monotonic() < deadline:  # each export races the run's pruning
+            codes.append(main(["export", str(ckpt), "--out", str(model)]))
+            assert codes[-1] == 0, capsys.readouterr().err
+    finally:
+        _, stderr = run.communicate(timeout=DEADLINE)
+    assert run.returncode == 0, stderr
+    assert codes and set(codes) == {0}
+    assert main(["export", str(ckpt), "--out", str(model)]) == 0 and names(ckpt) == ["step_00000020"]

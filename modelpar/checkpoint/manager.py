@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import CheckpointException
 
 from modelpar.checkpoint import store
 from modelpar.checkpoint.lock import DirLock
@@ -143,13 +143,26 @@ class CheckpointManager:
         return [p for p in store.marked(self.root) if not self.problem(p)]
 
     def latest(self, skipped: list[tuple[Path, str]] | None = None, *, checksums: bool = True) -> Path | None:
-        """The newest valid checkpoint (None: none); damaged newer ones appended to ``skipped`` with why."""
-        for path in store.marked(self.root):
-            why = self.problem(path, checksums)
-            if not why:
-                return path
-            if skipped is not None:
-                skipped.append((path, why))
+        """The newest valid checkpoint (None: none); damaged newer ones appended to ``skipped`` with why.
+
+        One that disappears while it is checked was pruned by a writer, which has written a newer
+        one: the directory is listed again.
+        """
+        for _ in range(3):
+            found: list[tuple[Path, str]] = []
+            for path in store.marked(self.root):
+                why = self.problem(path, checksums)
+                if not why:
+                    if skipped is not None:
+                        skipped += found
+                    return path
+                if not path.exists():
+                    break
+                found.append((path, why))
+            else:
+                if skipped is not None:
+                    skipped += found
+                return None
         return None
 
     def newest_or_error(self) -> Path:

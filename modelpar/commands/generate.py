@@ -42,7 +42,7 @@ def _load(path: Path, device: Any) -> tuple[Any, Path]:
         return hf.load_hf(path, device=device).eval(), path
     checkpoint = checkpoint_path(path)  # a ValueError if it is not one either
     with tempfile.TemporaryDirectory(prefix="modelpar-generate-") as tmp:
-        export_checkpoint(checkpoint, Path(tmp) / "model.safetensors")
+        export_checkpoint(path, Path(tmp) / "model.safetensors")  # the directory: read again if pruned meanwhile
         return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
 
 
