@@ -163,7 +163,7 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
 
 def test_export_while_a_run_prunes_takes_the_newest_valid_checkpoint(capsys, tmp_path, cache):
     ckpt, model = tmp_path / "ck", tmp_path / "model.safetensors"
-    run = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "20", "--checkpoint-every", "1",
+    run = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "10", "--checkpoint-every", "1",
                             "--keep", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "out"),
                             "--cache-dir", str(cache)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -180,4 +180,4 @@ def test_export_while_a_run_prunes_takes_the_newest_valid_checkpoint(capsys, tmp
         _, stderr = run.communicate(timeout=DEADLINE)
     assert run.returncode == 0, stderr
     assert codes and set(codes) == {0}
-    assert main(["export", str(ckpt), "--out", str(model)]) == 0 and names(ckpt) == ["step_00000020"]
+    assert main(["export", str(ckpt), "--out", str(model)]) == 0 and names(ckpt) == ["step_00000010"]
