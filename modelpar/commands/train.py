@@ -188,9 +188,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    cfg.check()
     if not is_torchrun():
-        check_directory(cfg.check())  # a file, locked by a live run, or an earlier run's: exit before writing anything
-    check_paths(cfg.check(), args.out)  # one line for a path that cannot be written, before anything starts
+        check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
+    check_paths(cfg, args.out)  # one line for a path that cannot be written, before anything starts
     check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
     with out_lock(args.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
         return _run(args, cfg)
