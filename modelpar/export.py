@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelpar.checkpoint import MARKER, latest_checkpoint, read_full_tensors, read_meta
+from modelpar.checkpoint import MARKER, CheckpointManager, read_full_tensors, read_meta, read_newest
 from modelpar.model import ModelConfig, build_stage
 
 __all__ = ["EXPORT_FORMAT", "checkpoint_path", "export_checkpoint", "load_model", "save_safetensors"]
@@ -34,19 +34,9 @@ TOKENIZER = "tokenizer.json"
 
 
 def checkpoint_path(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint (``step_N``), else the newest complete one inside it; ValueError if none."""
+    """``path`` if it is a complete checkpoint (``step_N``), else the newest valid one inside it; ValueError if none."""
     path = Path(path)
-    if (path / MARKER).is_file():
-        return path
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {str(path)!r} does not exist (expected a checkpoint directory)")
-    skipped: list[tuple[Path, str]] = []
-    found = latest_checkpoint(path, skipped)
-    if found is None:
-        damaged = "; damaged: " + ", ".join(f"{p.name} ({why})" for p, why in skipped) if skipped else ""
-        raise ValueError(f"{str(path)!r} is not a checkpoint: no {MARKER} marker and no complete step_N "
-                         f"checkpoint inside{damaged}")
-    return found
+    return path if (path / MARKER).is_file() else CheckpointManager(path).newest_or_error()
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, metadata: dict[str, str]) -> None:
@@ -74,10 +64,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     Returns the files written: ``out``, ``model.json`` beside it, and ``tokenizer.json`` if the
     checkpoint directory holds one. Nothing is written if the checkpoint cannot be read.
     """
-    path, out = checkpoint_path(checkpoint), Path(out)
-    config = read_meta(path)["config"]["model"]
-    ModelConfig(**config).check()
-    tensors = {name: t.contiguous() for name, t in read_full_tensors(path, "model.").items()}
+    out = Path(out)
+    path, config, tensors = read_newest(checkpoint, _read_model)
     save_safetensors(tensors, out, {"format": EXPORT_FORMAT, "config": json.dumps(config, sort_keys=True)})
     written = [out, out.with_name(CONFIG)]
     written[1].write_text(json.dumps(config, indent=1, sort_keys=True) + "\n", encoding="utf-8")
@@ -86,6 +74,13 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
         written.append(out.with_name(TOKENIZER))
         shutil.copyfile(tokenizer, written[-1])
     return written
+
+
+def _read_model(path: Path) -> tuple[Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """The model config and full ``model.*`` tensors of checkpoint ``path``."""
+    config = read_meta(path)["config"]["model"]
+    ModelConfig(**config).check()
+    return path, config, {name: t.contiguous() for name, t in read_full_tensors(path, "model.").items()}
 
 
 def _config(path: Path) -> ModelConfig:
@@ -99,7 +94,14 @@ def _config(path: Path) -> ModelConfig:
     if meta.get("format") != EXPORT_FORMAT or "config" not in meta:
         raise ValueError(f"{str(path)!r} is not a modelpar export (its metadata has format "
                          f"{meta.get('format')!r}, expected {EXPORT_FORMAT!r} and a config)")
-    return ModelConfig(**json.loads(meta["config"]))
+    try:
+        config = json.loads(meta["config"])
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        return ModelConfig.from_dict(config).check()
+    except ValueError as err:  # json's errors are ValueErrors too
+        raise ValueError(f"{str(path)!r}: its safetensors metadata field 'config' is not a model config "
+                         f"as JSON ({err})") from None
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",

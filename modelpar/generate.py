@@ -22,7 +22,11 @@ from modelpar._validate import check_int, check_number
 from modelpar.model import Transformer
 from modelpar.tensor_parallel import KVCache
 
-__all__ = ["generate", "sample_next"]
+__all__ = ["NonFiniteLogits", "generate", "sample_next"]
+
+
+class NonFiniteLogits(ValueError):
+    """The model's first logits hold NaN or inf: its weights are not finite (checked once, on the prompt)."""
 
 
 def sample_next(logits: torch.Tensor, vocab_size: int, temperature: float, top_k: int | None,
@@ -64,7 +68,7 @@ def generate(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_t
     was_training = model.training
     model.eval()
     try:
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
             if len(tokens) - start > cfg.seq_len:  # the window is full: restart from its last tokens
                 start = len(tokens) - keep
                 if cache is not None:
@@ -72,6 +76,8 @@ def generate(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_t
             fed = start + (cache.pos if cache is not None else 0)
             ids = torch.tensor([tokens[fed:]], device=device)
             logits = model(ids, cache)[0, -1]
+            if i == 0 and not bool(torch.isfinite(logits[:cfg.vocab_size]).all()):
+                raise NonFiniteLogits("the model's logits are not finite (NaN or inf): its weights are not finite")
             tokens.append(sample_next(logits, cfg.vocab_size, temperature, top_k, generator))
     finally:
         model.train(was_training)

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from modelpar.checkpoint import (
     MARKER,
+    CheckpointManager,
     DirLock,
     Piece,
     Shard,
@@ -32,7 +33,7 @@ from modelpar.checkpoint import (
     remove_leftovers,
 )
 from modelpar.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
-from modelpar.checkpoint.store import _prune, _seal
+from modelpar.checkpoint.store import seal as _seal
 from modelpar.tensor_parallel import ParamLayout, shard_tensor
 from modelpar.training.state import layout_shard
 
@@ -158,9 +159,9 @@ def test_prune_keeps_the_newest_and_drops_leftovers(tmp_path):
     (tmp_path / ".step_00000002.old-0000").mkdir()
     (tmp_path / "notes.txt").write_text("kept")
     assert [p.name for p in leftovers(tmp_path)] == [".step_00000002.old-0000", ".step_00000005.tmp-0000"]
-    _prune(tmp_path, keep=2)
+    CheckpointManager(tmp_path, keep=2).prune()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step_00000003", "step_00000004"]
-    _prune(tmp_path, keep=0)  # keep everything
+    CheckpointManager(tmp_path, keep=0).prune()  # keep everything
     assert len(list(tmp_path.iterdir())) == 3 and remove_leftovers(tmp_path) == []
 
 

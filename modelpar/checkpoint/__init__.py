@@ -2,11 +2,20 @@
 
 ``ShardedState`` maps global names to the ``Shard`` of each full tensor a rank holds; DCP writes
 the boxes once and reads any box back, so a checkpoint written at one (t, p, d, v) loads at any
-other, and ``read_full_tensors`` reads whole tensors in one process. ``store`` makes the writes
-atomic and checkable, ``lock`` gives a checkpoint directory one writer.
+other, and ``read_full_tensors`` reads whole tensors in one process. ``store`` is the format of one
+checkpoint (atomic, checksummed writes), ``manager`` the rules of a directory of them (validity,
+keep-N, fresh runs, resume), ``lock`` gives a directory one writer.
 """
 
 from modelpar.checkpoint.lock import LOCK, DirLock, check_unlocked, lock_holder
+from modelpar.checkpoint.manager import (
+    CheckpointManager,
+    check_fresh,
+    latest_checkpoint,
+    load_checkpoint,
+    read_newest,
+    save_checkpoint,
+)
 from modelpar.checkpoint.shards import Piece, Shard, ShardedState
 from modelpar.checkpoint.store import (
     FORMAT,
@@ -14,13 +23,10 @@ from modelpar.checkpoint.store import (
     META,
     checkpoint_problem,
     checkpoint_step,
-    latest_checkpoint,
     leftovers,
-    load_checkpoint,
     read_full_tensors,
     read_meta,
     remove_leftovers,
-    save_checkpoint,
 )
 
 __all__ = [
@@ -28,10 +34,12 @@ __all__ = [
     "LOCK",
     "MARKER",
     "META",
+    "CheckpointManager",
     "DirLock",
     "Piece",
     "Shard",
     "ShardedState",
+    "check_fresh",
     "check_unlocked",
     "checkpoint_problem",
     "checkpoint_step",
@@ -41,6 +49,7 @@ __all__ = [
     "lock_holder",
     "read_full_tensors",
     "read_meta",
+    "read_newest",
     "remove_leftovers",
     "save_checkpoint",
 ]

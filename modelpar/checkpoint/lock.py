@@ -34,17 +34,17 @@ def _read(path: Path) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def _in_use(root: Path, holder: str) -> ValueError:
-    return ValueError(f"checkpoint directory {str(root)!r} is in use by {holder}: one run writes a checkpoint "
-                      "directory at a time")
+def _in_use(root: Path, holder: str, what: str = "checkpoint directory") -> ValueError:
+    article = "an" if what[0] in "aeiou" else "a"
+    return ValueError(f"{what} {str(root)!r} is in use by {holder}: one run writes {article} {what} at a time")
 
 
-def lock_holder(root: str | os.PathLike) -> str | None:
-    """Who holds the lock on ``root`` right now (a description), or None if nobody does."""
-    path = Path(root) / LOCK
+def lock_holder(root: str | os.PathLike, name: str = LOCK) -> str | None:
+    """Who holds the lock ``name`` on ``root`` right now (a description), or None if nobody does."""
+    path = Path(root) / name
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no lock; or no such directory (a file on the way)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -55,19 +55,20 @@ def lock_holder(root: str | os.PathLike) -> str | None:
     return None
 
 
-def check_unlocked(root: str | os.PathLike) -> None:
+def check_unlocked(root: str | os.PathLike, name: str = LOCK, what: str = "checkpoint directory") -> None:
     """ValueError naming the holder if a live process holds the lock on ``root`` (a check before starting)."""
-    holder = lock_holder(root)
+    holder = lock_holder(root, name)
     if holder is not None:
-        raise _in_use(Path(root), holder)
+        raise _in_use(Path(root), holder, what)
 
 
 class DirLock:
-    """An exclusive lock on checkpoint directory ``root``: ``acquire`` before writing, ``release`` after."""
+    """An exclusive lock on directory ``root`` (a checkpoint directory; ``name``, ``what``: another kind
+    of folder, e.g. ``train --out``): ``acquire`` before writing, ``release`` after."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
-        self.path = self.root / LOCK
+    def __init__(self, root: str | os.PathLike, name: str = LOCK, what: str = "checkpoint directory") -> None:
+        self.root, self.what = Path(root), what
+        self.path = self.root / name
         self._fd: int | None = None
 
     def acquire(self) -> str:
@@ -82,7 +83,7 @@ class DirLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise _in_use(self.root, _describe(_read(self.path))) from None
+                raise _in_use(self.root, _describe(_read(self.path)), self.what) from None
             try:
                 same_file = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:  # its holder released and removed it between our open and flock
@@ -94,7 +95,7 @@ class DirLock:
         host = socket.gethostname()
         if previous and previous.get("host") != host:
             os.close(fd)
-            raise ValueError(f"checkpoint directory {str(self.root)!r} has a lock from {_describe(previous)}, another "
+            raise ValueError(f"{self.what} {str(self.root)!r} has a lock from {_describe(previous)}, another "
                              f"host: if that run has ended, delete {str(self.path)!r}")
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         os.ftruncate(fd, 0)

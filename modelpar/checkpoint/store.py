@@ -1,16 +1,14 @@
-"""Checkpoint directories: atomic, verifiable ``torch.distributed.checkpoint`` saves of a ``ShardedState``.
+"""The on-disk format of one checkpoint: atomic, verifiable ``torch.distributed.checkpoint`` saves.
 
     root/
-      LOCK                            the run that writes here (``modelpar.checkpoint.lock``)
       .step_00000010.tmp-<id>/        1. all ranks: DCP save, one file per rank + .metadata
            meta.json                  2. rank 0: run metadata (format, config, step, losses), fsync'd
-           COMPLETE                   3. rank 0: the marker: the step and every file's size, fsync'd
-      step_00000010/                  4. rank 0: one atomic rename; older checkpoints pruned
+           COMPLETE                   3. rank 0: the marker: the step, every file's size and CRC-32, fsync'd
+      step_00000010/                  4. rank 0: one atomic rename
 
-A checkpoint counts only with its marker, and only while every file has the size the marker
-recorded and both metadata files parse (``checkpoint_problem``): a torn write is never renamed,
-a truncated or damaged one is skipped for the previous complete one. Leftover temporary
-directories from a crash are removed by the next run (``remove_leftovers``) and by every save.
+A checkpoint counts only with its marker, and only while every file has the size and the CRC-32
+the marker recorded and both metadata files parse (``checkpoint_problem``). The rules of a
+directory of them (which one is newest, what is pruned, the lock) are ``manager.py``'s.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import os
 import shutil
 import uuid
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from modelpar.checkpoint.shards import Shard, ShardedState, ShardLoadPlanner, ShardSavePlanner
 
-__all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "latest_checkpoint",
-           "leftovers", "load_checkpoint", "read_full_tensors", "read_meta", "remove_leftovers", "save_checkpoint"]
+__all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "file_crc32", "final_path",
+           "leftovers", "load_into", "marked", "publish", "read_full_tensors", "read_meta", "remove", "remove_leftovers",
+           "scratch", "seal", "step_dirs", "write_files"]
 
 FORMAT = 2  # meta.json's "checkpoint_format": full tensors under global names (none: per-shard keys, older)
 MARKER = "COMPLETE"
 META = "meta.json"
 _PREFIX = "step_"
-_SCRATCH = (".tmp-", ".old-")  # hidden directories of a save in progress (or torn by a crash)
+_SCRATCH = (".tmp-", ".old-")  # hidden directories of a save in progress (or torn by a crash), or being removed
+_BLOCK = 1 << 24  # bytes read at a time for a checksum
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -55,30 +56,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _broadcast(value: Any, group: Any) -> Any:
-    obj = [value]
-    dist.broadcast_object_list(obj, src=dist.get_global_rank(group, 0), group=group)
-    return obj[0]
-
-
 def checkpoint_step(path: str | os.PathLike) -> int:
     """The training step a checkpoint directory ``step_<n>`` was written at."""
     return int(Path(path).name[len(_PREFIX):])
 
 
-def _marked(root: Path) -> list[Path]:
-    """``step_<n>`` directories with a marker, newest first."""
+def step_dirs(root: str | os.PathLike) -> list[Path]:
+    """Every ``step_<n>`` directory under ``root`` (with a marker or not), newest first."""
+    root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir()
-            if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / MARKER).is_file()]
-    return sorted(done, key=checkpoint_step, reverse=True)
+    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+             and p.is_dir()]
+    return sorted(found, key=checkpoint_step, reverse=True)
 
 
-def checkpoint_problem(path: str | os.PathLike) -> str:
-    """Why checkpoint ``path`` cannot be loaded ("" if it looks complete), from sizes and metadata only.
+def marked(root: str | os.PathLike) -> list[Path]:
+    """``step_<n>`` directories with a marker, newest first (complete or damaged: ``checkpoint_problem`` says)."""
+    return [p for p in step_dirs(root) if (p / MARKER).is_file()]
+
+
+def file_crc32(path: str | os.PathLike) -> int:
+    """The CRC-32 (zlib) of a file's bytes, read in 16 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def checkpoint_problem(path: str | os.PathLike, checksums: bool = True) -> str:
+    """Why checkpoint ``path`` cannot be loaded ("" if it is complete): sizes, metadata and (with
+    ``checksums``) every file's CRC-32 against its marker, which reads every byte once.
 
     A checkpoint of an older format is not a problem here: loading it says that it predates resharding.
+    A marker written before checksums (sizes only) is checked by sizes.
     """
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -108,21 +120,16 @@ def checkpoint_problem(path: str | os.PathLike) -> str:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # any unpickling error: the file is damaged
         return f"unreadable DCP metadata ({type(err).__name__}: {err})"
+    crcs = marker.get("crc32")
+    if checksums and isinstance(crcs, dict):
+        for name, crc in sorted(crcs.items()):
+            try:
+                found = file_crc32(path / name)
+            except OSError as err:
+                return f"{name} is unreadable ({err.strerror or err})"
+            if found != crc:
+                return f"{name} is damaged (CRC-32 {found:08x}, {crc:08x} was written)"
     return ""
-
-
-def latest_checkpoint(root: str | os.PathLike, skipped: list[tuple[Path, str]] | None = None) -> Path | None:
-    """The newest checkpoint under ``root`` that passes ``checkpoint_problem`` (None if there is none).
-
-    Newer marked ones that fail are passed over and appended to ``skipped`` as (path, reason).
-    """
-    for path in _marked(Path(root)):
-        problem = checkpoint_problem(path)
-        if not problem:
-            return path
-        if skipped is not None:
-            skipped.append((path, problem))
-    return None
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -161,55 +168,55 @@ def remove_leftovers(root: str | os.PathLike) -> list[Path]:
     return found
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, state: ShardedState, meta: dict[str, Any], *,
-                    group: Any, keep: int = 2) -> Path:
-    """Collective over ``group``: write ``state`` (this rank's shards) as ``root/step_<step>``; return its path.
-
-    ``meta`` (JSON-serialisable, the same on every rank) is stored by the group's rank 0. Only the
-    newest ``keep`` complete checkpoints are kept (``keep=0`` keeps all).
-    """
-    root = Path(root)
-    rank = dist.get_rank(group)
-    final = root / f"{_PREFIX}{step:08d}"
-    tmp_name = ""
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp_name = f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-        (root / tmp_name).mkdir()
-    tmp = root / _broadcast(tmp_name, group)
+def write_files(tmp: Path, state: ShardedState, group: Any) -> dict[str, int]:
+    """Collective over ``group``: DCP-save ``state`` (this rank's shards) into directory ``tmp``; return
+    the CRC-32 of the files this rank wrote (``__<rank>_*``; rank 0 also ``.metadata``), read back once."""
     dcp.save(state.shards, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardSavePlanner(),
              process_group=group)  # returns once every rank's file and the .metadata are written
-    if rank == 0:
-        _seal(tmp, step, meta)
-        if final.exists():  # re-saving a step (after a resume): move the old one out of the way
-            trash = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            final.rename(trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        tmp.rename(final)
-        _fsync_dir(root)
-        _prune(root, keep)
-    dist.barrier(group)
-    return final
+    rank = dist.get_rank(group)
+    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
+    return {p.name: file_crc32(p) for p in mine}
 
 
-def _seal(directory: Path, step: int, meta: dict[str, Any]) -> None:
-    """Write the metadata, then the marker with every file's size, both fsync'd: the checkpoint is complete."""
-    _fsync_write(directory / META, json.dumps({**meta, "step": step, "checkpoint_format": FORMAT}, indent=1,
-                                              sort_keys=True))
+def seal(directory: Path, step: int, meta: dict[str, Any], crcs: dict[str, int] | None = None) -> None:
+    """Write the metadata, then the marker with every file's size and CRC-32, both fsync'd: the checkpoint
+    is complete. ``crcs``: those the writers computed; the others are computed here."""
+    text = json.dumps({**meta, "step": step, "checkpoint_format": FORMAT}, indent=1, sort_keys=True)
+    _fsync_write(directory / META, text)
+    crcs = {**(crcs or {}), META: zlib.crc32(text.encode("utf-8"))}
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file()}
-    _fsync_write(directory / MARKER, json.dumps({"step": step, "files": files}, indent=1) + "\n")
+    crcs = {name: crcs[name] if name in crcs else file_crc32(directory / name) for name in files}
+    _fsync_write(directory / MARKER, json.dumps({"step": step, "files": files, "crc32": crcs}, indent=1) + "\n")
     _fsync_dir(directory)
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Drop leftover temporary directories and all but the newest ``keep`` checkpoints."""
-    remove_leftovers(root)
-    if keep > 0:
-        for p in _marked(root)[keep:]:
-            shutil.rmtree(p, ignore_errors=True)
+def publish(tmp: Path, final: Path) -> None:
+    """Rename the sealed ``tmp`` to ``final`` (replacing a checkpoint of the same step) and fsync the parent."""
+    if final.exists():  # re-saving a step (after a resume): move the old one out of the way
+        remove(final)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
 
 
-def load_checkpoint(path: str | os.PathLike, state: ShardedState, *, group: Any) -> dict[str, Any]:
+def remove(path: Path) -> None:
+    """Delete checkpoint ``path``: renamed away first (one atomic step a reader sees), then removed."""
+    trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+    path.rename(trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def scratch(root: Path, step: int) -> Path:
+    """A new hidden temporary directory for the save of ``step``."""
+    tmp = root / f".{_PREFIX}{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def final_path(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"{_PREFIX}{step:08d}"
+
+
+def load_into(path: str | os.PathLike, state: ShardedState, *, group: Any) -> dict[str, Any]:
     """Collective over ``group``: fill ``state``'s tensors in place from checkpoint ``path``; return its metadata.
 
     Every rank asks for the boxes it holds now, whatever split wrote them. Raises ValueError on every

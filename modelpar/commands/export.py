@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _modelpar(checkpoint: str, out: str) -> list[Path]:
@@ -21,20 +22,24 @@ def _modelpar(checkpoint: str, out: str) -> list[Path]:
 
 def _hf(checkpoint: str, out: str) -> list[Path]:
     """A Hugging Face ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer.json) of an --arch llama run."""
-    from modelpar.checkpoint import read_full_tensors, read_meta
-    from modelpar.export import TOKENIZER, checkpoint_path
+    from modelpar.checkpoint import read_full_tensors, read_meta, read_newest
+    from modelpar.export import TOKENIZER
     from modelpar.hf import save_hf
     from modelpar.model import ModelConfig
 
     folder = Path(out)
     if (folder.exists() and not folder.is_dir()) or not folder.parent.is_dir():
         raise ValueError(f"--out must name a directory (new, or existing) in an existing folder, got {out!r}")
-    path = checkpoint_path(checkpoint)
-    cfg = ModelConfig.from_dict(read_meta(path)["config"]["model"]).check()
-    if cfg.arch != "llama":
-        raise ValueError(f"--format hf needs a run of --arch llama; {str(path)!r} holds arch {cfg.arch!r}")
+
+    def read(path: Path) -> tuple[Path, Any, dict[str, Any]]:
+        cfg = ModelConfig.from_dict(read_meta(path)["config"]["model"]).check()
+        if cfg.arch != "llama":
+            raise ValueError(f"--format hf needs a run of --arch llama; {str(path)!r} holds arch {cfg.arch!r}")
+        return path, cfg, read_full_tensors(path, "model.")
+
+    path, cfg, tensors = read_newest(checkpoint, read)
     tokenizer = path.parent / TOKENIZER
-    save_hf(read_full_tensors(path, "model."), cfg, folder, tokenizer if tokenizer.is_file() else None)
+    save_hf(tensors, cfg, folder, tokenizer if tokenizer.is_file() else None)
     return sorted(folder.iterdir())
 
 

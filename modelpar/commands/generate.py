@@ -42,15 +42,34 @@ def _load(path: Path, device: Any) -> tuple[Any, Path]:
         return hf.load_hf(path, device=device).eval(), path
     checkpoint = checkpoint_path(path)  # a ValueError if it is not one either
     with tempfile.TemporaryDirectory(prefix="modelpar-generate-") as tmp:
-        export_checkpoint(checkpoint, Path(tmp) / "model.safetensors")
+        export_checkpoint(path, Path(tmp) / "model.safetensors")  # the directory: read again if pruned meanwhile
         return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
+
+
+def _device(text: str) -> Any:
+    """``--device``'s torch.device; ValueError for a name torch does not know or a GPU this machine lacks."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ValueError(f"--device {text}: this machine has no CUDA device (torch.cuda.is_available() is "
+                             "False); use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {text}: this machine has {count} CUDA device{'s' if count > 1 else ''} "
+                             f"(cuda:0 ... cuda:{count - 1})")
+    return device
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from modelpar._validate import check_int, check_number
-    from modelpar.generate import generate
+    from modelpar.generate import NonFiniteLogits, generate
     from modelpar.text import load_tokenizer
 
     check_int("--max-new-tokens", args.max_new_tokens, minimum=0)
@@ -60,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--seed", args.seed, minimum=0)
     if not args.prompt:
         raise ValueError("--prompt must not be empty")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else _device(args.device)
     path = Path(args.model)
     if not path.exists():
         raise ValueError(f"{str(path)!r} does not exist")
@@ -69,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
-    tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      seed=args.seed)
+    try:
+        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          seed=args.seed)
+    except NonFiniteLogits:
+        raise ValueError(f"{str(path)!r} holds non-finite weights (NaN or inf): its logits are not finite") from None
     if tokenizer.eos_id in tokens:  # the end of a document: stop there
         tokens = tokens[:tokens.index(tokenizer.eos_id)]
     print(args.prompt + tokenizer.decode(tokens))

@@ -69,7 +69,6 @@ def _float(name: str, text: str, strict: bool = False) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from modelpar.schedules.generators import SCHEDULES, get_schedule
-    from modelpar.schedules.schedule import Schedule
     from modelpar.simulate import Costs, simulate
 
     for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.from_file)
         if not path.is_file():
             raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
-        schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
+        schedules.append(_read_schedule(path))
     for name in names:
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
@@ -118,6 +117,23 @@ def run(args: argparse.Namespace) -> int:
         _print(args, timelines)
     _save(args, timelines)
     return 0
+
+
+def _read_schedule(path: Path):
+    """The schedule in file ``path``; ValueError if an index is larger than a complete schedule of its
+    size can use (indices size the simulator's tables: 99999999999999999999 must not reach them)."""
+    import re
+
+    from modelpar.schedules.schedule import Schedule
+
+    text = path.read_text()
+    body = [line.split("#", 1)[0] for line in text.splitlines()]
+    actions = sum(len(line.split(":", 1)[-1].replace(",", " ").split()) for line in body)
+    biggest = max((int(n) for n in re.findall(r"\d+", "\n".join(body))), default=0)
+    if biggest > actions + len(body):
+        raise ValueError(f"--from {str(path)!r}: index {biggest} is larger than a schedule of {actions} actions can "
+                         "use (stages and microbatches are numbered 0, 1, ..., each one present)")
+    return Schedule.from_text(text, name=path.stem)
 
 
 def _lower(schedule):

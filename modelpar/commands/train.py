@@ -65,9 +65,11 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("eval_batches", int, "validation batches per evaluation"),
         ("checkpoint_dir", str, "write sharded checkpoints here (torch.distributed.checkpoint)"),
         ("checkpoint_every", int, "checkpoint every this many steps (0: at the end)"),
-        ("keep", int, "complete checkpoints kept (default 2)"),
+        ("keep", int, "valid checkpoints kept (default 2; damaged ones are never counted; docs/checkpoints.md)"),
         ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir, at any split; "
                          "the model, data and optimisation settings left out come from the checkpoint"),
+        ("overwrite", bool, "start a fresh run in a --checkpoint-dir that holds checkpoints: delete them first "
+                            "(without it such a run is refused)"),
         ("init_from", str, "start from a Hugging Face Llama directory's weights (config.json + model.safetensors; "
                            "the model shape comes from it)"),
         ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
@@ -171,12 +173,47 @@ def _continued(cfg: Any, given: set[str]) -> Any:
     from modelpar.checkpoint import latest_checkpoint, read_meta
     from modelpar.training.state import resumed_config
 
-    path = latest_checkpoint(cfg.checkpoint_dir)
+    path = latest_checkpoint(cfg.checkpoint_dir, checksums=False)  # the ranks verify the checksums
     return cfg if path is None else resumed_config(cfg, read_meta(path), given)
 
 
 def run(args: argparse.Namespace) -> int:
     """Train; exit code 0, or the stop's (docs/stopping.md): 130 Ctrl-C, 75 preempted, 65 non-finite."""
+    import os
+
+    from modelpar.commands.preflight import check_memory, check_paths, out_lock
+    from modelpar.distributed import is_torchrun
+    from modelpar.training.resume import check_directory
+
+    cfg = build_config(args)
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    cfg.check()
+    if not is_torchrun():
+        check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
+    check_paths(cfg, args.out)  # one line for a path that cannot be written, before anything starts
+    check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
+    with out_lock(args.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
+        return _run(args, cfg)
+
+
+def _ranks_here(cfg: Any) -> tuple[int, int | None]:
+    """(ranks on this machine, one GPU's bytes if they run on GPUs): local runs start all t·p·d ranks here
+    on the CPU; under torchrun, ``LOCAL_WORLD_SIZE`` ranks, each on its GPU when there is one."""
+    import os
+
+    from modelpar.distributed import is_torchrun
+
+    if not is_torchrun():
+        return cfg.dims.world_size, None
+    import torch
+
+    if torch.cuda.is_available():
+        return 1, torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None
+
+
+def _run(args: argparse.Namespace, cfg: Any) -> int:
     import os
 
     from rich.console import Console
@@ -186,11 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
     from modelpar.training.report import Display
-    from modelpar.training.resume import check_directory, check_resume
+    from modelpar.training.resume import check_resume
 
-    cfg = build_config(args)
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     console = Console(stderr=True)
     metrics = MetricsLog(args.out, tensorboard=args.tensorboard)
     display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=not args.no_progress)
@@ -199,7 +233,6 @@ def run(args: argparse.Namespace) -> int:
         result = run_in_process(cfg, report, backend=None if args.backend == "auto" else args.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        check_directory(cfg.check())  # locked by a live run: exit before writing anything or starting ranks
         cfg = prepare_data(cfg, console, progress=not args.no_progress).check()
         check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "

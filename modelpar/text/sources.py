@@ -170,7 +170,9 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({err.msg})") from None
+                    where = err.msg if err.msg.endswith(" at") else f"{err.msg} at"  # json's "... starting at"
+                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({where} column "
+                                     f"{err.colno})") from None
                 yield _field(record, text_field, f"data file {str(path)!r} line {number}")
     except UnicodeDecodeError:
         raise ValueError(f"data file {str(path)!r} is not UTF-8 text: is it a binary file?") from None

@@ -58,6 +58,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # save every this many steps (0: only at the end, if a dir is set)
     keep: int = 2  # complete checkpoints kept on disk
     resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
+    overwrite: bool = False  # a fresh run into a checkpoint_dir holding checkpoints: delete them first
     exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
     #                      for jobs with a time limit, as Megatron's --exit-interval
     timeout: float = 300.0  # seconds a collective or pipeline receive may wait before the run fails
@@ -123,6 +124,9 @@ class TrainConfig:
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
+        if self.overwrite and self.resume:
+            raise ValueError("overwrite (delete the checkpoints and start over) and resume (continue from them) "
+                             "exclude each other: choose one")
         if self.init_from is not None:
             from modelpar.hf import check_init_from
 

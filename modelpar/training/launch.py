@@ -93,7 +93,7 @@ class _Relay:
                 and time.monotonic() > self.preempted_at + grace)
 
     def _last_checkpoint(self) -> str:
-        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        latest = latest_checkpoint(self.cfg.checkpoint_dir, checksums=False) if self.cfg.checkpoint_dir else None
         return f"last complete checkpoint: {latest}" if latest else "no complete checkpoint"
 
     def _when(self) -> str:
@@ -105,7 +105,7 @@ class _Relay:
 
     def stop(self) -> Stop:
         """The Stop of a preemption that ended the ranks without a step boundary."""
-        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        latest = latest_checkpoint(self.cfg.checkpoint_dir, checksums=False) if self.cfg.checkpoint_dir else None
         head = f"preempted ({self.preempt_signal.name}) {self._when()}"
         if not self.started:
             message = f"{head}: nothing to save; {self._last_checkpoint()}"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelpar.checkpoint import ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
+from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
@@ -37,7 +37,7 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
 from modelpar.training.precision import wrap_stage
-from modelpar.training.resume import CheckpointDir
+from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict, slow_init
@@ -104,21 +104,22 @@ def _global_mean(value: float | None, weight: float, device: torch.device) -> fl
     return t.item()
 
 
-def _resume(cfg: TrainConfig, directory: CheckpointDir, state: ShardedState) -> tuple[int, list[float]]:
+def _resume(cfg: TrainConfig, checkpoints: CheckpointManager | None, state: Any) -> tuple[int, list[float]]:
     """Load the checkpoint to resume from, if any (written at any split); return (step to start at, losses so far)."""
-    path = directory.choose(cfg)
-    if path is None:
+    path = checkpoints.choose(fits(cfg)) if checkpoints is not None and cfg.resume else None
+    if checkpoints is None or path is None:
         return 0, []
-    meta = load_checkpoint(path, state, group=dist.group.WORLD)
+    meta = checkpoints.load(path, state)
     return int(meta["step"]), [float(x) for x in meta["losses"]]
 
 
 class _Run:
     """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
 
-    def __init__(self, cfg: TrainConfig, report: Reporter | None, directory: CheckpointDir,
+    def __init__(self, cfg: TrainConfig, report: Reporter | None, checkpoints: CheckpointManager | None,
                  stop: StopController) -> None:
         self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, cfg.timeout)
+        self.checkpoints = checkpoints
         rs = self.rs
         self.corpus = open_corpus(cfg.data)
         self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
@@ -147,7 +148,7 @@ class _Run:
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
         self.state = checkpoint_state(cfg.model, self.modules, self.optimizer, self.rng)
-        start, losses = _resume(cfg, directory, self.state)
+        start, losses = _resume(cfg, checkpoints, self.state)
         torch.set_rng_state(self.rng)
         self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
                                   num_parameters=cfg.model.num_parameters(),
@@ -219,12 +220,11 @@ class _Run:
 
     def save(self, step: int) -> str | None:
         """Write the checkpoint of ``step`` (collective); return its path (None: no checkpoint_dir)."""
-        if not self.cfg.checkpoint_dir:
+        if self.checkpoints is None:
             return None
         t0 = time.perf_counter()
         self.rng.copy_(torch.get_rng_state())
-        path = save_checkpoint(self.cfg.checkpoint_dir, step, self.state, run_meta(self.cfg, step, self.result.losses),
-                               group=dist.group.WORLD, keep=self.cfg.keep)
+        path = self.checkpoints.save(step, self.state, run_meta(self.cfg, step, self.result.losses))
         self.stop.saved(time.perf_counter() - t0)
         return str(path)
 
@@ -233,7 +233,7 @@ class _Run:
         if self.emit:
             self.emit({"event": "stopping", "step": step, "save": verdict.save})
         written = self.save(step) if verdict.save else None
-        latest = latest_checkpoint(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        latest = self.checkpoints.latest(checksums=False) if self.checkpoints is not None else None
         return self.stop.outcome(verdict, step, written, None if latest is None else str(latest))
 
 
@@ -250,12 +250,13 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
 
 def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> TrainResult:
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
-    directory = CheckpointDir.open(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
+    checkpoints = open_directory(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
         cfg = prepare_on_rank0(cfg).check(dist.get_world_size())  # may write tokenizer.json: after the lock
-        run = _Run(cfg, report, directory, stop)
+        run = _Run(cfg, report, checkpoints, stop)
     except BaseException:
-        directory.close()
+        if checkpoints is not None:
+            checkpoints.close()
         raise
     start = done = run.result.start_step
     stop.begin()
@@ -289,7 +290,8 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
                 run.save(done)
     finally:
         run.comm.close()
-        directory.close()
+        if checkpoints is not None:
+            checkpoints.close()
     run.result.skipped_steps = stop.skipped
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:

@@ -1,0 +1,323 @@
+"""The rules of a checkpoint directory, in one place: who writes, what counts, what is pruned, what resumes.
+
+    valid      a ``step_<n>`` with its marker whose files all have the size and CRC-32 it recorded
+               and whose metadata parse (``store.checkpoint_problem``); anything else is damaged:
+               never resumed from, never counted, never deleted (a warning names it)
+    newest     the valid one with the highest step: what ``--resume``, ``export`` and ``generate`` take
+    keep-N     after a new checkpoint is complete (sealed and renamed), the valid ones beyond the
+               newest N are removed; the new one and the newest valid one always stay
+    fresh run  a run without --resume into a directory holding ``step_<n>`` directories is refused,
+               unless --overwrite, which removes them (under the lock) before the run starts
+    lock       ``LOCK``, held by the writing run's rank 0 (``lock.py``); readers take no lock:
+               a checkpoint is removed by one rename, so a reader sees it whole or not at all, and
+               ``read_newest`` tries again once if it was pruned while being read
+
+``CheckpointManager`` owns save, load, keep-N, the lock and the choice of the checkpoint to
+resume from for one run; its collective methods decide on the group's rank 0 and share the
+outcome, so a refusal is the same ValueError on every rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+
+from modelpar.checkpoint import store
+from modelpar.checkpoint.lock import DirLock
+from modelpar.checkpoint.shards import ShardedState
+
+__all__ = ["CheckpointManager", "check_fresh", "latest_checkpoint", "load_checkpoint", "read_newest",
+           "save_checkpoint"]
+
+Note = Callable[[str], None]
+T = TypeVar("T")
+
+
+def latest_checkpoint(root: str | os.PathLike, skipped: list[tuple[Path, str]] | None = None, *,
+                      checksums: bool = True) -> Path | None:
+    """The newest valid checkpoint under ``root`` (None if there is none).
+
+    Newer marked ones that fail ``checkpoint_problem`` are passed over and appended to ``skipped``
+    as (path, reason). ``checksums=False``: sizes and metadata only (no byte read), for messages.
+    """
+    return CheckpointManager(root).latest(skipped, checksums=checksums)
+
+
+def read_newest(root: str | os.PathLike, read: Callable[[Path], T]) -> T:
+    """``read(path)`` of the newest valid checkpoint under ``root`` (``root`` itself if it is one), tried
+    again once with the then newest if the checkpoint was pruned underneath (a run writing beside)."""
+    root = Path(root)
+    for attempt in (0, 1):
+        path = root if (root / store.MARKER).is_file() else CheckpointManager(root).newest_or_error()
+        try:
+            return read(path)
+        except (OSError, ValueError, RuntimeError, CheckpointException):
+            if path.exists():  # not pruned: a real error
+                raise
+            if attempt or path == root:
+                raise ValueError(f"checkpoint {str(path)!r} was removed while it was read (a run writing "
+                                 f"{str(path.parent)!r} pruned it): try again") from None
+    raise AssertionError("unreachable")
+
+
+def check_fresh(root: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
+    """ValueError if a run without ``resume`` would start in ``root`` while it holds checkpoints (and
+    ``overwrite`` does not ask to remove them)."""
+    found = store.step_dirs(root)
+    if found and not resume and not overwrite:
+        raise ValueError(f"checkpoint directory {str(root)!r} holds checkpoints of an earlier run (newest "
+                         f"{found[0].name}): add --resume to continue it, --overwrite to delete them and start "
+                         "over, or choose another --checkpoint-dir")
+
+
+def _agree(group: Any, decide: Callable[[], T]) -> T:
+    """``decide()`` on the group's rank 0, its result (or its ValueError / OSError) on every rank."""
+    outcome: tuple[Any, str] = (None, "")
+    if dist.get_rank(group) == 0:
+        try:
+            outcome = (decide(), "")
+        except (ValueError, OSError) as err:  # OSError: e.g. a directory this user may not write
+            outcome = (None, str(err))
+    box = [outcome]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    value, error = box[0]
+    if error:
+        raise ValueError(error)
+    return value
+
+
+def _no_space(err: BaseException | None, where: Path) -> bool:
+    """Whether a failed write ran out of space: ENOSPC in the error chain, or (DCP wraps torch's
+    writer errors in its own text) a file system with less than a block left."""
+    seen = err
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(where).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+
+
+class CheckpointManager:
+    """The checkpoint directory ``root`` of one run (or of a reader: no group needed to read).
+
+    ``group``: the process group of the collective methods (``open``, ``choose``, ``load``, ``save``);
+    ``keep``: valid checkpoints kept (0: all); ``note``: where rank 0's notes and warnings go.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, group: Any = None, keep: int = 2, note: Note | None = None) -> None:
+        self.root, self.group, self.keep, self.note = Path(root), group, keep, note
+        self.lock: DirLock | None = None
+        self._valid: set[tuple[str, int, int]] = set()  # checkpoints verified in this process (marker identity)
+
+    # --- what counts -------------------------------------------------------------------------------
+    def problem(self, path: Path, checksums: bool = True) -> str:
+        """``store.checkpoint_problem``, each checkpoint's checksums read once in this process."""
+        try:
+            st = (path / store.MARKER).stat()
+        except OSError:
+            return f"no {store.MARKER} marker"
+        key = (str(path), st.st_ino, st.st_mtime_ns)
+        if key in self._valid:
+            return ""
+        found = store.checkpoint_problem(path, checksums)
+        if not found and checksums:
+            self._valid.add(key)
+        return found
+
+    def valid(self) -> list[Path]:
+        """The valid checkpoints, newest first."""
+        return [p for p in store.marked(self.root) if not self.problem(p)]
+
+    def latest(self, skipped: list[tuple[Path, str]] | None = None, *, checksums: bool = True) -> Path | None:
+        """The newest valid checkpoint (None: none); damaged newer ones appended to ``skipped`` with why.
+
+        One that disappears while it is checked was pruned by a writer, which has written a newer
+        one: the directory is listed again.
+        """
+        for _ in range(3):
+            found: list[tuple[Path, str]] = []
+            for path in store.marked(self.root):
+                why = self.problem(path, checksums)
+                if not why:
+                    if skipped is not None:
+                        skipped += found
+                    return path
+                if not path.exists():
+                    break
+                found.append((path, why))
+            else:
+                if skipped is not None:
+                    skipped += found
+                return None
+        return None
+
+    def newest_or_error(self) -> Path:
+        """``latest()``, or a ValueError saying why there is none (naming the damaged ones)."""
+        if not self.root.is_dir():
+            raise ValueError(f"checkpoint {str(self.root)!r} does not exist (expected a checkpoint directory)")
+        skipped: list[tuple[Path, str]] = []
+        found = self.latest(skipped)
+        if found is None:
+            damaged = "; damaged: " + ", ".join(f"{p.name} ({why})" for p, why in skipped) if skipped else ""
+            raise ValueError(f"{str(self.root)!r} is not a checkpoint: no {store.MARKER} marker and no complete "
+                             f"step_N checkpoint inside{damaged}")
+        return found
+
+    def prune(self, written: Path | None = None) -> list[Path]:
+        """Remove leftover temporary directories and the valid checkpoints beyond the newest ``keep``
+        (``written``, the one just saved, always stays); damaged ones are neither counted nor removed."""
+        store.remove_leftovers(self.root)
+        if self.keep <= 0:
+            return []
+        drop = [p for p in self.valid()[self.keep:] if p != written]
+        for path in drop:
+            store.remove(path)
+        return drop
+
+    # --- a run's life (collective over ``group``) ----------------------------------------------------
+    def open(self, *, resume: bool = False, overwrite: bool = False) -> None:
+        """Lock the directory for this run, remove torn saves, and refuse a fresh run into an earlier
+        run's checkpoints (``overwrite``: remove them). Rank 0 decides; a refusal raises on every rank."""
+        try:
+            _agree(self.group, lambda: self._open(resume, overwrite))
+        except ValueError:
+            self.close()
+            raise
+
+    def _open(self, resume: bool, overwrite: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"checkpoint_dir must be a directory, got {str(self.root)!r}, which is a file")
+        lock = DirLock(self.root)
+        warning = lock.acquire()
+        self.lock = lock
+        self._say([f"warning: {warning}"] if warning else [])
+        self._say([f"removed {str(p)!r}, a checkpoint save that never completed" for p in store.remove_leftovers(self.root)])
+        check_fresh(self.root, resume=resume, overwrite=overwrite)
+        if overwrite and not resume:
+            old = store.step_dirs(self.root)
+            for path in old:
+                store.remove(path)
+            if old:
+                self._say([f"removed the {len(old)} checkpoint{'s' if len(old) > 1 else ''} of an earlier run "
+                           f"(--overwrite), newest {old[0].name}"])
+
+    def choose(self, check: Callable[[Path, list[str]], None] | None = None) -> Path | None:
+        """The checkpoint to resume from (None: start at step 0): the newest valid one, damaged newer
+        ones skipped with a warning; ``check(path, notes)`` raises ValueError if it does not fit the run."""
+        def decide() -> str | None:
+            notes: list[str] = []
+            try:
+                path = self.resume_point(notes, check)
+            finally:  # what was found before an error too
+                self._say(notes)
+            return str(path) if path else None
+
+        path = _agree(self.group, decide)
+        return Path(path) if path else None
+
+    def resume_point(self, notes: list[str], check: Callable[[Path, list[str]], None] | None = None) -> Path | None:
+        """``choose``'s decision in this process: no group needed (a check before starting ranks)."""
+        skipped: list[tuple[Path, str]] = []
+        path = self.latest(skipped)
+        notes += [f"warning: skipping damaged checkpoint {str(p)!r} ({why})" for p, why in skipped]
+        if path is None:
+            notes.append(f"no complete checkpoint in {str(self.root)!r}: starting from step 0")
+            return None
+        if check is not None:
+            check(path, notes)
+        return path
+
+    def load(self, path: Path, state: ShardedState) -> dict[str, Any]:
+        """Fill ``state``'s tensors from checkpoint ``path`` (at any split); return its metadata."""
+        return store.load_into(path, state, group=self.group)
+
+    def save(self, step: int, state: ShardedState, meta: dict[str, Any]) -> Path:
+        """Write ``state`` as ``root/step_<step>``, then prune to ``keep``; return its path.
+
+        A failed write leaves the previous checkpoints as they were and removes the partial one; a
+        full file system is one ValueError on every rank: "no space left on device writing ...".
+        """
+        rank = dist.get_rank(self.group)
+        tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
+        crcs: dict[str, int] = {}
+        failure: BaseException | None = None
+        try:
+            crcs = store.write_files(tmp, state, self.group)
+        except (Exception, CheckpointException) as err:  # DCP's (a BaseException) comes on every rank
+            failure = err
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        nbytes = sum(piece.tensor.nbytes for shard in state.shards.values() for piece in shard.pieces)
+        dist.all_gather_object(gathered, (crcs, failure is not None, nbytes), group=self.group)
+        if rank == 0 and failure is None and any(failed for _, failed, _ in gathered):
+            failure = RuntimeError("another rank failed to write its file")
+        return Path(_agree(self.group, lambda: self._finish(tmp, step, meta, gathered, failure)))
+
+    def _mkdir(self) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root
+
+    def _finish(self, tmp: Path, step: int, meta: dict[str, Any], gathered: list[Any],
+                failure: BaseException | None) -> str:
+        """Rank 0: seal and publish the written files, then prune; or remove them and say why not."""
+        final = store.final_path(self.root, step)
+        if failure is None:
+            try:
+                store.seal(tmp, step, meta, {k: v for crcs, _, _ in gathered for k, v in crcs.items()})
+                store.publish(tmp, final)
+            except OSError as err:
+                failure = err
+        if failure is not None:
+            full = _no_space(failure, tmp)
+            previous = self.valid()[:1]
+            needed = _size(previous[0]) if previous else sum(nbytes for _, _, nbytes in gathered)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise ValueError(f"no space left on device writing checkpoint step {step} to {str(self.root)!r} "
+                                 f"(needs ~{needed / 1e6:,.1f} MB; the previous checkpoints are kept)")
+            raise ValueError(f"writing checkpoint step {step} to {str(self.root)!r} failed "
+                             f"({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}); "
+                             "the previous checkpoints are kept")
+        self._valid.add((str(final), (final / store.MARKER).stat().st_ino, (final / store.MARKER).stat().st_mtime_ns))
+        self.prune(final)
+        return str(final)
+
+    def close(self) -> None:
+        """Release the lock (rank 0; a no-op elsewhere)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _say(self, notes: list[str]) -> None:
+        if self.note is not None:
+            for text in notes:
+                self.note(text)
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, state: ShardedState, meta: dict[str, Any], *,
+                    group: Any, keep: int = 2) -> Path:
+    """Collective over ``group``: ``CheckpointManager(root).save`` without the run's lock (a library call)."""
+    return CheckpointManager(root, group=group, keep=keep).save(step, state, meta)
+
+
+def load_checkpoint(path: str | os.PathLike, state: ShardedState, *, group: Any) -> dict[str, Any]:
+    """Collective over ``group``: fill ``state``'s tensors in place from checkpoint ``path``; return its metadata.
+
+    Every rank asks for the boxes it holds now, whatever split wrote them; ValueError on every rank
+    before any tensor is read if the checkpoint lacks one of a rank's names or holds another shape.
+    """
+    return store.load_into(path, state, group=group)
+

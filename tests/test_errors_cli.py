@@ -1,0 +1,146 @@
+"""One line instead of a traceback, for what a user can get wrong before a run or around it.
+
+Paths that cannot be written (a file, a read-only file system, a read-only working directory for
+the token cache), a model that cannot fit in memory, ``generate`` on non-finite weights or a
+missing GPU, export metadata that is not JSON, a schedule file with an absurd index, a malformed
+JSONL line. Each: exit code 2, one line naming the cause, no rank started, nothing written.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from modelpar.cli import main
+from modelpar.commands import preflight
+from modelpar.model import ModelConfig, build_stage
+from modelpar.training import TrainConfig
+from tests.tmpfs import tmpfs
+
+TINY = ["--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2", "--layers", "2", "--seq-len", "16",
+        "--batch-size", "4", "--microbatches", "2", "--steps", "2", "--no-progress"]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Fail the test if a run starts a rank: every refusal here comes first."""
+    import modelpar.training.launch as launch_module
+
+    monkeypatch.setattr(launch_module, "LocalCluster", lambda *a, **k: pytest.fail("a rank was started"))
+
+
+def one_line(capsys, command, args):
+    code = main([command, *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and err.startswith(f"modelpar {command}: error: "), (code, err)
+    return err[len(f"modelpar {command}: error: "):]
+
+
+# --- paths ------------------------------------------------------------------------------------------------
+def test_paths_that_cannot_be_written_are_one_line_before_any_rank(capsys, tmp_path, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("not a folder")
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert one_line(capsys, "train", [*TINY, *cache, "--out", "file"]) == "--out 'file' is a file: give a folder to write in"
+    assert one_line(capsys, "train", [*TINY, *cache, "--checkpoint-dir", "file/sub"]) == (
+        f"--checkpoint-dir 'file/sub' cannot be created: {str(tmp_path / 'file')!r} is a file")
+    with tmpfs(tmp_path / "ro", read_only=True) as ro:
+        assert one_line(capsys, "train", [*TINY, *cache, "--out", str(ro / "out")]) == (
+            f"--out {str(ro / 'out')!r} cannot be created: {str(ro)!r} is not writable (a read-only file system)")
+        assert one_line(capsys, "train", [*TINY, *cache, "--checkpoint-dir", str(ro)]) == (
+            f"--checkpoint-dir {str(ro)!r} is not writable (a read-only file system)")
+        monkeypatch.chdir(ro)  # the default token cache is ./modelpar-cache
+        assert one_line(capsys, "train", [*TINY, "--out", str(tmp_path / "out")]) == (
+            f"the token cache (--cache-dir) 'modelpar-cache' cannot be created: {str(ro)!r} is not writable "
+            "(a read-only file system)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "ro"]  # nothing written
+
+
+# --- memory -----------------------------------------------------------------------------------------------
+def test_a_model_that_cannot_fit_is_refused_with_the_figure(capsys, monkeypatch, tmp_path, no_ranks):
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 24 * 10**9)  # the issue's 23 GB machine, give or take
+    monkeypatch.chdir(tmp_path)
+    # 51.6 G parameters; fp32: weights 4 + gradients 4 + AdamW 8 bytes each; t = 2, p = 2: half the layers
+    # and the embedding with the positions (the first stage), split two ways, on the busiest rank
+    err = one_line(capsys, "train", ["--hidden", "8192", "--layers", "64", "--no-progress"])
+    assert err == ("the model does not fit: 4 ranks here need at least 824.8 GB for their weights, gradients and "
+                   "AdamW state (206.2 GB each; 51,551,158,272 parameters, fp32, t=2 p=2 d=1), this machine has "
+                   "24.0 GB; use a smaller model or more machines")
+    model = ModelConfig(hidden=8192, layers=64)
+    per_layer = 12 * 8192**2 + 13 * 8192  # Megatron's count with biases and two LayerNorms
+    busiest = (32 * per_layer + (model.padded_vocab_size + model.seq_len) * 8192) / 2 * 16
+    assert f"({busiest / 1e9:,.1f} GB each" in err
+    assert one_line(capsys, "train", ["--hidden", "1048576", "--no-progress"]).startswith(
+        "the model does not fit: 4 ranks here need at least 844,436.5 GB")
+    preflight.check_memory(TrainConfig(), 4)  # the default model fits
+    with pytest.raises(ValueError, match=r"each rank needs at least 206.2 GB .* a GPU here has 80.0 GB"):
+        preflight.check_memory(TrainConfig(model=model), 1, device_bytes=80 * 10**9)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- generate and export ------------------------------------------------------------------------------------
+def _export(path, poison=None, config=None):
+    from safetensors.torch import save_file
+
+    cfg = ModelConfig(seq_len=16, hidden=32, heads=4, layers=2, init_std=0.3)
+    tensors = {k: v.contiguous() for k, v in build_stage(cfg, seed=1).state_dict().items()}
+    if poison is not None:
+        tensors["layers.1.mlp.fc1.weight"][0, 0] = poison
+    meta = json.dumps(cfg.to_dict()) if config is None else config
+    save_file(tensors, str(path), metadata={"format": "modelpar", "config": meta})
+    return path
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", ["1", "0"])
+def test_generate_on_non_finite_weights_says_so(capsys, tmp_path, poison, temperature):
+    path = _export(tmp_path / "model.safetensors", poison)
+    err = one_line(capsys, "generate", [str(path), "--prompt", "Hi", "--temperature", temperature, "--device", "cpu"])
+    assert err == f"{str(path)!r} holds non-finite weights (NaN or inf): its logits are not finite"
+    assert capsys.readouterr().out == ""  # no NUL bytes printed
+
+
+def test_export_metadata_that_is_not_json_names_the_file_and_the_field(capsys, tmp_path):
+    for config, why in (("{not json", r"Expecting property name enclosed in double quotes"),
+                        ("[1, 2]", r"a JSON list, not an object"),
+                        ('{"hidden": 32, "colour": 1}', r"model config has unknown fields \['colour'\]")):
+        path = _export(tmp_path / "model.safetensors", config=config)
+        err = one_line(capsys, "generate", [str(path), "--prompt", "Hi", "--device", "cpu"])
+        assert re.fullmatch(rf"{re.escape(repr(str(path)))}: its safetensors metadata field 'config' is not a model "
+                            rf"config as JSON \({why}.*\)", err), err
+
+
+def test_generate_on_a_device_this_machine_lacks(capsys, tmp_path):
+    path = _export(tmp_path / "model.safetensors")
+    assert one_line(capsys, "generate", [str(path), "--prompt", "Hi", "--device", "tpu9"]) == (
+        "--device must be auto, cpu, cuda or cuda:N, got 'tpu9'")
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        assert one_line(capsys, "generate", [str(path), "--prompt", "Hi", "--device", f"cuda:{count}"]).startswith(
+            f"--device cuda:{count}: this machine has {count} CUDA device")
+    else:
+        assert one_line(capsys, "generate", [str(path), "--prompt", "Hi", "--device", "cuda"]) == (
+            "--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
+
+
+# --- simulate and data --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, actions", [("0F0 0F99999999999999999999", 2), ("0F0 99999999999999999999F0", 2),
+                                           ("device 99999999999999999999: 0F0", 1)])
+def test_simulate_from_a_schedule_with_an_absurd_index(capsys, tmp_path, text, actions):
+    path = tmp_path / "s.txt"
+    path.write_text(text + "\n")
+    assert one_line(capsys, "simulate", ["--from", str(path)]) == (
+        f"--from {str(path)!r}: index 99999999999999999999 is larger than a schedule of {actions} "
+        "actions can use (stages and microbatches are numbered 0, 1, ..., each one present)")
+
+
+def test_a_malformed_jsonl_line_is_one_whole_sentence(capsys, tmp_path, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello"}\n{"text": "unterminated\n')
+    err = one_line(capsys, "train", [*TINY, "--data", str(data), "--cache-dir", str(tmp_path / "cache")])
+    assert err == f"data file {str(data)!r} line 2 is not JSON (Invalid control character at column 23)"
+    data.write_text('{"text": "hello"}\n{"text": 1,,}\n')
+    err = one_line(capsys, "train", [*TINY, "--data", str(data), "--cache-dir", str(tmp_path / "cache")])
+    assert err == f"data file {str(data)!r} line 2 is not JSON (Expecting property name enclosed in double quotes at column 12)"
