@@ -19,11 +19,13 @@ def test_no_flags_is_the_documented_default():
 def test_flags_reach_the_config():
     args = build_parser().parse_args(["train", "--tp", "1", "--pp", "4", "--dp", "2", "--schedule", "interleaved",
                                       "--layers", "8", "--hidden", "64", "--recompute", "FULL", "--sequence-parallel",
-                                      "--tie-embeddings", "--steps", "7", "--lr", "1e-3", "--exit-after", "3"])
+                                      "--tie-embeddings", "--steps", "7", "--lr", "1e-3", "--exit-after", "3",
+                                      "--stage-layers", "1,1,1,1,1,1,2,0"])
     cfg = build_config(args)
     assert (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.recompute, cfg.steps, cfg.lr, cfg.exit_after) == \
         (1, 4, 2, "interleaved", 2, "full", 7, 1e-3, 3)  # interleaved without --chunks: v = 2
     assert (cfg.model.layers, cfg.model.hidden, cfg.model.tie_embeddings, cfg.sequence_parallel) == (8, 64, True, True)
+    assert cfg.check().layer_split == (1, 1, 1, 1, 1, 1, 2, 0)  # per virtual stage, in pipeline order
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -35,7 +37,8 @@ def test_flags_reach_the_config():
     (["--arch", "llama", "--kv-heads", "3"], "heads (4) must be divisible by kv_heads (3)"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     (["--init-from", "/nonexistent"], "/nonexistent: no config.json (expected a Hugging Face model directory)"),
-    (["--layers", "6", "--pp", "4"], "layers (6) must be divisible by the number of pipeline stages (pp * chunks) (4)"),
+    (["--layers", "6", "--pp", "2", "--stage-layers", "3,2"], "stage_layers 3,2: sums to 5, not the model's 6 layers"),
+    (["--stage-layers", "3;1"], "--stage-layers must be comma-separated whole numbers, got '3;1'"),
     (["--resume"], "resume needs checkpoint_dir"),
     (["--dtype", "float64"], "--dtype float64 is retired: use --precision fp32 (was float32), fp64 (was float64) or bf16"),
     (["--precision", "fp16"], "precision 'fp16' is not supported: fp16 needs loss scaling"),
@@ -65,7 +68,8 @@ def test_llama_flags_reach_the_model_config():
 
 def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(["train", "--tp", "1", "--pp", "2", "--hidden", "32", "--seq-len", "16", "--steps", "4",
+    code = main(["train", "--tp", "1", "--pp", "2", "--stage-layers", "1,3", "--hidden", "32", "--seq-len", "16",
+                 "--steps", "4",
                  "--batch-size", "4", "--microbatches", "2", "--eval-every", "2", "--no-progress", "--out", str(out)])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -82,7 +86,9 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
                and m["dp_bytes_sent"] == 0.0 for m in steps)
     assert [m["val_bpb"] for m in metrics if m["event"] == "eval"] == pytest.approx(
         [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
-    assert "unigram baseline" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "unigram baseline" in printed and "1, 3 (--stage-layers)" in printed
+    assert summary["config"]["stage_layers"] == [1, 3]
     assert summary["mfu"] is None and summary["peak_tflops"] is None  # on CPUs only with --peak-tflops
 
 

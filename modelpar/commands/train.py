@@ -21,7 +21,7 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
     _MODEL: [
         ("arch", str, "gpt (LayerNorm, learned positions, GeLU, biases) or llama (RMSNorm, rotary, SwiGLU, GQA)"),
         ("hidden", int, "model width h"),
-        ("layers", int, "transformer layers L (divisible by p·v)"),
+        ("layers", int, "transformer layers L (split over the p·v stages as --stage-layers says)"),
         ("heads", int, "attention heads a (divisible by t)"),
         ("kv_heads", int, "key/value heads of grouped-query attention (llama; default: one per head)"),
         ("seq_len", int, "context length s"),
@@ -36,6 +36,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("dp", int, "data-parallel replicas d"),
         ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
         ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
+        ("stage_layers", str, "layers of each of the p·v (virtual) stages in pipeline order, e.g. 5,6,6,5 "
+                               "(default: L/(p·v) each, the extra layers to the middle stages, as `modelpar plan`)"),
         ("microbatches", int, "micro-batches m per replica"),
         ("recompute", str, "activation recomputation: none, selective (attention core), full (stage input), "
                            "k (every k layers), sqrt"),
@@ -146,6 +148,10 @@ def build_config(args: argparse.Namespace) -> Any:
              if getattr(args, name, None) is not None}
     model = {name: getattr(args, name) for name, group in given.items() if group == _MODEL}
     run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
+    if "stage_layers" in run:
+        from modelpar.layer_split import parse_split
+
+        run["stage_layers"] = parse_split(run["stage_layers"])
     if "recompute" in run:
         run["recompute"] = str(run["recompute"]).lower()
     if "preempt_signal" in run:  # TERM, term, SIGTERM
@@ -229,6 +235,8 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
         ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
+        ("layers per stage", ", ".join(map(str, cfg.layer_split))
+         + (" (--stage-layers)" if cfg.stage_layers is not None else " (default split)")),
         ("parameters", f"{result.num_parameters:,}"),
         ("steps", f"{len(result.losses)} (this run from step {result.start_step})"
                   + (f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else "")),

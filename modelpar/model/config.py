@@ -11,6 +11,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.costmodel.specs import ModelSpec
+from modelpar.layer_split import split_layers
 
 __all__ = ["ARCHS", "VOCAB_MULTIPLE", "ModelConfig"]
 
@@ -31,7 +32,7 @@ class ModelConfig:
     seq_len: int = 64  # s: context length (GPT: also the number of learned positions)
     hidden: int = 128  # h: model width; divisible by heads
     heads: int = 4  # a: attention (query) heads; divisible by t (heads are split across ranks)
-    layers: int = 4  # L: transformer layers; divisible by the number of (virtual) stages p·v
+    layers: int = 4  # L: transformer layers, split over the p·v (virtual) stages by modelpar.layer_split
     ffn: int = 0  # MLP width; 0: the arch's default, 4h (gpt) or 8h/3 rounded up to a multiple of 64 (llama)
     tie_embeddings: bool = False  # output layer reuses the input embedding (summed across stages if p > 1)
     init_std: float = 0.02  # N(0, std) for weights (GPT-2); output projections scaled by 1/√(2L)
@@ -101,7 +102,7 @@ class ModelConfig:
         check_divisible(f"padded vocabulary (vocab_size {self.vocab_size} rounded up to a multiple of "
                         f"{VOCAB_MULTIPLE})", self.padded_vocab_size, "tp", tp)
         check_divisible("ffn hidden size", self.ffn_hidden, "tp", tp)
-        check_divisible("layers", self.layers, "the number of pipeline stages (pp * chunks)", stages)
+        split_layers(self.layers, stages)  # at most the first and the last stage without a layer
         if sequence_parallel:
             check_divisible("seq_len (sequence parallel)", self.seq_len, "tp", tp)
         return self

@@ -13,6 +13,7 @@ import torch
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
+from modelpar.layer_split import resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
@@ -37,6 +38,7 @@ class TrainConfig:
     dp: int = 1  # d: data-parallel replicas
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
+    stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v (virtual) stages; None: layer_split's default
     microbatches: int = 4  # m: micro-batches per replica per step
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
     recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
@@ -69,6 +71,11 @@ class TrainConfig:
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
+    def layer_split(self) -> tuple[int, ...]:
+        """Layers of each of the p·v (virtual) stages in pipeline order: ``stage_layers`` or the default split."""
+        return resolve_split(self.model.layers, self.pp, self.chunks, self.stage_layers)
 
     @property
     def recompute_arg(self) -> Strategy:
@@ -110,16 +117,17 @@ class TrainConfig:
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         check_number("preempt_grace", self.preempt_grace)
+        self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
+        fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
         recompute = parse_strategy(self.recompute)
         if isinstance(recompute, int):
-            check_int("recompute", recompute, minimum=1, maximum=self.model.layers // (self.pp * v))
+            check_int("recompute", recompute, minimum=1, maximum=fewest)
         elif recompute != "selective":
-            plan_recompute(max(1, self.model.layers // (self.pp * v)), recompute)
+            plan_recompute(fewest, recompute)
         check_divisible("batch_size", self.batch_size, "dp", self.dp)
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule == "interleaved":
             check_divisible("microbatches", self.microbatches, "pp", self.pp)
-        self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
@@ -138,6 +146,8 @@ class TrainConfig:
         values = {k: v for k, v in d.items() if k in known}
         if "precision" not in d and d.get("dtype") in _LEGACY_DTYPES:
             values["precision"] = _LEGACY_DTYPES[d["dtype"]]
+        if values.get("stage_layers") is not None:
+            values["stage_layers"] = tuple(values["stage_layers"])
         if isinstance(values.get("model"), dict):
             values["model"] = ModelConfig.from_dict(values["model"])
         if isinstance(values.get("data"), dict):

@@ -125,7 +125,7 @@ class _Run:
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=cfg.param_dtype, device=rs.device)
+                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
