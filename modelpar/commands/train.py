@@ -30,7 +30,7 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("norm_eps", float, "epsilon of LayerNorm / RMSNorm (default 1e-5)"),
         ("rope_theta", float, "rotary embedding base (llama, default 10000)"),
     ],
-    "parallelism (default t=2, p=2, d=1, 1f1b, 4 micro-batches)": [
+    "parallelism (default t=2, p=2, d=1, 1f1b)": [
         ("tp", int, "tensor-parallel size t"),
         ("pp", int, "pipeline stages p"),
         ("dp", int, "data-parallel replicas d"),
@@ -38,7 +38,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
         ("stage_layers", str, "layers of each of the p·v (virtual) stages in pipeline order, e.g. 5,6,6,5 "
                                "(default: L/(p·v) each, the extra layers to the middle stages, as `modelpar plan`)"),
-        ("microbatches", int, "micro-batches m per replica"),
+        ("microbatches", int, "micro-batches m per replica (default: 1 at p = 1, else the smallest m >= p whose bubble "
+                              "is <= 25%% of the ideal compute and that divides the batch; the summary says why)"),
         ("recompute", str, "activation recomputation: none, selective (attention core), full (stage input), "
                            "k (every k layers), sqrt"),
         ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
@@ -166,9 +167,12 @@ def build_config(args: argparse.Namespace) -> Any:
         from modelpar.hf import read_hf_config
 
         base = read_hf_config(run["init_from"], seq_len=model.pop("seq_len", None))
+    run.setdefault("microbatches", 0)  # 0: chosen for this run's p, schedule and batch (default_microbatches)
     cfg = replace(cfg, model=replace(base, **model), data=DataConfig(**data), **run)
     if cfg.resume and cfg.checkpoint_dir:
         cfg = _continued(cfg, set(given) | ({"data"} if data else set()))
+        if "microbatches" not in given:  # the checkpoint's batch size may differ
+            cfg = replace(cfg, microbatches=0)
     return cfg
 
 
@@ -235,6 +239,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
         ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
+        ("micro-batches", _why_microbatches(cfg)),
         ("layers per stage", ", ".join(map(str, cfg.layer_split))
          + (" (--stage-layers)" if cfg.stage_layers is not None else " (default split)")),
         ("parameters", f"{result.num_parameters:,}"),
@@ -276,6 +281,13 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
+
+
+def _why_microbatches(cfg: Any) -> str:
+    from modelpar.training.config import default_microbatches
+
+    chosen, why = default_microbatches(cfg)
+    return f"m={cfg.microbatches}: " + (f"the default, {why}" if cfg.microbatches == chosen else "set (--microbatches)")
 
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights)", "fp64": "fp64"}

@@ -6,6 +6,7 @@ bad input is the same clear ValueError on every rank (every rank checks the same
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -19,12 +20,13 @@ from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
-__all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
+__all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class TrainConfig:
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
     chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
     stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v (virtual) stages; None: layer_split's default
-    microbatches: int = 4  # m: micro-batches per replica per step
+    microbatches: int = 0  # m: micro-batches per replica per step; 0: default_microbatches chooses, at construction
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
     recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
     sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
@@ -67,6 +69,10 @@ class TrainConfig:
     preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
     skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
     init_from: str | None = None  # a Hugging Face Llama directory whose weights the run starts from
+
+    def __post_init__(self) -> None:
+        if self.microbatches == 0:  # chosen once here; dataclasses.replace keeps it (pass 0 to choose again)
+            object.__setattr__(self, "microbatches", default_microbatches(self)[0])
 
     @property
     def dims(self) -> ParallelDims:
@@ -153,3 +159,33 @@ class TrainConfig:
         if isinstance(values.get("data"), dict):
             values["data"] = DataConfig(**{**values["data"], "paths": tuple(values["data"].get("paths", ()))})
         return cls(**values)
+
+
+def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
+    """The micro-batch count m a run gets when it sets none, and why (the run summary prints it).
+
+    p = 1: m = 1. There is no pipeline to fill, and more micro-batches only add per-micro-batch
+    overhead (15% at (1, 1, 1) on the 25.5 M GPT, issue 21 §6); gradient accumulation to save
+    activation memory is then a choice, ``--microbatches``. p > 1: the smallest m >= p (every
+    stage busy at once) whose bubble, (p − 1)/(v·m) of the ideal compute (Megatron's, zb-h1 taken
+    as 1F1B), is at most ``BUBBLE_TARGET``: m = 4(p − 1) without interleaving (4 at p = 2, the
+    bubble 20% of the step), a multiple of p with it. m must divide the per-replica batch: the
+    smallest divisor from there up, else the largest below (capped by the batch).
+    """
+    p, v, dp, batch = cfg.pp, cfg.chunks, cfg.dp, cfg.batch_size
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (p, v, dp, batch)):
+        return 1, "p, v, d or the batch is invalid (check() names it)"
+    if p == 1:
+        return 1, "p = 1: no pipeline to fill"
+    step = p if cfg.schedule == "interleaved" else 1  # interleaving needs m divisible by p
+    want = max(p, math.ceil((p - 1) / (v * BUBBLE_TARGET)))
+    rows = batch // dp
+    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
+    larger = [m for m in fits if m >= want]
+    why = f"the smallest m >= p with a bubble <= {BUBBLE_TARGET:.0%} of the ideal compute, (p-1)/(v*m)"
+    if larger:
+        m = larger[0]
+        return m, why + ("" if m == want else f", dividing the per-replica batch {rows}")
+    if fits:
+        return fits[-1], f"{why} would be {want}: capped by the per-replica batch {rows}"
+    return want, why
