@@ -6,7 +6,7 @@ bad input is the same clear ValueError on every rank (every rank checks the same
 
 from __future__ import annotations
 
-import math
+import itertools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
+from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
@@ -178,7 +179,7 @@ def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
     if p == 1:
         return 1, "p = 1: no pipeline to fill"
     step = p if cfg.schedule == "interleaved" else 1  # interleaving needs m divisible by p
-    want = max(p, math.ceil((p - 1) / (v * BUBBLE_TARGET)))
+    want = next(m for m in itertools.count(p) if bubble_over_ideal_compute(p, m, v) <= BUBBLE_TARGET)
     rows = batch // dp
     fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
     larger = [m for m in fits if m >= want]
