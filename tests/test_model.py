@@ -243,6 +243,6 @@ def test_bad_token_ids_and_lengths():
         model(torch.zeros(1, 13, dtype=torch.long))
     with pytest.raises(ValueError, match=r"ids must be in \[0, 64\), got 64"):
         model(torch.full((1, 4), 64))
-    with pytest.raises(ValueError, match=r"model config has unknown fields \['ffn_mult'\]"):
+    with pytest.raises(ValueError, match=r"model config: unknown key 'ffn_mult'; allowed: vocab_size, seq_len, hidden"):
         ModelConfig.from_dict({"ffn_mult": 4})
     assert ModelConfig.from_dict(LLAMA.to_dict()) == LLAMA

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -88,7 +89,7 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
         [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
     printed = capsys.readouterr().out
     assert "unigram baseline" in printed and "1, 3 (--stage-layers)" in printed
-    assert summary["config"]["stage_layers"] == [1, 3]
+    assert summary["config"]["schedule"]["stage_layers"] == [1, 3]  # the settings by section
     assert summary["mfu"] is None and summary["peak_tflops"] is None  # on CPUs only with --peak-tflops
 
 
@@ -108,3 +109,106 @@ def test_a_tiny_llama_run_reports_flops_per_token_and_mfu(tmp_path, capsys):
     assert summary["num_parameters"] == model.num_parameters() == spec.params + 32  # + the final RMSNorm
     assert summary["mfu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_s"] / (2 * 0.5e12))
     assert "MFU" in capsys.readouterr().out
+
+
+# --- settings in sections: one declaration per field -> flags, help, file keys, docs -----------------
+def _train_parser():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["train"]
+
+
+def test_every_field_is_a_flag_in_its_section_with_its_real_default():
+    from modelpar._options import SECTIONS, field_infos
+    from modelpar.commands.train_options import RunOptions, section_fields
+    from modelpar.model import ModelConfig
+    from modelpar.text import DataConfig
+
+    parser = _train_parser()
+    parser.format_help()  # builds the flags
+    groups = {g.title: {o for a in g._group_actions for o in a.option_strings} for g in parser._action_groups}
+    infos = {s: list(section_fields(s)) for s in SECTIONS}
+    for cls in (TrainConfig, ModelConfig, DataConfig, RunOptions):  # every field has help and one section
+        for info in field_infos(cls):
+            assert info.help and (info.nested or cls is not TrainConfig or info.section in SECTIONS), info.name
+    listed = [i.name for s in SECTIONS for i in infos[s]]
+    flat = [i.name for i in field_infos(TrainConfig) if not i.nested]
+    assert sorted(set(flat) - {"model", "data"}) == sorted(n for s in SECTIONS[2:] for n in (i.name for i in infos[s])
+                                                           if n in flat)
+    assert len(listed) == len(field_infos(TrainConfig)) - 2 + len(field_infos(ModelConfig)) + len(
+        field_infos(DataConfig)) + len(field_infos(RunOptions))
+    for section in SECTIONS:
+        for info in infos[section]:
+            if info.cli:
+                assert info.flag in groups[section], (section, info.flag)
+    helps = {o: a.help for a in parser._actions for o in a.option_strings}
+    assert "(default: 25.0)" in helps["--bucket-mb"] and "(default: 300)" in helps["--steps"]
+    assert "(default: 1f1b)" in helps["--schedule"] and "(default: off)" in helps["--sequence-parallel"]
+    assert "--no-overlap-grad-reduce" in helps and "--vocab-size" in groups["data"]  # the data's, not the model's
+
+
+def test_docs_list_every_setting_as_generated():
+    from pathlib import Path
+
+    from modelpar.commands.train_options import settings_markdown
+
+    text = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    start = text.index("<!-- settings:begin")
+    block = text[text.index("\n", start) + 1:text.index("<!-- settings:end -->")]
+    assert block == settings_markdown(), "regenerate with: python -m modelpar.commands.train_options"
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_file_sets_the_run_and_flags_override_it(tmp_path):
+    from pathlib import Path
+
+    example = str(Path(__file__).parent.parent / "examples" / "run.toml")
+    cfg = build_config(build_parser().parse_args(["train", "--config", example]))
+    assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.layers, cfg.tp, cfg.pp, cfg.stage_layers, cfg.steps) == \
+        ("llama", 2, 6, 1, 4, (1, 2, 2, 1), 200)
+    assert cfg.microbatches == 12 and cfg.check(4) is cfg  # chosen: 4(p - 1) divides the 24 sequences
+    over = build_config(build_parser().parse_args(["train", "--config", example, "--steps", "50", "--pp", "2",
+                                                   "--stage-layers", "3,3"]))
+    assert (over.steps, over.pp, over.stage_layers, over.model.arch, over.microbatches) == (50, 2, (3, 3), "llama", 4)
+    as_json = _write(tmp_path, "run.json", json.dumps({"parallelism": {"tp": 1, "dp": 2}, "data": {"paths": ["a"]},
+                                                      "schedule": {"recompute": "FULL"}}))
+    cfg = build_config(build_parser().parse_args(["train", "--config", as_json]))
+    assert (cfg.tp, cfg.dp, cfg.data.paths, cfg.recompute) == (1, 2, ("a",), "full")
+
+
+def test_summary_config_reads_back_as_a_config_file(tmp_path):
+    cfg = TrainConfig(tp=1, pp=2, stage_layers=(1, 3), microbatches=2)
+    path = _write(tmp_path, "summary.json", json.dumps(cfg.to_sections()))
+    assert build_config(build_parser().parse_args(["train", "--config", path])) == cfg
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[parallelism]\ntpp = 2\n", r"run.toml: \[parallelism\] unknown key 'tpp'; allowed: tp, pp, dp, "),
+    ("[run]\ntp = 2\n", r"run.toml: \[run\] unknown key 'tp' \(tp belongs in \[parallelism\]\)"),
+    ("tp = 2\n", r"run.toml: unknown section or top-level key 'tp' \(tp belongs in \[parallelism\]\)"),
+    ("[parallel]\ntp = 2\n", r"run.toml: unknown section or top-level key 'parallel'; sections: model, data, "),
+    ("[parallelism]\ntp = \"two\"\n", r"run.toml: \[parallelism\] tp must be a whole number, got 'two'"),
+    ("[model]\ntie_embeddings = 1\n", r"run.toml: \[model\] tie_embeddings must be true or false, got 1"),
+    ("[schedule]\nstage_layers = \"1;3\"\n", r"--stage-layers must be comma-separated whole numbers, got '1;3'"),
+    ("[parallelism]\ntp = 0\n", r"run.toml: \[parallelism\] tp must be >= 1, got 0"),
+    ("[parallelism\n", r"run.toml: not valid TOML: "),
+])
+def test_a_bad_config_file_is_one_line_naming_file_section_and_key(tmp_path, capsys, text, message):
+    path = _write(tmp_path, "run.toml", text)
+    assert main(["train", "--config", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(message, err), err
+
+
+def test_unknown_keys_are_refused_everywhere():
+    with pytest.raises(ValueError, match=r"train config: unknown key 'tpp'; allowed: model, data, tp, pp, dp"):
+        TrainConfig.from_dict({"tpp": 2})
+    with pytest.raises(ValueError, match=r"train config: \[data\] unknown key 'path'; allowed: paths, glob"):
+        TrainConfig.from_dict({"data": {"path": "x"}})
+    assert TrainConfig.from_dict({"dtype": "float64"}).precision == "fp64"  # old checkpoints: retired, accepted
+    assert TrainConfig.from_dict(TrainConfig(stage_layers=(1, 3)).to_dict()).stage_layers == (1, 3)

@@ -7,15 +7,16 @@ bad input is the same clear ValueError on every rank (every rank checks the same
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from modelpar._options import SECTIONS, about, construct, field_infos, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
-from modelpar.layer_split import resolve_split
+from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
@@ -26,7 +27,15 @@ __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microb
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
+_RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+
+
+def _signal_name(text: str) -> str:
+    """TERM, term, SIGTERM -> SIGTERM."""
+    name = str(text).upper()
+    return name if name.startswith("SIG") else "SIG" + name
+
 BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
 
 
@@ -34,42 +43,76 @@ BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the
 class TrainConfig:
     """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # the model to train (GPT or Llama style)
-    data: DataConfig = field(default_factory=DataConfig)  # the text and its tokenizer (default: shipped, bytes)
-    tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
-    pp: int = 2  # p: pipeline stages
-    dp: int = 1  # d: data-parallel replicas
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
-    stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v (virtual) stages; None: layer_split's default
-    microbatches: int = 0  # m: micro-batches per replica per step; 0: default_microbatches chooses, at construction
-    batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
-    recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
-    sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
-    pipeline_gloo: bool = False  # under NCCL: pipeline messages over gloo, staged through host memory
-    steps: int = 300  # optimizer steps
-    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to lr/10)
-    warmup: int = 20  # warm-up steps
-    weight_decay: float = 0.1  # AdamW decoupled weight decay, matrices only
-    clip: float = 1.0  # gradient clipping: max global L2 norm over all shards (0 = off)
-    seed: int = 0  # one seed: initial weights and batches (identical for every split)
-    precision: str = "fp32"  # fp32, bf16 (autocast, fp32 master weights) or fp64 (the tests); see docs/numerics.md
-    zero: int = 0  # 1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, shard update, all-gather)
-    overlap_grad_reduce: bool = True  # start each gradient bucket's dp reduction during the backward
-    bucket_mb: float = 25.0  # MiB of gradients per data-parallel collective
-    eval_every: int = 50  # validation loss every this many steps (0 = only at the end)
-    eval_batches: int = 4  # validation batches per evaluation
-    checkpoint_dir: str | None = None  # where checkpoints go (None: no checkpoints)
-    checkpoint_every: int = 0  # save every this many steps (0: only at the end, if a dir is set)
-    keep: int = 2  # complete checkpoints kept on disk
-    resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
-    exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
-    #                      for jobs with a time limit, as Megatron's --exit-interval
-    timeout: float = 300.0  # seconds a collective or pipeline receive may wait before the run fails
-    preempt_signal: str = "SIGTERM"  # asks for a checkpoint at the next step, then an exit (docs/stopping.md)
-    preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
-    skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
-    init_from: str | None = None  # a Hugging Face Llama directory whose weights the run starts from
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=about(
+        "the model to train (GPT or Llama style): ModelConfig", section="model"))
+    data: DataConfig = field(default_factory=DataConfig, metadata=about(
+        "the text and its tokenizer (default: the shipped corpus, bytes): DataConfig", section="data"))
+    tp: int = option(2, section="parallelism", help="t: tensor-parallel ranks (consecutive ranks, inside a machine)")
+    pp: int = option(2, section="parallelism", help="p: pipeline stages (devices along the pipeline)")
+    dp: int = option(1, section="parallelism", help="d: data-parallel replicas")
+    schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved or zb-h1")
+    chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank; >= 2 with the interleaved "
+                                                      "schedule (on the command line its default is 2), else 1")
+    stage_layers: tuple[int, ...] | None = option(
+        None, section="schedule", parse=parse_split, metavar="N,N,...",
+        help="layers of each of the p·v (virtual) stages in pipeline order, e.g. 5,6,6,5; none: L/(p·v) each, the "
+             "extra layers to the middle stages (modelpar.layer_split, as modelpar plan)")
+    microbatches: int = option(0, section="schedule", help="m: micro-batches per replica per step; 0: chosen for the "
+                                                            "pipeline (1 at p = 1, else the smallest m >= p whose "
+                                                            "bubble is <= 25% of the ideal compute), the summary says why")
+    batch_size: int = option(16, section="optimisation", help="global batch: sequences per optimizer step, all "
+                                                               "replicas together")
+    recompute: str = option("none", section="schedule", parse=str.lower,
+                            help="activation recomputation: none, selective (attention core), full (stage input), "
+                                 "sqrt, recompute-all or k (every k layers)")
+    sequence_parallel: bool = option(False, section="parallelism", help="shard LayerNorm and residual activations "
+                                                                         "along the sequence (§5.6)")
+    pipeline_gloo: bool = option(False, section="parallelism", help="under NCCL: pipeline messages over gloo, "
+                                                                     "staged through host memory")
+    steps: int = option(300, section="optimisation", help="optimizer steps")
+    lr: float = option(3e-3, section="optimisation", help="peak AdamW learning rate (linear warm-up, cosine decay "
+                                                          "to lr/10)")
+    warmup: int = option(20, section="optimisation", help="warm-up steps")
+    weight_decay: float = option(0.1, section="optimisation", help="AdamW decoupled weight decay, matrices only")
+    clip: float = option(1.0, section="optimisation", help="gradient clipping: max global L2 norm over all shards "
+                                                            "(0: off)")
+    seed: int = option(0, section="optimisation", help="one seed: initial weights and batches (identical for "
+                                                       "every split)")
+    precision: str = option("fp32", section="optimisation", help="fp32, bf16 (autocast, fp32 master weights and "
+                                                                 "AdamW) or fp64 (the tests); docs/numerics.md")
+    zero: int = option(0, section="parallelism", help="1: ZeRO-1, AdamW state sharded over the d replicas "
+                                                      "(reduce-scatter, shard update, all-gather); 0: every replica "
+                                                      "holds all of it")
+    overlap_grad_reduce: bool = option(True, section="parallelism", help="start each gradient bucket's dp "
+                                                                         "reduction during the backward")
+    bucket_mb: float = option(25.0, section="parallelism", help="MiB of gradients per data-parallel collective")
+    eval_every: int = option(50, section="run", help="validation loss every this many steps (0: only at the end)")
+    eval_batches: int = option(4, section="run", help="validation batches per evaluation")
+    checkpoint_dir: str | None = option(None, section="checkpoint", help="where sharded checkpoints go "
+                                                                         "(torch.distributed.checkpoint; none: no "
+                                                                         "checkpoints)")
+    checkpoint_every: int = option(0, section="checkpoint", help="save every this many steps (0: only at the end, "
+                                                                 "if a directory is set)")
+    keep: int = option(2, section="checkpoint", help="complete checkpoints kept on disk")
+    resume: bool = option(False, section="checkpoint", help="continue from the latest complete checkpoint in "
+                                                            "checkpoint_dir, at any split; the model, data and "
+                                                            "optimisation settings left out come from it")
+    exit_after: int = option(0, section="checkpoint", help="stop after this many steps of this run, with a "
+                                                           "checkpoint (0: run to the end); for jobs with a time "
+                                                           "limit, as Megatron's --exit-interval")
+    timeout: float = option(300.0, section="run", help="seconds a collective or pipeline receive may wait before "
+                                                       "the run fails")
+    preempt_signal: str = option("SIGTERM", section="run", parse=_signal_name,
+                                 help="signal that asks for a checkpoint at the next step and an exit with code 75: "
+                                      "SIGTERM, SIGUSR1 or SIGUSR2 (docs/stopping.md)")
+    preempt_grace: float = option(30.0, section="run", help="seconds from that signal within which the checkpoint "
+                                                            "must be written, else none is (0: no limit)")
+    skip_nonfinite: int = option(0, section="optimisation", help="skip the update of up to this many steps with a "
+                                                                 "non-finite loss or gradient norm (0: stop at the "
+                                                                 "first, exit code 65)")
+    init_from: str | None = option(None, section="checkpoint", help="a Hugging Face Llama directory whose weights "
+                                                                    "the run starts from (config.json + "
+                                                                    "model.safetensors; the model shape comes from it)")
 
     def __post_init__(self) -> None:
         if self.microbatches == 0:  # chosen once here; dataclasses.replace keeps it (pass 0 to choose again)
@@ -145,22 +188,27 @@ class TrainConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, the model and the data as nested dicts (what checkpoints store)."""
         return asdict(self)
+
+    def to_sections(self) -> dict[str, dict[str, Any]]:
+        """The settings by section (``SECTIONS``), as a ``--config`` file's tables hold them."""
+        flat = self.to_dict()
+        tables: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for info in field_infos(type(self)):
+            if info.nested:
+                tables[info.name] = flat[info.name]
+            else:
+                tables[info.section or "run"][info.name] = flat[info.name]
+        return tables
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in d.items() if k in known}
-        if "precision" not in d and d.get("dtype") in _LEGACY_DTYPES:
-            values["precision"] = _LEGACY_DTYPES[d["dtype"]]
-        if values.get("stage_layers") is not None:
-            values["stage_layers"] = tuple(values["stage_layers"])
-        if isinstance(values.get("model"), dict):
-            values["model"] = ModelConfig.from_dict(values["model"])
-        if isinstance(values.get("data"), dict):
-            values["data"] = DataConfig(**{**values["data"], "paths": tuple(values["data"].get("paths", ()))})
-        return cls(**values)
-
+        """The config a ``to_dict`` wrote (a checkpoint's); an unknown key is a ValueError naming it."""
+        values = dict(d)
+        if "precision" not in values and values.get("dtype") in _LEGACY_DTYPES:
+            values["precision"] = _LEGACY_DTYPES[values["dtype"]]
+        return construct(cls, values, "train config:", extra=_RETIRED)
 
 def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
     """The micro-batch count m a run gets when it sets none, and why (the run summary prints it).
