@@ -89,6 +89,7 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
         [v / math.log(2) for _, v in summary["val"]])  # bytes: bits per byte = nats / ln 2
     printed = capsys.readouterr().out
     assert "unigram baseline" in printed and "1, 3 (--stage-layers)" in printed
+    assert "this layer split" in printed and "42.9%" in printed  # 1 | 3, m = 2, F ∝ layers: 3/7 idle
     assert summary["config"]["schedule"]["stage_layers"] == [1, 3]  # the settings by section
     assert summary["mfu"] is None and summary["peak_tflops"] is None  # on CPUs only with --peak-tflops
 

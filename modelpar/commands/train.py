@@ -192,6 +192,8 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
         ("  simulated, equal stages F=1 B=2", pct(result.bubble_ideal)),
+        *([("  simulated, this layer split (F ∝ layers)", pct(_split_bubble(cfg)))] if len(set(cfg.layer_split)) > 1
+          else []),
     ]
     png = plot_losses(out / "loss.png", result.losses, result.val, result.unigram_baseline,
                       f"{cfg.model.arch} {result.num_parameters:,} params, t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
@@ -210,6 +212,17 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
+
+
+def _split_bubble(cfg: Any) -> float:
+    """The simulator's bubble for this run's schedule with each stage's times proportional to its layers."""
+    from modelpar.schedules import get_schedule
+    from modelpar.simulate import Costs, simulate
+
+    split = cfg.layer_split
+    mean = sum(split) / len(split)
+    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    return simulate(schedule, Costs(stage_multipliers=tuple(n / mean for n in split))).bubble
 
 
 def _why_microbatches(cfg: Any) -> str:
