@@ -128,20 +128,15 @@ def test_every_field_is_a_flag_in_its_section_with_its_real_default():
     parser = _train_parser()
     parser.format_help()  # builds the flags
     groups = {g.title: {o for a in g._group_actions for o in a.option_strings} for g in parser._action_groups}
-    infos = {s: list(section_fields(s)) for s in SECTIONS}
-    for cls in (TrainConfig, ModelConfig, DataConfig, RunOptions):  # every field has help and one section
-        for info in field_infos(cls):
-            assert info.help and (info.nested or cls is not TrainConfig or info.section in SECTIONS), info.name
-    listed = [i.name for s in SECTIONS for i in infos[s]]
-    flat = [i.name for i in field_infos(TrainConfig) if not i.nested]
-    assert sorted(set(flat) - {"model", "data"}) == sorted(n for s in SECTIONS[2:] for n in (i.name for i in infos[s])
-                                                           if n in flat)
-    assert len(listed) == len(field_infos(TrainConfig)) - 2 + len(field_infos(ModelConfig)) + len(
-        field_infos(DataConfig)) + len(field_infos(RunOptions))
+    listed = {(s, i.name) for s in SECTIONS for i in section_fields(s)}
+    declared = {("model", i.name) for i in field_infos(ModelConfig)} | {("data", i.name) for i in field_infos(DataConfig)}
+    for cls in (TrainConfig, RunOptions):
+        declared |= {(i.section, i.name) for i in field_infos(cls) if not i.nested}
+    assert listed == declared  # every field in exactly the section it declares, none without one
     for section in SECTIONS:
-        for info in infos[section]:
-            if info.cli:
-                assert info.flag in groups[section], (section, info.flag)
+        for info in section_fields(section):
+            assert info.help, info.name
+            assert (info.flag in groups[section]) == info.cli, (section, info.flag)
     helps = {o: a.help for a in parser._actions for o in a.option_strings}
     assert "(default: 25.0)" in helps["--bucket-mb"] and "(default: 300)" in helps["--steps"]
     assert "(default: 1f1b)" in helps["--schedule"] and "(default: off)" in helps["--sequence-parallel"]

@@ -1,9 +1,10 @@
 """``modelpar train``: train a small GPT or Llama with tensor × pipeline × data parallelism (§6).
 
 With no flags: t = 2, p = 2, d = 1 on 4 local processes (gloo), a few minutes on a 2-core CPU.
-Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). Settings
-left out keep ``TrainConfig`` / ``ModelConfig``'s defaults (imported only when the command runs,
-so other commands start without torch).
+Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). The flags
+and the ``--config`` file are generated from the config dataclasses' fields
+(``modelpar.commands.train_options``), imported only when this command runs, so other commands
+start without torch; settings left out keep the dataclasses' defaults.
 """
 
 from __future__ import annotations

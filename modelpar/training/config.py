@@ -2,6 +2,12 @@
 
 ``TrainConfig.check(world_size)`` validates everything before any process group work starts, so
 bad input is the same clear ValueError on every rank (every rank checks the same config).
+
+Each field is declared once with its help and its section (``modelpar._options.option``; the
+sections are ``SECTIONS``: model, data, parallelism, schedule, optimisation, checkpoint, run):
+``modelpar train``'s flags and argument groups, its ``--config`` file's tables, ``summary.json``
+and the settings tables of docs/training.md are generated from them. Code reads the fields flat
+(``cfg.tp``, ``cfg.microbatches``); the sections are how users see them.
 """
 
 from __future__ import annotations
@@ -29,14 +35,13 @@ ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 _RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
 
 
 def _signal_name(text: str) -> str:
     """TERM, term, SIGTERM -> SIGTERM."""
     name = str(text).upper()
     return name if name.startswith("SIG") else "SIG" + name
-
-BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
 
 
 @dataclass(frozen=True)
