@@ -105,8 +105,8 @@ def test_a_truncated_latest_checkpoint_is_skipped_and_the_run_continues_exactly(
         (["--hidden", "64"], rf"checkpoint {re.escape(repr(str(ckpt / 'step_00000004')))} is of a different model: "
                              r"hidden differ \(checkpoint \[32\], this run \[64\]\)"),
         (["--tp", "4"], r"heads \(2\) must be divisible by tp \(4\)"),  # the checkpoint's 2 heads, not the default 4
-        (["--pp", "4"], r"layers \(2\) must be divisible by the number of pipeline stages \(pp \* chunks\) \(4\)"),
-        (["--schedule", "interleaved", "--pp", "2"], r"layers \(2\) must be divisible by .* \(pp \* chunks\) \(4\)"),
+        (["--pp", "5"], r"p·v = 5 chunks need at least 3 layers, the model has 2"),  # the checkpoint's 2 layers
+        (["--schedule", "interleaved", "--pp", "2", "--chunks", "3"], r"p·v = 6 chunks need at least 4 layers, .*"),
         (["--checkpoint-dir", str(shard)], r"checkpoint_dir must be a directory, got '.*__0_0.distcp', which is a file"),
     ):
         code = main(["train", "--checkpoint-dir", str(ckpt), "--resume", "--no-progress", "--out",

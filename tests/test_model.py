@@ -202,7 +202,8 @@ def test_parameter_and_flop_counts_equal_the_cost_model(cfg):
     ({"vocab_size": 250}, {"tp": 3, "stages": 1}, r"heads \(4\) must be divisible by tp \(3\)"),
     ({"vocab_size": 250, "heads": 6, "hidden": 24}, {"tp": 3},
      r"padded vocabulary \(vocab_size 250 rounded up to a multiple of 64\) \(256\) must be divisible by tp \(3\)"),
-    ({"layers": 6}, {"stages": 4}, r"layers \(6\) must be divisible by the number of pipeline stages"),
+    ({"layers": 6}, {"stages": 4}, None),  # uneven: 1, 2, 2, 1 (modelpar.layer_split)
+    ({"layers": 2}, {"stages": 5}, r"p·v = 5 chunks need at least 3 layers, the model has 2"),
     ({"seq_len": 10}, {"tp": 4, "sequence_parallel": True}, r"seq_len \(sequence parallel\) \(10\)"),
     ({"ffn": -1}, {}, r"ffn must be >= 0, got -1"),
     ({"arch": "t5"}, {}, r"arch must be one of \{gpt, llama\}, got 't5'"),
@@ -227,6 +228,13 @@ def test_bad_shapes_are_named(change, kwargs, message):
 
 def test_stage_layers_and_bad_stage():
     assert list(stage_layers(CFG, 1, 2)) == [2, 3]
+    six = dataclasses.replace(CFG, layers=6)  # the planner's uneven default, and a pinned split
+    assert [list(stage_layers(six, s, 4)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert [list(stage_layers(six, s, 3, (0, 4, 2))) for s in range(3)] == [[], [0, 1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match=r"stage_layers 3,0,3: only the first and last chunk may be empty"):
+        stage_layers(six, 0, 3, (3, 0, 3))
+    with pytest.raises(ValueError, match=r"stage_layers 3,2: sums to 5, not the model's 6 layers"):
+        stage_layers(six, 0, 2, (3, 2))
     with pytest.raises(ValueError, match="stage must be <= 1, got 2"):
         stage_layers(CFG, 2, 2)
 
@@ -237,6 +245,6 @@ def test_bad_token_ids_and_lengths():
         model(torch.zeros(1, 13, dtype=torch.long))
     with pytest.raises(ValueError, match=r"ids must be in \[0, 64\), got 64"):
         model(torch.full((1, 4), 64))
-    with pytest.raises(ValueError, match=r"model config has unknown fields \['ffn_mult'\]"):
+    with pytest.raises(ValueError, match=r"model config: unknown key 'ffn_mult'; allowed: vocab_size, seq_len, hidden"):
         ModelConfig.from_dict({"ffn_mult": 4})
     assert ModelConfig.from_dict(LLAMA.to_dict()) == LLAMA

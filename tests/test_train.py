@@ -166,11 +166,28 @@ def test_every_split_and_schedule_computes_the_single_process_model(request, cha
     check_split(request.getfixturevalue(f"c{world}"), **changes)
 
 
+# --- uneven splits: the planner's default (extras in the middle) and --stage-layers, any schedule ------
+UNEVEN = [  # (per virtual stage, in pipeline order)
+    {"pp": 2, "model": dataclasses.replace(TINY, layers=3)},  # default 1, 2
+    {"pp": 2, "schedule": "zb-h1", "stage_layers": (1, 3), "model": TIED},
+    {"pp": 2, "stage_layers": (0, 4)},  # the first stage holds the embedding alone
+    {"pp": 2, **V2, "model": dataclasses.replace(LLAMA, layers=6), "recompute": "1"},  # default 1, 2, 2, 1
+    {"tp": 2, "pp": 2, "dp": 2, "stage_layers": (3, 1), "zero": 1, "sequence_parallel": True},
+]
+
+
+@pytest.mark.parametrize("changes", UNEVEN, ids=_case_id)
+def test_uneven_splits_compute_the_single_process_model(request, changes):
+    world = changes.get("tp", 1) * changes.get("pp", 1) * changes.get("dp", 1)
+    check_split(request.getfixturevalue(f"c{world}"), **changes)
+
+
 # --- bad input: the same clear error on every rank, before training ---------------------------------
 @pytest.mark.parametrize("changes, message", [
     ({"tp": 2, "pp": 2, "dp": 2}, r"tp \* pp \* dp = 2 \* 2 \* 2 = 8 must equal the number of processes \(world size 2\)"),
     ({"tp": 2, "model": dataclasses.replace(TINY, heads=3, hidden=24)}, r"heads \(3\) must be divisible by tp \(2\)"),
-    ({"pp": 2, "model": dataclasses.replace(TINY, layers=3)}, r"layers \(3\) must be divisible by the number of pipeline"),
+    ({"pp": 2, "stage_layers": (1, 2)}, r"stage_layers 1,2: sums to 3, not the model's 4 layers"),
+    ({"pp": 2, "model": dataclasses.replace(TINY, layers=1), **V2}, r"p·v = 4 chunks need at least 2 layers"),
     ({"tp": 2, "model": dataclasses.replace(LLAMA, heads=6, kv_heads=3, hidden=24)},
      r"heads \(6\) must be divisible by tp \(2\)|kv_heads \(3\) and tp \(2\) must divide one another"),
     ({"tp": 2, "model": dataclasses.replace(LLAMA, heads=2, kv_heads=2, hidden=24, ffn=33)},
@@ -193,6 +210,16 @@ def test_resume_gives_bitwise_the_uninterrupted_losses(c2, tmp_path):
     resumed = c2.run(_train, dataclasses.replace(stopped, exit_after=0, resume=True))[0]
     assert resumed[3] == 3 and resumed[0] == full[0] and resumed[2] == full[2]  # bitwise, with the history
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step_00000004", "step_00000006"]  # keep=2
+
+
+def test_a_checkpoint_resumes_at_another_layer_split(c2, tmp_path):
+    """Layer names are global: saved with layers 1 | 3 over two stages, resumed with 3 | 1."""
+    cfg = dataclasses.replace(BASE, pp=2, steps=4, stage_layers=(1, 3), checkpoint_dir=str(tmp_path), exit_after=2)
+    c2.run(_train, cfg)
+    losses, _, val, start = c2.run(_train, dataclasses.replace(cfg, stage_layers=(3, 1), exit_after=0, resume=True))[0]
+    want_losses, _, want_val = ref(cfg)
+    assert start == 2 and losses == pytest.approx(want_losses, abs=TOL, rel=0)
+    assert val == pytest.approx(want_val, abs=TOL, rel=0)
 
 
 def test_zero1_resume_is_bitwise_and_its_checkpoint_reshards_to_zero0(c2, tmp_path):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from modelpar.corpus import rank_batch
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, lr_at
+from modelpar.training.config import default_microbatches
 from modelpar.training.state import check_meta, init_optimizer_state, resumed_config, run_meta
 
 
@@ -121,3 +122,30 @@ def test_resume_takes_what_the_flags_leave_out_from_the_checkpoint():
     with pytest.raises(ValueError, match=r"written with lr=0.001, this run has lr=0.002"):
         check_meta(meta, now, "ck")
     assert resumed_config(TrainConfig(), meta, given={"heads"}).model == replace(written.model, heads=4)
+
+
+@pytest.mark.parametrize("changes, m, why", [
+    ({"pp": 1}, 1, "p = 1: no pipeline to fill"),
+    ({}, 4, "bubble <= 25% of the ideal compute"),  # p = 2: 4(p - 1), the bubble 1/(4 + 1) = 20% of the step
+    ({"pp": 4, "batch_size": 24}, 12, "bubble <= 25%"),  # 4(p - 1) = 12 divides the 24 rows
+    ({"pp": 4}, 16, "dividing the per-replica batch 16"),  # 12 does not divide 16: the next divisor
+    ({"pp": 4, "batch_size": 8}, 8, "would be 12: capped by the per-replica batch 8"),
+    ({"pp": 2, "schedule": "interleaved", "chunks": 2}, 2, "bubble <= 25%"),  # (p - 1)/(v·m) = 1/4
+    ({"pp": 4, "schedule": "interleaved", "chunks": 2, "batch_size": 32}, 8, "bubble <= 25%"),  # a multiple of p
+])
+def test_default_microbatches_fill_the_pipeline_and_fit_the_batch(changes, m, why):
+    cfg = TrainConfig(**changes)
+    assert cfg.microbatches == m and default_microbatches(cfg) == (m, default_microbatches(cfg)[1])
+    assert why in default_microbatches(cfg)[1]
+    assert replace(cfg, microbatches=3).microbatches == 3  # a set m stays
+    assert replace(cfg, microbatches=0, pp=1).microbatches == 1  # 0 chooses again for the new split
+
+
+def test_no_microbatch_default_at_one_process_from_the_cli():
+    from modelpar.cli import build_parser
+    from modelpar.commands.train import build_config
+
+    cfg = build_config(build_parser().parse_args(["train", "--tp", "1", "--pp", "1"]))
+    assert cfg.microbatches == 1  # issue 21 §6: 4 micro-batches at (1, 1, 1) cost 15%
+    cfg = build_config(build_parser().parse_args(["train", "--pp", "4", "--tp", "1", "--batch-size", "24"]))
+    assert cfg.microbatches == 12

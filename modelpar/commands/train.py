@@ -1,9 +1,10 @@
 """``modelpar train``: train a small GPT or Llama with tensor × pipeline × data parallelism (§6).
 
 With no flags: t = 2, p = 2, d = 1 on 4 local processes (gloo), a few minutes on a 2-core CPU.
-Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). Settings
-left out keep ``TrainConfig`` / ``ModelConfig``'s defaults (imported only when the command runs,
-so other commands start without torch).
+Under ``torchrun`` the same command runs in the launcher's processes (NCCL on GPUs). The flags
+and the ``--config`` file are generated from the config dataclasses' fields
+(``modelpar.commands.train_options``), imported only when this command runs, so other commands
+start without torch; settings left out keep the dataclasses' defaults.
 """
 
 from __future__ import annotations
@@ -14,158 +15,97 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_MODEL = "model (defaults: GPT, h=128, L=4, a=4, s=64, byte vocabulary 256)"
-# Flags by help group: (name, int | float | str, or bool for a switch, help). A flag sets the
-# ModelConfig field of its name in the model group and the TrainConfig field of its name elsewhere.
-_FLAGS: dict[str, list[tuple[str, type, str]]] = {
-    _MODEL: [
-        ("arch", str, "gpt (LayerNorm, learned positions, GeLU, biases) or llama (RMSNorm, rotary, SwiGLU, GQA)"),
-        ("hidden", int, "model width h"),
-        ("layers", int, "transformer layers L (divisible by p·v)"),
-        ("heads", int, "attention heads a (divisible by t)"),
-        ("kv_heads", int, "key/value heads of grouped-query attention (llama; default: one per head)"),
-        ("seq_len", int, "context length s"),
-        ("ffn", int, "MLP width (default 4h for gpt, 8h/3 rounded up to 64 for llama)"),
-        ("tie_embeddings", bool, "share the input embedding with the output layer (summed across stages)"),
-        ("norm_eps", float, "epsilon of LayerNorm / RMSNorm (default 1e-5)"),
-        ("rope_theta", float, "rotary embedding base (llama, default 10000)"),
-    ],
-    "parallelism (default t=2, p=2, d=1, 1f1b, 4 micro-batches)": [
-        ("tp", int, "tensor-parallel size t"),
-        ("pp", int, "pipeline stages p"),
-        ("dp", int, "data-parallel replicas d"),
-        ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
-        ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
-        ("microbatches", int, "micro-batches m per replica"),
-        ("recompute", str, "activation recomputation: none, selective (attention core), full (stage input), "
-                           "k (every k layers), sqrt"),
-        ("sequence_parallel", bool, "shard LayerNorm and residual activations along the sequence"),
-        ("pipeline_gloo", bool, "under NCCL: send pipeline activations over gloo through host memory "
-                                "(default: NCCL, tensors stay on the GPU)"),
-    ],
-    "optimisation (defaults: 300 steps, batch 16, AdamW lr 3e-3, clip 1.0)": [
-        ("steps", int, "optimizer steps"),
-        ("batch_size", int, "global batch in sequences"),
-        ("lr", float, "peak learning rate (warm-up, cosine decay to lr/10)"),
-        ("warmup", int, "warm-up steps"),
-        ("weight_decay", float, "AdamW weight decay on matrices"),
-        ("clip", float, "max global gradient norm (0: off)"),
-        ("seed", int, "seed of the initial weights and the batches"),
-    ],
-    "numerics and data parallelism (docs/numerics.md)": [
-        ("precision", str, "fp32 (default), bf16 (bfloat16 compute, fp32 master weights and AdamW) or fp64"),
-        ("zero", int, "1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, update, all-gather); "
-                      "0 (default): every replica holds all of it"),
-        ("no_overlap_grad_reduce", bool, "reduce the gradients over d after the pipeline step (default: each "
-                                         "bucket during the backward, as soon as its gradients are final)"),
-        ("bucket_mb", float, "MiB of gradients per data-parallel collective (default 25)"),
-    ],
-    "evaluation, checkpoints, output": [
-        ("eval_every", int, "validation loss every this many steps (0: at the end)"),
-        ("eval_batches", int, "validation batches per evaluation"),
-        ("checkpoint_dir", str, "write sharded checkpoints here (torch.distributed.checkpoint)"),
-        ("checkpoint_every", int, "checkpoint every this many steps (0: at the end)"),
-        ("keep", int, "valid checkpoints kept (default 2; damaged ones are never counted; docs/checkpoints.md)"),
-        ("resume", bool, "continue from the latest complete checkpoint in --checkpoint-dir, at any split; "
-                         "the model, data and optimisation settings left out come from the checkpoint"),
-        ("overwrite", bool, "start a fresh run in a --checkpoint-dir that holds checkpoints: delete them first "
-                            "(without it such a run is refused)"),
-        ("init_from", str, "start from a Hugging Face Llama directory's weights (config.json + model.safetensors; "
-                           "the model shape comes from it)"),
-        ("exit_after", int, "stop after this many steps with a checkpoint (time-limited jobs)"),
-        ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
-                           "(default 300: a hung rank ends the run with an error)"),
-    ],
-    "stopping and preemption (docs/stopping.md)": [
-        ("preempt_signal", str, "signal that asks for a checkpoint at the next step and an exit with code 75: "
-                                "SIGTERM (default), SIGUSR1 or SIGUSR2"),
-        ("preempt_grace", float, "seconds from that signal within which the checkpoint must be written, "
-                                 "else none is (default 30; 0: no limit)"),
-        ("skip_nonfinite", int, "skip the update of up to N steps with a non-finite loss or gradient norm "
-                                "(default 0: stop at the first, exit code 65)"),
-    ],
-}
-_DATA = "data (default: the shipped corpus, byte tokens; see docs/data.md)"
-# Flags that set DataConfig fields: (flag name, type, help); --data may be given many times.
-_DATA_FLAGS: list[tuple[str, type, str]] = [
-    ("data", str, "a text, JSONL, Parquet or Arrow file, or a folder of them (repeat for more)"),
-    ("data_glob", str, "file names taken from --data folders, recursively (default '*', hidden skipped)"),
-    ("text_field", str, "the JSONL / table field holding the text (default 'text')"),
-    ("val_fraction", float, "share of documents held out for validation (default 0.01, at least one)"),
-    ("tokenizer", str, "bytes (default), bpe (trained on the training split) or a tokenizer.json file"),
-    ("vocab_size", int, "the vocabulary to train with --tokenizer bpe (257 ... 65,535 with uint16)"),
-    ("token_dtype", str, "token cache dtype: auto (default), uint16 or uint32"),
-    ("cache_dir", str, "token cache folder (default: modelpar-cache beside --checkpoint-dir, or ./modelpar-cache)"),
-]
-_DATA_FIELDS = {"data": "paths", "data_glob": "glob"}  # flag name -> DataConfig field where they differ
+
+class _TrainParser(argparse.ArgumentParser):
+    """The train parser: its flags are generated from the config dataclasses (which import torch)
+    the first time it parses or prints help, so that other commands start without torch."""
+
+    _built = False
+
+    def _build(self) -> None:
+        if not self._built:
+            self._built = True
+            from modelpar.commands.train_options import add_flags
+
+            add_flags(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._build()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._build()
+        return super().format_help()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a GPT or Llama with 3D parallelism (local processes or torchrun)",
                               description="Train a small GPT- or Llama-style model with tensor x pipeline x data "
-                                          "parallelism (reference §6).")
-    for title, flags in _FLAGS.items():
-        group = p.add_argument_group(title)
-        for name, kind, text in flags:
-            flag = "--" + name.replace("_", "-")
-            if kind is bool:
-                group.add_argument(flag, action="store_true", default=None, help=text)
-            else:
-                group.add_argument(flag, type=kind, help=text)
-    d = p.add_argument_group(_DATA)
-    for name, kind, text in _DATA_FLAGS:
-        d.add_argument("--" + name.replace("_", "-"), type=kind, help=text, action="append" if name == "data" else None)
-    r = p.add_argument_group("run")
-    r.add_argument("--out", default="modelpar-train",
-                   help="folder for metrics.jsonl, loss.png and summary.json (default %(default)s)")
-    r.add_argument("--tensorboard", action="store_true",
-                   help="also write the metrics as TensorBoard event files in OUT/tensorboard (the tensorboard extra)")
-    r.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="under torchrun: process-group backend (auto: nccl with GPUs, else gloo)")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
-    r.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per device for the MFU (default: known GPUs by name; on CPUs no MFU)")
+                                          "parallelism (reference §6). Every setting is a flag and a key of a "
+                                          "--config file's table of its section (docs/training.md).")
+    p.__class__ = _TrainParser  # flags added on first use (see _TrainParser)
+    p.add_argument("--config", metavar="FILE", help="settings from a TOML or JSON file, one table per section "
+                                                    "([model], [parallelism], ...); flags override it")
     p.add_argument("--dtype", help=argparse.SUPPRESS)  # retired: a one-line error pointing to --precision
     p.set_defaults(func=run)
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    """The TrainConfig the flags describe (flags left out keep the defaults)."""
+    """The TrainConfig the ``--config`` file and the flags describe (flags win; the rest keep the defaults)."""
+    return build(args)[0]
+
+
+def build(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(TrainConfig, RunOptions) from the dataclass defaults, the ``--config`` file and the flags, in that order."""
     from dataclasses import replace
 
+    from modelpar._options import field_infos
+    from modelpar.commands.train_options import RunOptions, given_settings, read_config_file
     from modelpar.text import DataConfig
     from modelpar.training import TrainConfig
 
     if getattr(args, "dtype", None) is not None:
         raise ValueError(f"--dtype {args.dtype} is retired: use --precision fp32 (was float32), fp64 (was float64) "
                          "or bf16")
-    cfg = TrainConfig()
-    data = {_DATA_FIELDS.get(name, name): getattr(args, name) for name, _, _ in _DATA_FLAGS
-            if getattr(args, name, None) is not None}
-    if "paths" in data:
-        data["paths"] = tuple(data["paths"])
-    given = {name: group for group, flags in _FLAGS.items() for name, _, _ in flags
-             if getattr(args, name, None) is not None}
-    model = {name: getattr(args, name) for name, group in given.items() if group == _MODEL}
-    run = {name: getattr(args, name) for name, group in given.items() if group != _MODEL}
-    if "recompute" in run:
-        run["recompute"] = str(run["recompute"]).lower()
-    if "preempt_signal" in run:  # TERM, term, SIGTERM
-        name = str(run["preempt_signal"]).upper()
-        run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
-    if run.pop("no_overlap_grad_reduce", False):
-        run["overlap_grad_reduce"] = False
-    if run.get("schedule") == "interleaved" and "chunks" not in run:
-        run["chunks"] = 2
-    base = cfg.model
-    if "init_from" in run:  # the shape is the directory's; flags may only repeat it (or shorten seq_len)
+    path = getattr(args, "config", None)
+    from_file = read_config_file(path) if path else {}
+    settings = {section: dict(table) for section, table in from_file.items()}
+    for section, table in given_settings(args).items():
+        settings.setdefault(section, {}).update(table)
+    model = settings.pop("model", {})
+    data = settings.pop("data", {})
+    flat = {k: v for table in settings.values() for k, v in table.items()}
+    own = {info.name for info in field_infos(RunOptions)}
+    run_options = RunOptions(**{k: flat.pop(k) for k in own & flat.keys()}).check()
+    if flat.get("schedule") == "interleaved" and "chunks" not in flat:
+        flat["chunks"] = 2
+    given = set(flat) | set(model) | ({"data"} if data else set())
+    flat.setdefault("microbatches", 0)  # 0: chosen for this run's p, schedule and batch (default_microbatches)
+    base = TrainConfig().model
+    if flat.get("init_from"):  # the shape is the directory's; flags may only repeat it (or shorten seq_len)
         from modelpar.hf import read_hf_config
 
-        base = read_hf_config(run["init_from"], seq_len=model.pop("seq_len", None))
-    cfg = replace(cfg, model=replace(base, **model), data=DataConfig(**data), **run)
+        base = read_hf_config(flat["init_from"], seq_len=model.pop("seq_len", None))
+    cfg = replace(TrainConfig(), model=replace(base, **model), data=DataConfig(**data), **flat)
     if cfg.resume and cfg.checkpoint_dir:
-        cfg = _continued(cfg, set(given) | ({"data"} if data else set()))
-    return cfg
+        cfg = _continued(cfg, given)
+        if "microbatches" not in given:  # the checkpoint's batch size may differ
+            cfg = replace(cfg, microbatches=0)
+    if path:
+        _blame(cfg, path, from_file, settings | {"model": model, "data": data})
+    return cfg, run_options
+
+
+def _blame(cfg: Any, path: str, from_file: dict[str, dict[str, Any]], final: dict[str, dict[str, Any]]) -> None:
+    """If ``cfg.check()`` names a setting that came from the file (and no flag replaced), name the file too."""
+    try:
+        cfg.check()
+    except ValueError as err:
+        first = str(err).split(" ", 1)[0]
+        for section, table in from_file.items():
+            if first in table and final.get(section, {}).get(first) == table[first]:
+                raise ValueError(f"{path}: [{section}] {err}") from None
+        raise
 
 
 def _continued(cfg: Any, given: set[str]) -> Any:
@@ -185,16 +125,14 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.distributed import is_torchrun
     from modelpar.training.resume import check_directory
 
-    cfg = build_config(args)
-    if args.peak_tflops is not None and not args.peak_tflops > 0:
-        raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    cfg, options = build(args)
     cfg.check()
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
-    check_paths(cfg, args.out)  # one line for a path that cannot be written, before anything starts
+    check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
     check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
-    with out_lock(args.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
-        return _run(args, cfg)
+    with out_lock(options.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
+        return _run(cfg, options)
 
 
 def _ranks_here(cfg: Any) -> tuple[int, int | None]:
@@ -213,7 +151,7 @@ def _ranks_here(cfg: Any) -> tuple[int, int | None]:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None
 
 
-def _run(args: argparse.Namespace, cfg: Any) -> int:
+def _run(cfg: Any, options: Any) -> int:
     import os
 
     from rich.console import Console
@@ -226,14 +164,14 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
     from modelpar.training.resume import check_resume
 
     console = Console(stderr=True)
-    metrics = MetricsLog(args.out, tensorboard=args.tensorboard)
-    display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=not args.no_progress)
+    metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
+    display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=options.progress)
     report = Reporters(display, metrics)
     if is_torchrun():
-        result = run_in_process(cfg, report, backend=None if args.backend == "auto" else args.backend)
+        result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        cfg = prepare_data(cfg, console, progress=not args.no_progress).check()
+        cfg = prepare_data(cfg, console, progress=options.progress).check()
         check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
         console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
@@ -245,7 +183,7 @@ def _run(args: argparse.Namespace, cfg: Any) -> int:
             print(f"modelpar train: {result.stop.message}", file=sys.stderr, flush=True)
         return result.stop.exit_code
     if first:
-        _summary(cfg, result, Path(args.out), args.peak_tflops)
+        _summary(cfg, result, Path(options.out), options.peak_tflops)
     return 0
 
 
@@ -262,6 +200,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
         ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
+        ("micro-batches", _why_microbatches(cfg)),
+        ("layers per stage", ", ".join(map(str, cfg.layer_split))
+         + (" (--stage-layers)" if cfg.stage_layers is not None else " (default split)")),
         ("parameters", f"{result.num_parameters:,}"),
         ("steps", f"{len(result.losses)} (this run from step {result.start_step})"
                   + (f", {result.skipped_steps} updates skipped (non-finite)" if result.skipped_steps else "")),
@@ -283,10 +224,12 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
         ("  simulated, equal stages F=1 B=2", pct(result.bubble_ideal)),
+        *([("  simulated, this layer split (F ∝ layers)", pct(_split_bubble(cfg)))] if len(set(cfg.layer_split)) > 1
+          else []),
     ]
     png = plot_losses(out / "loss.png", result.losses, result.val, result.unigram_baseline,
                       f"{cfg.model.arch} {result.num_parameters:,} params, t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
-    summary = {"config": cfg.to_dict(), "losses": result.losses, "val": result.val,
+    summary = {"config": cfg.to_sections(), "losses": result.losses, "val": result.val,
                "tokens_per_s": result.tokens_per_s, "unigram_baseline": result.unigram_baseline,
                "bubble_measured": result.bubble_measured, "bubble_simulated": result.bubble_simulated,
                "bubble_ideal": result.bubble_ideal, "start_step": result.start_step,
@@ -301,6 +244,24 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
+
+
+def _split_bubble(cfg: Any) -> float:
+    """The simulator's bubble for this run's schedule with each stage's times proportional to its layers."""
+    from modelpar.schedules import get_schedule
+    from modelpar.simulate import Costs, simulate
+
+    split = cfg.layer_split
+    mean = sum(split) / len(split)
+    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    return simulate(schedule, Costs(stage_multipliers=tuple(n / mean for n in split))).bubble
+
+
+def _why_microbatches(cfg: Any) -> str:
+    from modelpar.training.config import default_microbatches
+
+    chosen, why = default_microbatches(cfg)
+    return f"m={cfg.microbatches}: " + (f"the default, {why}" if cfg.microbatches == chosen else "set (--microbatches)")
 
 
 _PRECISION = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights)", "fp64": "fp64"}

@@ -21,6 +21,7 @@ from modelpar.costmodel.search import SearchResult, search
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec
 from modelpar.costmodel.stages import check_split
 from modelpar.costmodel.zero import ZERO_STAGES
+from modelpar.layer_split import parse_split
 
 __all__ = ["PlanRequest", "add_plan_arguments", "parse_plan_command", "request_from_args"]
 
@@ -105,10 +106,7 @@ def _cluster(args: argparse.Namespace) -> ClusterSpec:
 
 def _stage_layers(text: str, layers: int, pins: dict[str, Any]) -> tuple[int, ...]:
     """``--stage-layers`` as a tuple, checked against the model's layers and the pinned p and v (pinning them)."""
-    try:
-        split = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--stage-layers must be comma-separated whole numbers, got {text!r}") from None
+    split = parse_split(text)
     v = pins.setdefault("v", 1)
     if "p" in pins and len(split) != pins["p"] * v:
         raise ValueError(f"--stage-layers has {len(split)} entries, expected p·v = {pins['p']}·{v} = {pins['p'] * v}")

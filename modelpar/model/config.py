@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from modelpar._options import construct, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.costmodel.specs import ModelSpec
+from modelpar.layer_split import split_layers
 
 __all__ = ["ARCHS", "VOCAB_MULTIPLE", "ModelConfig"]
 
@@ -27,18 +29,20 @@ class ModelConfig:
     MLP, no biases (Touvron et al. 2023), laid out as Hugging Face's ``LlamaForCausalLM``.
     """
 
-    vocab_size: int = 256  # V: the tokenizer's vocabulary; the embedding and head hold padded_vocab_size rows
-    seq_len: int = 64  # s: context length (GPT: also the number of learned positions)
-    hidden: int = 128  # h: model width; divisible by heads
-    heads: int = 4  # a: attention (query) heads; divisible by t (heads are split across ranks)
-    layers: int = 4  # L: transformer layers; divisible by the number of (virtual) stages p·v
-    ffn: int = 0  # MLP width; 0: the arch's default, 4h (gpt) or 8h/3 rounded up to a multiple of 64 (llama)
-    tie_embeddings: bool = False  # output layer reuses the input embedding (summed across stages if p > 1)
-    init_std: float = 0.02  # N(0, std) for weights (GPT-2); output projections scaled by 1/√(2L)
-    arch: str = "gpt"  # "gpt" or "llama"
-    kv_heads: int = 0  # key/value heads of grouped-query attention (llama); 0: one per query head
-    norm_eps: float = 1e-5  # ε of LayerNorm (gpt) / RMSNorm (llama)
-    rope_theta: float = 10000.0  # rotary embedding base (llama)
+    vocab_size: int = option(256, cli=False, help="V: the tokenizer's vocabulary (set by --tokenizer); the embedding "
+                                                 "and the output layer hold it padded to a multiple of 64")
+    seq_len: int = option(64, help="s: context length (gpt: also the number of learned positions)")
+    hidden: int = option(128, help="h: model width, divisible by heads")
+    heads: int = option(4, help="a: attention (query) heads, divisible by t (heads are split across ranks)")
+    layers: int = option(4, help="L: transformer layers, split over the p·v (virtual) stages as --stage-layers says")
+    ffn: int = option(0, help="MLP width; 0: the arch's default, 4h (gpt) or 8h/3 rounded up to a multiple of 64 (llama)")
+    tie_embeddings: bool = option(False, help="the output layer reuses the input embedding (summed across stages if p > 1)")
+    init_std: float = option(0.02, help="N(0, std) for weights (GPT-2); output projections scaled by 1/sqrt(2L)")
+    arch: str = option("gpt", help="gpt (LayerNorm, learned positions, GeLU, biases) or llama (RMSNorm, rotary, "
+                                   "SwiGLU, grouped-query attention, no biases)")
+    kv_heads: int = option(0, help="key/value heads of grouped-query attention (llama); 0: one per query head")
+    norm_eps: float = option(1e-5, help="epsilon of LayerNorm (gpt) / RMSNorm (llama)")
+    rope_theta: float = option(10000.0, help="rotary embedding base (llama)")
 
     @property
     def ffn_hidden(self) -> int:
@@ -101,7 +105,7 @@ class ModelConfig:
         check_divisible(f"padded vocabulary (vocab_size {self.vocab_size} rounded up to a multiple of "
                         f"{VOCAB_MULTIPLE})", self.padded_vocab_size, "tp", tp)
         check_divisible("ffn hidden size", self.ffn_hidden, "tp", tp)
-        check_divisible("layers", self.layers, "the number of pipeline stages (pp * chunks)", stages)
+        split_layers(self.layers, stages)  # at most the first and the last stage without a layer
         if sequence_parallel:
             check_divisible("seq_len (sequence parallel)", self.seq_len, "tp", tp)
         return self
@@ -111,9 +115,5 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """The config a ``to_dict`` wrote; an unknown field is a ValueError naming it."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model config has unknown fields {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        """The config a ``to_dict`` wrote; an unknown field is a ValueError naming it and the known ones."""
+        return construct(cls, values, "model config:")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -68,11 +69,14 @@ def init_parameters(model: Transformer, seed: int) -> Transformer:
 
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0, group: Any = None,
                 sequence_parallel: bool = False, recompute: Strategy = None,
-                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
-    """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised."""
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                split: Sequence[int] | None = None) -> Transformer:
+    """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised.
+
+    ``split``: the layers of each stage (``modelpar.layer_split``; None: its default split)."""
     with torch.device("meta"):
         model = Transformer(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
-    split_stage(model, stage, num_stages)
+    split_stage(model, stage, num_stages, split)
     model.to_empty(device=device)
     if cfg.tie_embeddings and model.embed is not None and model.head is not None:
         model.head.weight = model.embed.word.weight  # to_empty gives shared parameters separate storage

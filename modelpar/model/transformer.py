@@ -12,12 +12,14 @@ the global layer index, and ``embed``, ``norm``, ``head`` may be None), then mat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelpar._validate import check_divisible, check_int
+from modelpar._validate import check_int
+from modelpar.layer_split import layer_ranges, resolve_split
 from modelpar.model.config import ModelConfig
 from modelpar.recompute.plan import Strategy, plan_recompute
 from modelpar.tensor_parallel import (
@@ -128,21 +130,22 @@ class LMLoss:
                                             check_shapes=self.check_shapes)
 
 
-def stage_layers(cfg: ModelConfig, stage: int, num_stages: int) -> range:
-    """Global indices of the layers of (virtual) stage ``stage``: L / num_stages consecutive ones."""
-    check_divisible("layers", cfg.layers, "the number of pipeline stages (pp * chunks)", num_stages)
+def stage_layers(cfg: ModelConfig, stage: int, num_stages: int, split: Sequence[int] | None = None) -> range:
+    """Global indices of the layers of (virtual) stage ``stage`` of ``num_stages``.
+
+    ``split``: the layers of each stage (``--stage-layers``); None: ``modelpar.layer_split``'s default.
+    """
     check_int("stage", stage, minimum=0, maximum=num_stages - 1)
-    per = cfg.layers // num_stages
-    return range(stage * per, (stage + 1) * per)
+    return layer_ranges(resolve_split(cfg.layers, num_stages, 1, split))[stage]
 
 
-def split_stage(model: Transformer, stage: int, num_stages: int) -> Transformer:
+def split_stage(model: Transformer, stage: int, num_stages: int, split: Sequence[int] | None = None) -> Transformer:
     """Keep only what (virtual) stage ``stage`` of ``num_stages`` holds, in place (§3.4).
 
-    The first stage keeps the embedding, the last the final norm and the head. A tied
-    head on a last stage without the embedding keeps the weight as its own parameter.
+    The first stage keeps the embedding, the last the final norm and the head (either may hold
+    no layer). A tied head on a last stage without the embedding keeps the weight as its own parameter.
     """
-    keep = {str(i) for i in stage_layers(model.cfg, stage, num_stages)}
+    keep = {str(i) for i in stage_layers(model.cfg, stage, num_stages, split)}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
     if stage != 0:

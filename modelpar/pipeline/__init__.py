@@ -6,7 +6,7 @@ from modelpar.pipeline.partition import balance_by_cost, balance_by_size, balanc
 from modelpar.pipeline.pipe import Pipe
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.pipeline.stage import LocalStage
-from modelpar.pipeline.stages import even_balance, split_stages
+from modelpar.pipeline.stages import split_stages
 from modelpar.pipeline.workers import StageWorkers
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "balance_by_cost",
     "balance_by_size",
     "balance_by_time",
-    "even_balance",
     "gather_timeline",
     "layer_times",
     "measure_link",

@@ -3,7 +3,8 @@
 Like torchgpipe's ``balance_by_size`` / ``balance_by_time`` (Kim et al. 2020, ``torchgpipe.balance``): give every
 layer a cost, then cut the layer list into K runs so that the costliest stage — which sets the
 pipeline's clock (reference text §2.2) — is as cheap as possible. The cut is exact (dynamic
-programming), not a heuristic; among equally good cuts it keeps the stages' layer counts even.
+programming, ``modelpar.layer_split.balance_by_cost``), not a heuristic; among equally good cuts it
+keeps the one nearest the default split, the one the planner and the trainer use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from modelpar._validate import check_int
+from modelpar.layer_split import balance_by_cost
 
 __all__ = ["balance_by_cost", "balance_by_size", "balance_by_time", "layer_times", "split_sequential"]
 
@@ -24,44 +26,6 @@ def _check_sequential(module: nn.Module) -> nn.Sequential:
     if not isinstance(module, nn.Sequential):
         raise ValueError(f"module must be an nn.Sequential, got {type(module).__name__}")
     return module
-
-
-def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:
-    """Layers per stage for ``partitions`` contiguous stages minimising the largest stage cost.
-
-    ``costs[i]`` is layer i's cost (>= 0). Ties go to the cut whose largest stage has the fewest
-    layers. Runs in O(K·n²), fine for the hundreds of layers a model has.
-    """
-    n = len(costs)
-    k = check_int("partitions", partitions, minimum=1)
-    if n == 0:
-        raise ValueError("costs must hold at least one layer, got an empty list")
-    if k > n:
-        raise ValueError(f"partitions ({k}) must be <= the number of layers ({n})")
-    if any(not c >= 0 for c in costs):  # also catches NaN
-        raise ValueError(f"costs must be >= 0, got {list(costs)}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-
-    # best[p][i]: lexicographically smallest max (cost, layers) over cuts of the first i layers
-    # into p stages; a total order, so the usual min-max recurrence is exact.
-    inf = (float("inf"), n + 1)
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = (0.0, 0)
-    for p in range(1, k + 1):
-        for i in range(p, n - (k - p) + 1):
-            for j in range(p - 1, i):
-                score = max(best[p - 1][j], (prefix[i] - prefix[j], i - j))
-                if score < best[p][i]:
-                    best[p][i], cut[p][i] = score, j
-    balance, i = [], n
-    for p in range(k, 0, -1):
-        j = cut[p][i]
-        balance.append(i - j)
-        i = j
-    return balance[::-1]
 
 
 def balance_by_size(module: nn.Sequential, partitions: int) -> list[int]:

@@ -12,17 +12,12 @@ from collections.abc import Sequence
 from torch import nn
 
 from modelpar._validate import check_int
+from modelpar.layer_split import split_layers
 from modelpar.pipeline.partition import split_sequential
-from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.recompute.plan import Strategy
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["even_balance", "split_stages"]
-
-
-def even_balance(layers: int, stages: int) -> list[int]:
-    """Layers per stage, as equal as possible (the first stages take one more): the microbatch split."""
-    return microbatch_sizes(layers, stages)
+__all__ = ["split_stages"]
 
 
 def split_stages(
@@ -34,7 +29,8 @@ def split_stages(
 ) -> dict[int, nn.Module]:
     """``{stage: module}`` for the virtual stages ``schedule`` puts on ``device``.
 
-    ``balance[s]`` is stage s's layer count (default: even). ``recompute`` (None, k, "sqrt",
+    ``balance[s]`` is stage s's layer count (default: ``modelpar.layer_split.split_layers``, the
+    planner's and the trainer's split). ``recompute`` (None, k, "sqrt",
     "full", "recompute-all") wraps each stage in ``modelpar.recompute.Recompute``.
     """
     if not isinstance(model, nn.Sequential):
@@ -47,7 +43,7 @@ def split_stages(
                 f"model has {n} layers and cannot be split into {stages} stages "
                 f"({schedule.num_devices} devices × {schedule.chunks} chunks); each stage needs a layer"
             )
-        balance = even_balance(n, stages)
+        balance = split_layers(n, stages)
     elif isinstance(balance, (str, bytes)) or len(balance) != stages:
         raise ValueError(f"balance must give a layer count for each of the {stages} stages, got {balance!r}")
     parts: list[nn.Module] = list(split_sequential(model, balance))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelpar._options import option
 from modelpar._validate import check_choice, check_int, check_number
 
 __all__ = ["TOKEN_DTYPES", "DataConfig"]
@@ -22,16 +23,24 @@ SHIPPED = "shipped corpus, bytes"  # the fingerprint of the default data
 class DataConfig:
     """The text a run trains on and how it becomes tokens."""
 
-    paths: tuple[str, ...] = ()  # --data: text / JSONL / Parquet / Arrow files or folders (empty: the shipped corpus)
-    glob: str = "*"  # --data-glob: the files taken from folders, recursively (hidden files and folders skipped)
-    text_field: str = "text"  # --text-field: the field holding the text in JSONL lines and table rows
-    val_fraction: float = 0.01  # --val-fraction: share of documents held out for validation (at least one)
-    tokenizer: str = "bytes"  # bytes (vocabulary 256), bpe (byte-level BPE trained here) or a tokenizer.json path
-    vocab_size: int | None = None  # --vocab-size: the vocabulary a bpe tokenizer is trained to
-    token_dtype: str = "auto"  # token file dtype: uint16 when the vocabulary fits (<= 65,535), else uint32
-    cache_dir: str | None = None  # token cache (None: modelpar-cache beside checkpoint_dir, or ./modelpar-cache)
-    prepared: str | None = None  # set by prepare_data: the token cache entry the ranks memory-map
-    fingerprint: str = SHIPPED  # set by prepare_data: which tokens and tokenizer (checked on resume)
+    paths: tuple[str, ...] = option(default_factory=tuple, flag="--data", metavar="PATH",
+                                    help="text, JSONL, Parquet or Arrow files or folders of them (on the command line "
+                                         "repeat --data; empty: the shipped corpus)")
+    glob: str = option("*", flag="--data-glob", help="file names taken from --data folders, recursively (hidden "
+                                                    "files and folders skipped)")
+    text_field: str = option("text", help="the JSONL / table field holding the text")
+    val_fraction: float = option(0.01, help="share of documents held out for validation (at least one)")
+    tokenizer: str = option("bytes", help="bytes (vocabulary 256), bpe (byte-level BPE trained on the training "
+                                          "split) or a tokenizer.json file")
+    vocab_size: int | None = option(None, help="the vocabulary --tokenizer bpe is trained to (257 ... 65,535 with "
+                                               "uint16)")
+    token_dtype: str = option("auto", help="token cache dtype: auto (uint16 when the vocabulary fits), uint16 or uint32")
+    cache_dir: str | None = option(None, help="token cache folder (none: modelpar-cache beside --checkpoint-dir, "
+                                              "or ./modelpar-cache)")
+    prepared: str | None = option(None, cli=False, help="set by prepare_data: the token cache entry the ranks "
+                                                        "memory-map")
+    fingerprint: str = option(SHIPPED, cli=False, help="set by prepare_data: which tokens and tokenizer (checked "
+                                                       "on resume)")
 
     @property
     def is_shipped_bytes(self) -> bool:

@@ -2,74 +2,139 @@
 
 ``TrainConfig.check(world_size)`` validates everything before any process group work starts, so
 bad input is the same clear ValueError on every rank (every rank checks the same config).
+
+Each field is declared once with its help and its section (``modelpar._options.option``; the
+sections are ``SECTIONS``: model, data, parallelism, schedule, optimisation, checkpoint, run):
+``modelpar train``'s flags and argument groups, its ``--config`` file's tables, ``summary.json``
+and the settings tables of docs/training.md are generated from them. Code reads the fields flat
+(``cfg.tp``, ``cfg.microbatches``); the sections are how users see them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import itertools
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from modelpar._options import SECTIONS, about, construct, field_infos, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.distributed import ParallelDims
+from modelpar.formulas import bubble_over_ideal_compute
+from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
-__all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
+__all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
+_RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
+
+
+def _signal_name(text: str) -> str:
+    """TERM, term, SIGTERM -> SIGTERM."""
+    name = str(text).upper()
+    return name if name.startswith("SIG") else "SIG" + name
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Defaults: the `modelpar train` demo (t = 2, p = 2, d = 1, a few minutes on 2 CPU cores)."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)  # the model to train (GPT or Llama style)
-    data: DataConfig = field(default_factory=DataConfig)  # the text and its tokenizer (default: shipped, bytes)
-    tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
-    pp: int = 2  # p: pipeline stages
-    dp: int = 1  # d: data-parallel replicas
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
-    microbatches: int = 4  # m: micro-batches per replica per step
-    batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
-    recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
-    sequence_parallel: bool = False  # shard LayerNorm/residual activations along the sequence (§5.6)
-    pipeline_gloo: bool = False  # under NCCL: pipeline messages over gloo, staged through host memory
-    steps: int = 300  # optimizer steps
-    lr: float = 3e-3  # peak AdamW learning rate (linear warm-up, cosine decay to lr/10)
-    warmup: int = 20  # warm-up steps
-    weight_decay: float = 0.1  # AdamW decoupled weight decay, matrices only
-    clip: float = 1.0  # gradient clipping: max global L2 norm over all shards (0 = off)
-    seed: int = 0  # one seed: initial weights and batches (identical for every split)
-    precision: str = "fp32"  # fp32, bf16 (autocast, fp32 master weights) or fp64 (the tests); see docs/numerics.md
-    zero: int = 0  # 1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, shard update, all-gather)
-    overlap_grad_reduce: bool = True  # start each gradient bucket's dp reduction during the backward
-    bucket_mb: float = 25.0  # MiB of gradients per data-parallel collective
-    eval_every: int = 50  # validation loss every this many steps (0 = only at the end)
-    eval_batches: int = 4  # validation batches per evaluation
-    checkpoint_dir: str | None = None  # where checkpoints go (None: no checkpoints)
-    checkpoint_every: int = 0  # save every this many steps (0: only at the end, if a dir is set)
-    keep: int = 2  # complete checkpoints kept on disk
-    resume: bool = False  # continue from the latest complete checkpoint in checkpoint_dir
-    overwrite: bool = False  # a fresh run into a checkpoint_dir holding checkpoints: delete them first
-    exit_after: int = 0  # stop after this many steps of this run, with a checkpoint (0: run to the end);
-    #                      for jobs with a time limit, as Megatron's --exit-interval
-    timeout: float = 300.0  # seconds a collective or pipeline receive may wait before the run fails
-    preempt_signal: str = "SIGTERM"  # asks for a checkpoint at the next step, then an exit (docs/stopping.md)
-    preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
-    skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
-    init_from: str | None = None  # a Hugging Face Llama directory whose weights the run starts from
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=about(
+        "the model to train (GPT or Llama style): ModelConfig", section="model"))
+    data: DataConfig = field(default_factory=DataConfig, metadata=about(
+        "the text and its tokenizer (default: the shipped corpus, bytes): DataConfig", section="data"))
+    tp: int = option(2, section="parallelism", help="t: tensor-parallel ranks (consecutive ranks, inside a machine)")
+    pp: int = option(2, section="parallelism", help="p: pipeline stages (devices along the pipeline)")
+    dp: int = option(1, section="parallelism", help="d: data-parallel replicas")
+    schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved or zb-h1")
+    chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank; >= 2 with the interleaved "
+                                                      "schedule (on the command line its default is 2), else 1")
+    stage_layers: tuple[int, ...] | None = option(
+        None, section="schedule", parse=parse_split, metavar="N,N,...",
+        help="layers of each of the p·v (virtual) stages in pipeline order, e.g. 5,6,6,5; none: L/(p·v) each, the "
+             "extra layers to the middle stages (modelpar.layer_split, as modelpar plan)")
+    microbatches: int = option(0, section="schedule", help="m: micro-batches per replica per step; 0: chosen for the "
+                                                            "pipeline (1 at p = 1, else the smallest m >= p whose "
+                                                            "bubble is <= 25% of the ideal compute), the summary says why")
+    batch_size: int = option(16, section="optimisation", help="global batch: sequences per optimizer step, all "
+                                                               "replicas together")
+    recompute: str = option("none", section="schedule", parse=str.lower,
+                            help="activation recomputation: none, selective (attention core), full (stage input), "
+                                 "sqrt, recompute-all or k (every k layers)")
+    sequence_parallel: bool = option(False, section="parallelism", help="shard LayerNorm and residual activations "
+                                                                         "along the sequence (§5.6)")
+    pipeline_gloo: bool = option(False, section="parallelism", help="under NCCL: pipeline messages over gloo, "
+                                                                     "staged through host memory")
+    steps: int = option(300, section="optimisation", help="optimizer steps")
+    lr: float = option(3e-3, section="optimisation", help="peak AdamW learning rate (linear warm-up, cosine decay "
+                                                          "to lr/10)")
+    warmup: int = option(20, section="optimisation", help="warm-up steps")
+    weight_decay: float = option(0.1, section="optimisation", help="AdamW decoupled weight decay, matrices only")
+    clip: float = option(1.0, section="optimisation", help="gradient clipping: max global L2 norm over all shards "
+                                                            "(0: off)")
+    seed: int = option(0, section="optimisation", help="one seed: initial weights and batches (identical for "
+                                                       "every split)")
+    precision: str = option("fp32", section="optimisation", help="fp32, bf16 (autocast, fp32 master weights and "
+                                                                 "AdamW) or fp64 (the tests); docs/numerics.md")
+    zero: int = option(0, section="parallelism", help="1: ZeRO-1, AdamW state sharded over the d replicas "
+                                                      "(reduce-scatter, shard update, all-gather); 0: every replica "
+                                                      "holds all of it")
+    overlap_grad_reduce: bool = option(True, section="parallelism", help="start each gradient bucket's dp "
+                                                                         "reduction during the backward")
+    bucket_mb: float = option(25.0, section="parallelism", help="MiB of gradients per data-parallel collective")
+    eval_every: int = option(50, section="run", help="validation loss every this many steps (0: only at the end)")
+    eval_batches: int = option(4, section="run", help="validation batches per evaluation")
+    checkpoint_dir: str | None = option(None, section="checkpoint", help="where sharded checkpoints go "
+                                                                         "(torch.distributed.checkpoint; none: no "
+                                                                         "checkpoints)")
+    checkpoint_every: int = option(0, section="checkpoint", help="save every this many steps (0: only at the end, "
+                                                                 "if a directory is set)")
+    keep: int = option(2, section="checkpoint", help="valid checkpoints kept on disk (damaged ones are never counted; "
+                                                     "docs/checkpoints.md)")
+    resume: bool = option(False, section="checkpoint", help="continue from the latest complete checkpoint in "
+                                                            "checkpoint_dir, at any split; the model, data and "
+                                                            "optimisation settings left out come from it")
+    overwrite: bool = option(False, section="checkpoint", help="a fresh run into a checkpoint_dir that holds "
+                                                               "checkpoints: delete them first (without it such a "
+                                                               "run is refused)")
+    exit_after: int = option(0, section="checkpoint", help="stop after this many steps of this run, with a "
+                                                           "checkpoint (0: run to the end); for jobs with a time "
+                                                           "limit, as Megatron's --exit-interval")
+    timeout: float = option(300.0, section="run", help="seconds a collective or pipeline receive may wait before "
+                                                       "the run fails")
+    preempt_signal: str = option("SIGTERM", section="run", parse=_signal_name,
+                                 help="signal that asks for a checkpoint at the next step and an exit with code 75: "
+                                      "SIGTERM, SIGUSR1 or SIGUSR2 (docs/stopping.md)")
+    preempt_grace: float = option(30.0, section="run", help="seconds from that signal within which the checkpoint "
+                                                            "must be written, else none is (0: no limit)")
+    skip_nonfinite: int = option(0, section="optimisation", help="skip the update of up to this many steps with a "
+                                                                 "non-finite loss or gradient norm (0: stop at the "
+                                                                 "first, exit code 65)")
+    init_from: str | None = option(None, section="checkpoint", help="a Hugging Face Llama directory whose weights "
+                                                                    "the run starts from (config.json + "
+                                                                    "model.safetensors; the model shape comes from it)")
+
+    def __post_init__(self) -> None:
+        if self.microbatches == 0:  # chosen once here; dataclasses.replace keeps it (pass 0 to choose again)
+            object.__setattr__(self, "microbatches", default_microbatches(self)[0])
 
     @property
     def dims(self) -> ParallelDims:
         return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
+
+    @property
+    def layer_split(self) -> tuple[int, ...]:
+        """Layers of each of the p·v (virtual) stages in pipeline order: ``stage_layers`` or the default split."""
+        return resolve_split(self.model.layers, self.pp, self.chunks, self.stage_layers)
 
     @property
     def recompute_arg(self) -> Strategy:
@@ -111,16 +176,17 @@ class TrainConfig:
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         check_number("preempt_grace", self.preempt_grace)
+        self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
+        fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
         recompute = parse_strategy(self.recompute)
         if isinstance(recompute, int):
-            check_int("recompute", recompute, minimum=1, maximum=self.model.layers // (self.pp * v))
+            check_int("recompute", recompute, minimum=1, maximum=fewest)
         elif recompute != "selective":
-            plan_recompute(max(1, self.model.layers // (self.pp * v)), recompute)
+            plan_recompute(fewest, recompute)
         check_divisible("batch_size", self.batch_size, "dp", self.dp)
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule == "interleaved":
             check_divisible("microbatches", self.microbatches, "pp", self.pp)
-        self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
@@ -134,16 +200,53 @@ class TrainConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field by name, the model and the data as nested dicts (what checkpoints store)."""
         return asdict(self)
+
+    def to_sections(self) -> dict[str, dict[str, Any]]:
+        """The settings by section (``SECTIONS``), as a ``--config`` file's tables hold them."""
+        flat = self.to_dict()
+        tables: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for info in field_infos(type(self)):
+            if info.nested:
+                tables[info.name] = flat[info.name]
+            else:
+                tables[info.section or "run"][info.name] = flat[info.name]
+        return tables
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in d.items() if k in known}
-        if "precision" not in d and d.get("dtype") in _LEGACY_DTYPES:
-            values["precision"] = _LEGACY_DTYPES[d["dtype"]]
-        if isinstance(values.get("model"), dict):
-            values["model"] = ModelConfig.from_dict(values["model"])
-        if isinstance(values.get("data"), dict):
-            values["data"] = DataConfig(**{**values["data"], "paths": tuple(values["data"].get("paths", ()))})
-        return cls(**values)
+        """The config a ``to_dict`` wrote (a checkpoint's); an unknown key is a ValueError naming it."""
+        values = dict(d)
+        if "precision" not in values and values.get("dtype") in _LEGACY_DTYPES:
+            values["precision"] = _LEGACY_DTYPES[values["dtype"]]
+        return construct(cls, values, "train config:", extra=_RETIRED)
+
+def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
+    """The micro-batch count m a run gets when it sets none, and why (the run summary prints it).
+
+    p = 1: m = 1. There is no pipeline to fill, and more micro-batches only add per-micro-batch
+    overhead (15% at (1, 1, 1) on the 25.5 M GPT, issue 21 §6); gradient accumulation to save
+    activation memory is then a choice, ``--microbatches``. p > 1: the smallest m >= p (every
+    stage busy at once) whose bubble, (p − 1)/(v·m) of the ideal compute (Megatron's, zb-h1 taken
+    as 1F1B), is at most ``BUBBLE_TARGET``: m = 4(p − 1) without interleaving (4 at p = 2, the
+    bubble 20% of the step), a multiple of p with it. m must divide the per-replica batch: the
+    smallest divisor from there up, else the largest below (capped by the batch).
+    """
+    p, v, dp, batch = cfg.pp, cfg.chunks, cfg.dp, cfg.batch_size
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in (p, v, dp, batch)):
+        return 1, "p, v, d or the batch is invalid (check() names it)"
+    if p == 1:
+        return 1, "p = 1: no pipeline to fill"
+    step = p if cfg.schedule == "interleaved" else 1  # interleaving needs m divisible by p
+    want = next(m for m in itertools.count(p) if bubble_over_ideal_compute(p, m, v) <= BUBBLE_TARGET)
+    rows = batch // dp
+    fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
+    larger = [m for m in fits if m >= want]
+    why = f"the smallest m >= p with a bubble <= {BUBBLE_TARGET:.0%} of the ideal compute, (p-1)/(v*m)"
+    if larger:
+        m = larger[0]
+        return m, why + ("" if m == want else f", dividing the per-replica batch {rows}")
+    if fits:
+        return fits[-1], f"{why} would be {want}: capped by the per-replica batch {rows}"
+    return want, why

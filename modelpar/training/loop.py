@@ -126,7 +126,7 @@ class _Run:
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=cfg.param_dtype, device=rs.device)
+                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         slow_init()
         if cfg.init_from is not None:
