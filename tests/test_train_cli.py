@@ -3,8 +3,10 @@
 import json
 import math
 import re
+import time
 
 import pytest
+from _images import assert_drawn
 
 from modelpar.cli import build_parser, main
 from modelpar.commands.train import build_config
@@ -69,19 +71,22 @@ def test_llama_flags_reach_the_model_config():
 
 def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
     out = tmp_path / "out"
+    start = time.monotonic()
     code = main(["train", "--tp", "1", "--pp", "2", "--stage-layers", "1,3", "--hidden", "32", "--seq-len", "16",
                  "--steps", "4",
                  "--batch-size", "4", "--microbatches", "2", "--eval-every", "2", "--no-progress", "--out", str(out)])
+    elapsed = time.monotonic() - start
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 4 and [s for s, _ in summary["val"]] == [2, 4]
     assert 0 < summary["bubble_measured"] < 1 and summary["bubble_ideal"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
-    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_drawn(out / "loss.png")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(m["event"], m["step"]) for m in metrics] == [("step", 1), ("step", 2), ("eval", 2), ("step", 3),
                                                           ("step", 4), ("eval", 4)]
     assert [m["loss"] for m in metrics if m["event"] == "step"] == summary["losses"]
     assert all(m["step_time"] > 0 and m["peak_memory_mb"] > 0 and m["lr"] > 0 for m in metrics if m["event"] == "step")
+    assert sum(m["step_time"] for m in metrics if m["event"] == "step") < elapsed  # the steps happened inside the run
     steps = [m for m in metrics if m["event"] == "step"]  # rank 0's accounting: fp32 AdamW is two moments, d = 1
     assert all(m["optimizer_state_bytes"] == summary["optimizer_state_bytes"] == 2 * m["gradient_bytes"] > 0
                and m["dp_bytes_sent"] == 0.0 for m in steps)
