@@ -354,7 +354,9 @@ def _raise_on_rank_1(catch):
     if 1 in stages:
         stages[1] = _BoomLater(stages[1])
     runner = PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=LONG)
-    runner = _warmed_up(runner, 2 if dist.get_rank() != 1 else None)  # rank 1 raises: it waits for nothing lost
+    # rank 1 raises, so it waits for nothing lost; uncaught, the caller gets the first error, so the others
+    # keep LONG and rank 1's is the only one there can be
+    runner = _warmed_up(runner, 2 if catch and dist.get_rank() != 1 else None)
     start = time.monotonic()
     try:
         runner.step(*_batch())
