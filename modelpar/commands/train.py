@@ -54,8 +54,10 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
     ],
     "numerics and data parallelism (docs/numerics.md)": [
         ("precision", str, "fp32 (default), bf16 (bfloat16 compute, fp32 master weights and AdamW) or fp64"),
-        ("zero", int, "1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, update, all-gather); "
-                      "0 (default): every replica holds all of it"),
+        ("zero", int, "ZeRO stage over the d replicas: 0 (default) every replica holds everything; 1 shards the "
+                      "AdamW state, 2 also the gradients, 3 also the parameters (gathered per bucket when used)"),
+        ("no_reshard_after_forward", bool, "ZeRO-3: keep a stage's gathered parameters from its first forward to its "
+                                           "last backward of a step (default: free and gather again every microbatch)"),
         ("no_overlap_grad_reduce", bool, "reduce the gradients over d after the pipeline step (default: each "
                                          "bucket during the backward, as soon as its gradients are final)"),
         ("bucket_mb", float, "MiB of gradients per data-parallel collective (default 25)"),
@@ -153,6 +155,8 @@ def build_config(args: argparse.Namespace) -> Any:
         run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
     if run.pop("no_overlap_grad_reduce", False):
         run["overlap_grad_reduce"] = False
+    if run.pop("no_reshard_after_forward", False):
+        run["reshard_after_forward"] = False
     if run.get("schedule") == "interleaved" and "chunks" not in run:
         run["chunks"] = 2
     base = cfg.model

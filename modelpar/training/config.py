@@ -21,7 +21,7 @@ from modelpar.training.precision import check_precision, param_dtype
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
+ZERO_CHOICES = (0, 1, 2, 3)  # ZeRO stages (docs/numerics.md)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
@@ -49,7 +49,9 @@ class TrainConfig:
     clip: float = 1.0  # gradient clipping: max global L2 norm over all shards (0 = off)
     seed: int = 0  # one seed: initial weights and batches (identical for every split)
     precision: str = "fp32"  # fp32, bf16 (autocast, fp32 master weights) or fp64 (the tests); see docs/numerics.md
-    zero: int = 0  # 1: ZeRO-1, AdamW state sharded over the d replicas (reduce-scatter, shard update, all-gather)
+    zero: int = 0  # 1: AdamW state sharded over the d replicas; 2: and the gradients; 3: and the parameters
+    reshard_after_forward: bool = True  # ZeRO-3: free gathered parameters after every forward (False: keep a
+    #                                     stage's gathered from its first forward to its last backward of a step)
     overlap_grad_reduce: bool = True  # start each gradient bucket's dp reduction during the backward
     bucket_mb: float = 25.0  # MiB of gradients per data-parallel collective
     eval_every: int = 50  # validation loss every this many steps (0 = only at the end)
@@ -92,6 +94,9 @@ class TrainConfig:
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
+        if self.zero >= 2 and self.dp < 2:
+            raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
+                             f"{self.dp}; use zero 0 on one replica")
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         if self.schedule == "interleaved":
             check_int("chunks", self.chunks, minimum=2)

@@ -1,0 +1,109 @@
+"""ZeRO-2 and ZeRO-3 on real gloo processes: every split computes the single-process model (float64).
+
+The equality table and the oracle are test_train's (``check_split``'s tolerances, ``ref``); one
+cluster each of 2 and 4 ranks for the module. Each rank's measured bytes (parameters, gradients,
+AdamW state, all-gather and reduce-scatter traffic) equal the cost model's functions.
+"""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from test_train import BASE, LLAMA, TINY, TOL, V2, _case_id, _try_train, ref
+
+from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes, weight_bytes
+from modelpar.distributed import LocalCluster
+from modelpar.training import train
+
+SIX = dataclasses.replace(BASE, steps=6)  # >= 6 steps, clipping active (the oracle's norms exceed clip)
+ZBUCKET = 0.04  # MiB: 5242 float64 elements, several buckets per stage and one shard of the largest parameter
+
+
+@pytest.fixture(scope="module")
+def c2():
+    with LocalCluster(2, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def c4():
+    with LocalCluster(4, timeout=120) as c:
+        yield c
+
+
+def _train_zero(cfg):
+    torch.set_num_threads(1)
+    r = train(cfg)
+    return (r.losses, r.grad_norms, r.val[-1][1],
+            dict(params=r.parameters_here, state=r.optimizer_state_bytes, grad=r.gradient_bytes,
+                 weights=r.parameter_bytes, sent=r.dp_bytes_sent, gather=r.all_gather_bytes,
+                 scatter=r.reduce_scatter_bytes, gathers=r.gathers_per_step, buckets=r.buckets,
+                 peak=r.peak_buffer_bytes, exposed=r.exposed_gather))
+
+
+def check_zero(cluster, **changes):
+    cfg = dataclasses.replace(SIX, **changes)
+    want_losses, want_norms, want_val = ref(cfg)
+    assert max(want_norms) > cfg.clip  # clipping was active
+    for losses, norms, val, figures in cluster.run(_train_zero, cfg):
+        assert losses == pytest.approx(want_losses, abs=TOL, rel=0)
+        assert norms == pytest.approx(want_norms, abs=TOL, rel=0)
+        assert val == pytest.approx(want_val, abs=TOL, rel=0)
+        check_bytes(cfg, figures)
+
+
+def check_bytes(cfg, f):
+    """A rank's measured figures are the cost model's, up to each bucket's padding to a multiple of d."""
+    d, z, e, m = cfg.dp, cfg.zero, 8, cfg.microbatches
+    n, slack = f["params"], f["buckets"] * (d - 1) * 8
+    assert f["state"] == pytest.approx(optimizer_state_bytes(n, d, z, e), abs=2 * slack, rel=0)
+    assert f["grad"] == pytest.approx(gradient_bytes(n, d, z, e), abs=slack, rel=0)
+    assert f["weights"] == pytest.approx(weight_bytes(n, d, z, e), abs=slack, rel=0)
+    passes = 2 * m + 2  # collectives over every bucket in a step, at most
+    assert f["sent"] == pytest.approx(dp_bytes_sent(n, d, z, e, e, m, cfg.reshard_after_forward),
+                                      abs=passes * slack, rel=1e-12)
+    assert f["sent"] == pytest.approx(f["gather"] + f["scatter"], rel=1e-12)
+    assert f["grad"] == pytest.approx(gradient_bytes(n, d, 0, e) / d, abs=slack, rel=0)  # 1/d of ZeRO-0's
+    if z == 3:
+        assert f["weights"] == pytest.approx(weight_bytes(n, d, 0, e) / d, abs=slack, rel=0)
+        assert f["gathers"] == (2 * m * f["buckets"] if cfg.reshard_after_forward else f["buckets"])
+        assert f["exposed"] is not None
+    # the full-size buffers come and go: at their peak less than the whole rank's parameters and gradients
+    assert 0 < f["peak"] <= 2 * weight_bytes(n, d, 0, e) + 2 * slack
+
+
+# (t, p, d) = (1, 1, 2), (2, 1, 2), (1, 2, 2) with 1F1B and interleaved; GPT and Llama (one kv head: replicated at
+# t = 2, summed over t before the reduce-scatter); tied embeddings on one rank and across stages; recompute.
+SPLITS = [
+    {"dp": 2}, {"dp": 2, "model": LLAMA}, {"dp": 2, **V2, "model": dataclasses.replace(TINY, tie_embeddings=True)},
+    {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2, "model": LLAMA, "sequence_parallel": True},
+    {"pp": 2, "dp": 2, "schedule": "1f1b"}, {"pp": 2, "dp": 2, "schedule": "1f1b", "model": LLAMA},
+    {"pp": 2, "dp": 2, **V2, "model": dataclasses.replace(TINY, tie_embeddings=True)},
+    {"pp": 2, "dp": 2, **V2, "model": LLAMA, "recompute": "full"},
+]
+CASES = [
+    *({**s, "zero": 2, "bucket_mb": ZBUCKET} for s in SPLITS),
+    {"dp": 2, "zero": 2, "overlap_grad_reduce": False},  # reduced after each backward instead of during it
+    *({**s, "zero": 3, "bucket_mb": ZBUCKET} for s in SPLITS),
+    *({**s, "zero": 3, "bucket_mb": ZBUCKET, "reshard_after_forward": False} for s in SPLITS),
+    {"dp": 2, "zero": 3},  # one bucket per rank (25 MiB)
+]
+
+
+@pytest.mark.parametrize("changes", CASES, ids=_case_id)
+def test_zero_2_and_3_compute_the_single_process_model(request, changes):
+    world = changes.get("tp", 1) * changes.get("pp", 1) * changes.get("dp", 1)
+    check_zero(request.getfixturevalue(f"c{world}"), **changes)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"dp": 2, "zero": 4}, r"zero must be one of \{0, 1, 2, 3\}, got 4"),
+    ({"pp": 2, "zero": 2}, r"zero 2 shards over the data-parallel replicas and needs dp >= 2, got dp 1"),
+    ({"dp": 2, "zero": 3, "bucket_mb": 0.01},
+     r"bucket_mb 0.01 holds 1310 elements, fewer than one shard of the largest parameter \(4096 elements over d = 2\)"),
+])
+def test_bad_zero_input_is_one_error_on_every_rank(c2, changes, message):
+    results = c2.run(_try_train, dataclasses.replace(BASE, **changes))
+    assert all(kind == "error" and re.search(message, text) for kind, text in results), results
+
