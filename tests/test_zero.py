@@ -7,10 +7,11 @@ AdamW state, all-gather and reduce-scatter traffic) equal the cost model's funct
 
 import dataclasses
 import re
+import shutil
 
 import pytest
 import torch
-from test_train import BASE, LLAMA, TINY, TOL, V2, _case_id, _try_train, ref
+from test_train import BASE, LLAMA, TINY, TOL, V2, _case_id, _train, _try_train, ref
 
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes, weight_bytes
 from modelpar.distributed import LocalCluster
@@ -107,3 +108,39 @@ def test_bad_zero_input_is_one_error_on_every_rank(c2, changes, message):
     results = c2.run(_try_train, dataclasses.replace(BASE, **changes))
     assert all(kind == "error" and re.search(message, text) for kind, text in results), results
 
+
+
+# --- checkpoints stay layout-free ---------------------------------------------------------------------
+def test_zero3_resume_is_bitwise_and_reshards_to_zero0_on_one_replica_and_back(c2, tmp_path):
+    cfg = dataclasses.replace(SIX, dp=2, zero=3, bucket_mb=ZBUCKET, checkpoint_dir=str(tmp_path / "a"))
+    want_losses, _, want_val = ref(cfg)
+    full = c2.run(_train, cfg)[0]
+    stopped = dataclasses.replace(cfg, exit_after=3, checkpoint_dir=str(tmp_path / "b"))
+    c2.run(_train, stopped)
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = c2.run(_train, dataclasses.replace(stopped, exit_after=0, resume=True))[0]
+    assert resumed[3] == 3 and resumed[0] == full[0] and resumed[2] == full[2]  # bitwise, with the history
+    # ZeRO-3 at d = 2 -> ZeRO-0 at d = 1 (p = 2), and a ZeRO-0 d = 1 checkpoint -> ZeRO-3 at d = 2
+    zero0 = dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "c"), resume=True, zero=0, dp=1, pp=2)
+    other = c2.run(_train, zero0)[0]
+    assert other[3] == 3 and other[0] == pytest.approx(want_losses, abs=TOL, rel=0)
+    c2.run(_train, dataclasses.replace(zero0, checkpoint_dir=str(tmp_path / "d"), resume=False, exit_after=3))
+    back = c2.run(_train, dataclasses.replace(cfg, checkpoint_dir=str(tmp_path / "d"), resume=True))[0]
+    assert back[3] == 3 and back[0] == pytest.approx(want_losses, abs=TOL, rel=0)
+    assert back[2] == pytest.approx(want_val, abs=TOL, rel=0)
+
+
+@pytest.mark.parametrize("first, then", [
+    ({"pp": 2, "dp": 2, "zero": 3, "reshard_after_forward": False}, {"tp": 2, "dp": 2, "zero": 2}),
+    ({"tp": 2, "dp": 2, "zero": 2}, {"pp": 2, "dp": 2, **V2, "zero": 3}),
+    ({"tp": 2, "dp": 2, "zero": 3}, {"tp": 2, "pp": 2, "zero": 0}),
+    ({"tp": 2, "pp": 2, "zero": 0}, {"dp": 4, "zero": 3}),
+], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_zero3_checkpoints_continue_at_another_stage_and_split(c4, tmp_path, first, then):
+    cfg = dataclasses.replace(SIX, model=LLAMA, bucket_mb=ZBUCKET, checkpoint_dir=str(tmp_path))
+    want_losses, _, want_val = ref(cfg)
+    c4.run(_train, dataclasses.replace(cfg, **first, exit_after=3))
+    losses, _, val, start = c4.run(_train, dataclasses.replace(cfg, **{"tp": 1, "pp": 1, "dp": 1, **then},
+                                                               resume=True))[0]
+    assert start == 3 and losses == pytest.approx(want_losses, abs=TOL, rel=0)
+    assert val == pytest.approx(want_val, abs=TOL, rel=0)

@@ -3,7 +3,8 @@
 Entries (``modelpar.checkpoint.ShardedState``), each the *full* tensor of the single-process model:
 
     model.<name>                 every parameter under its single-process name (global layer index;
-                                 a last stage's copy of a tied output weight is the embedding: saved once)
+                                 a last stage's copy of a tied output weight is the embedding: saved once;
+                                 ZeRO-3: each rank adds the boxes of its ranges, as for the AdamW state)
     optim.<name>.<field>         AdamW's exp_avg and exp_avg_sq, laid out like the parameter; step whole
                                  (ZeRO-1: only the dp rank owning a range of the flattened parameter
                                  adds that range's boxes, ``ZeroAdamW.checkpoint_shards``)
