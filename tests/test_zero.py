@@ -40,7 +40,8 @@ def _train_zero(cfg):
             dict(params=r.parameters_here, state=r.optimizer_state_bytes, grad=r.gradient_bytes,
                  weights=r.parameter_bytes, sent=r.dp_bytes_sent, gather=r.all_gather_bytes,
                  scatter=r.reduce_scatter_bytes, gathers=r.gathers_per_step, buckets=r.buckets,
-                 peak=r.peak_buffer_bytes, exposed=r.exposed_gather))
+                 peak=r.peak_buffer_bytes, exposed=r.exposed_gather,
+                 drawn={label for spans in r.timeline.comm for label, _, _ in spans}))
 
 
 def check_zero(cluster, **changes):
@@ -66,10 +67,11 @@ def check_bytes(cfg, f):
                                       abs=passes * slack, rel=1e-12)
     assert f["sent"] == pytest.approx(f["gather"] + f["scatter"], rel=1e-12)
     assert f["grad"] == pytest.approx(gradient_bytes(n, d, 0, e) / d, abs=slack, rel=0)  # 1/d of ZeRO-0's
+    assert "reduce-scatter" in f["drawn"]
     if z == 3:
         assert f["weights"] == pytest.approx(weight_bytes(n, d, 0, e) / d, abs=slack, rel=0)
         assert f["gathers"] == (2 * m * f["buckets"] if cfg.reshard_after_forward else f["buckets"])
-        assert f["exposed"] is not None
+        assert f["exposed"] is not None and "all-gather" in f["drawn"]  # the timeline's dp row draws the gathers
     # the full-size buffers come and go: at their peak less than the whole rank's parameters and gradients
     assert 0 < f["peak"] <= 2 * weight_bytes(n, d, 0, e) + 2 * slack
 
