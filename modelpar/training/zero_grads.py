@@ -3,7 +3,7 @@
 Each rank keeps only its range of every bucket's gradient (``Bucket.shard_grad``, 1/d of it).
 The full ``grad`` buffer of a stage's buckets exists while one backward fills it::
 
-    B of stage s:  acquire s's grad buffers (zeros)
+    B of stage s:  each bucket, before its first gradient accumulates: acquire its buffer (zeros)
                    each bucket, as its last gradient accumulates: reduce-scatter (async) ──┐
                    after the backward: tp sums, the rest of s's buckets start             │
     next action:   ... computes while the reductions run ...                              │
@@ -76,6 +76,15 @@ class ShardedGradSync(GradSync):
                 self.meter.release(b.data)
             self.meter.release(b.grad)
         self._stage_buckets = {s: [b for b in self.buckets if b.stage == s] for s in self.modules}
+        self._filling: set[int] = set()  # buckets whose buffer this backward acquired
+        self._accumulators = []  # each parameter's AccumulateGrad node, kept so that autograd reuses it
+        for b in self.buckets:
+            for p in b.params:
+                view = p.view_as(p).grad_fn
+                node = view.next_functions[0][0] if view is not None else None
+                assert node is not None, "a parameter that needs no gradient cannot be in a bucket"
+                node.register_prehook(self._before_accumulate(b))
+                self._accumulators.append(node)
         self._action = 0  # compute actions run this step
         self._inflight: list[tuple[Bucket, Pending, torch.Tensor, int]] = []  # (bucket, reduction, input, action)
         self.grad_views = [_holder(b.shard_grad) for b in self.buckets if b.shard_grad is not None]
@@ -97,12 +106,8 @@ class ShardedGradSync(GradSync):
         self._action += 1
         mine = self._action
         if backward:
-            self._complete(lambda b, n: b.stage == stage)  # the buffers are about to be reused
-            assert self.meter is not None
-            for b in self._stage_buckets[stage]:
-                self.meter.acquire(b.grad)
-                b.grad.zero_()
-            self._armed, self._final, self._started = stage, {}, set()
+            self._complete(lambda b, w, n: b.stage == stage)  # the buffers are about to be reused
+            self._armed, self._final, self._started, self._filling = stage, {}, set(), set()
         try:
             yield
         finally:
@@ -110,10 +115,27 @@ class ShardedGradSync(GradSync):
         if backward:
             self._stage_done(stage)  # tp sums, then every bucket not started yet
             if not self.overlap:
-                self._complete(lambda b, n: True)
-        self._complete(lambda b, n: n < mine)
+                self._complete(lambda b, w, n: True)
+        self._complete(lambda b, w, n: n < mine)
+
+    def _before_accumulate(self, bucket: Bucket) -> Any:
+        """Pre-hook of a parameter's AccumulateGrad node: the bucket's buffer exists (zeros) before the
+        backward adds its first gradient to it."""
+        def hook(grad_outputs: Any) -> None:
+            self._fill(bucket)
+        return hook
+
+    def _fill(self, bucket: Bucket) -> None:
+        if bucket.index not in self._filling:
+            assert self.meter is not None
+            self._filling.add(bucket.index)
+            self.meter.acquire(bucket.grad)
+            bucket.grad.zero_()
 
     def _stage_done(self, stage: int) -> None:
+        for b in self._stage_buckets[stage]:
+            if b.ready == "stage" or b.index not in self._started:
+                self._fill(b)  # a bucket no gradient reached: zeros (every rank issues the same collectives)
         if self.tp_group is not None and any(b.ready == "stage" for b in self._stage_buckets[stage]):
             sync_tensor_parallel_grads(self.modules[stage])
         for b in self._stage_buckets[stage]:
@@ -126,12 +148,14 @@ class ShardedGradSync(GradSync):
         grad = bucket.grad if bucket.grad.dtype == bucket.shard_grad.dtype else bucket.grad.to(bucket.shard_grad.dtype)  # type: ignore[union-attr]
         lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
         self._inflight.append((bucket, self.comm.reduce_scatter(grad, grad[lo:hi]), grad, self._action))
+        self._complete(lambda b, w, n: w.done.is_set())  # those already done: their buffers go now
 
     def _complete(self, which: Any) -> None:
-        """Wait for the reductions ``which(bucket, action)`` selects: add them into the ranges, free the buffers."""
+        """Wait for the reductions ``which(bucket, pending, action)`` selects: add them into the ranges,
+        free the buffers."""
         keep = []
         for bucket, pending, grad, n in self._inflight:
-            if not which(bucket, n):
+            if not which(bucket, pending, n):
                 keep.append((bucket, pending, grad, n))
                 continue
             self.comm.wait(pending)
@@ -144,7 +168,7 @@ class ShardedGradSync(GradSync):
     # --- after the step ---------------------------------------------------------------------
     def finish(self) -> None:
         """Wait for every reduction; sum the tied copies' ranges; the mean over d."""
-        self._complete(lambda b, n: True)
+        self._complete(lambda b, w, n: True)
         late = [b for b in self.buckets if b.ready == "step"]
         if len(late) == 2:  # p = 1, interleaved: both copies on this rank
             first, second = (b.shard_grad for b in late)
