@@ -64,14 +64,17 @@ def check_bytes(cfg, f):
     assert f["grad"] == pytest.approx(gradient_bytes(n, d, z, e), abs=slack, rel=0)
     assert f["weights"] == pytest.approx(weight_bytes(n, d, z, e), abs=slack, rel=0)
     passes = 2 * m + 2  # collectives over every bucket in a step, at most
-    assert f["sent"] == pytest.approx(dp_bytes_sent(n, d, z, e, e, m, cfg.reshard_after_forward),
-                                      abs=passes * slack, rel=1e-12)
+    regathers = z == 3 and cfg.schedule == "zb-h1" and cfg.reshard_after_forward  # W may gather a bucket again
+    if not regathers:
+        assert f["sent"] == pytest.approx(dp_bytes_sent(n, d, z, e, e, m, cfg.reshard_after_forward),
+                                          abs=passes * slack, rel=1e-12)
     assert f["sent"] == pytest.approx(f["gather"] + f["scatter"], rel=1e-12)
     assert f["grad"] == pytest.approx(gradient_bytes(n, d, 0, e) / d, abs=slack, rel=0)  # 1/d of ZeRO-0's
     assert "reduce-scatter" in f["drawn"]
     if z == 3:
         assert f["weights"] == pytest.approx(weight_bytes(n, d, 0, e) / d, abs=slack, rel=0)
-        assert f["gathers"] == (2 * m * f["buckets"] if cfg.reshard_after_forward else f["buckets"])
+        want = 2 * m * f["buckets"] if cfg.reshard_after_forward else f["buckets"]
+        assert f["gathers"] >= want if regathers else f["gathers"] == want
         assert f["exposed"] is not None and "all-gather" in f["drawn"]  # the timeline's dp row draws the gathers
     # the full-size buffers come and go: at their peak less than the whole rank's parameters and gradients
     assert 0 < f["peak"] <= 2 * weight_bytes(n, d, 0, e) + 2 * slack
@@ -92,6 +95,11 @@ CASES = [
     *({**s, "zero": 3, "bucket_mb": ZBUCKET} for s in SPLITS),
     *({**s, "zero": 3, "bucket_mb": ZBUCKET, "reshard_after_forward": False} for s in SPLITS),
     {"dp": 2, "zero": 3},  # one bucket per rank (25 MiB)
+    # the other schedules: GPipe, and ZB-H1's split backward (W after I; tied copies across stages)
+    {"pp": 2, "dp": 2, "schedule": "zb-h1", "zero": 2, "bucket_mb": ZBUCKET,
+     "model": dataclasses.replace(TINY, tie_embeddings=True)},
+    {"pp": 2, "dp": 2, "schedule": "zb-h1", "zero": 3, "bucket_mb": ZBUCKET, "model": LLAMA},
+    {"pp": 2, "dp": 2, "schedule": "gpipe", "zero": 3, "bucket_mb": ZBUCKET, "reshard_after_forward": False},
 ]
 
 
