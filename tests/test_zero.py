@@ -14,9 +14,11 @@ import torch
 from test_train import BASE, BF16_TOL, LLAMA, TINY, TOL, V2, _case_id, _train, _try_train, ref
 
 from modelpar.checkpoint import latest_checkpoint, read_full_tensors
+from modelpar.cli import build_parser
+from modelpar.commands.train import build_config
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes, weight_bytes
 from modelpar.distributed import LocalCluster
-from modelpar.training import train
+from modelpar.training import TrainConfig, train
 
 SIX = dataclasses.replace(BASE, steps=6)  # >= 6 steps, clipping active (the oracle's norms exceed clip)
 ZBUCKET = 0.04  # MiB: 5242 float64 elements, several buckets per stage and one shard of the largest parameter
@@ -174,3 +176,13 @@ def test_zero3_bf16_gathers_bf16_and_tracks_fp32(c2, tmp_path):
     assert gathered16 == gathered32 / 2 and scattered16 == scattered32  # bf16 parameters, fp32 gradients
     saved = read_full_tensors(latest_checkpoint(tmp_path), prefix="")
     assert {t.dtype for name, t in saved.items() if name != "rng"} == {torch.float32}  # the master ranges
+
+
+# --- the cost model's traffic with and without resharding, and the flags ------------------------------
+def test_zero3_traffic_by_hand_and_the_flags_reach_the_config():
+    # P = 1000 on d = 4: 250 elements per range, 3 of them sent per ring pass; bf16 (2 bytes), m = 4
+    assert dp_bytes_sent(1000, 4, 3, 2, 2, 4) == 3 * 250 * 4 * (2 + 2 * 2)  # each F and B gathers again
+    assert dp_bytes_sent(1000, 4, 3, 2, 2, 4, reshard_after_forward=False) == 3 * 250 * (4 * 2 + 2)  # once a step
+    assert dp_bytes_sent(1000, 4, 2, 2, 2, 4) == dp_bytes_sent(1000, 4, 3, 2, 2, 4, reshard_after_forward=False)
+    cfg = build_config(build_parser().parse_args(["train", "--dp", "2", "--zero", "3", "--no-reshard-after-forward"]))
+    assert (cfg.zero, cfg.reshard_after_forward) == (3, False) and TrainConfig().reshard_after_forward
