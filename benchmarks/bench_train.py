@@ -14,8 +14,13 @@ and the exposed reduction — how long the slowest device's gradient reduction r
 backward, read from the measured timeline. Each split's timelines are drawn one above the other,
 the dp collectives on a row of their own (OUT/overlap_<t><p><d>.png and a Chrome trace .json).
 
+Then the ZeRO stages on (1, 1, 2) and (1, 2, 2): step time relative to ZeRO-0, the time the
+compute waited for ZeRO-3's parameter gathers (exposed gather), gathers per step, and each rank's
+peak bytes of parameters, gradients and AdamW state (kept + the full-size buckets held at once).
+
     python benchmarks/bench_train.py [--steps 15] [--hidden 128] [--layers 4] [--schedule 1f1b]
     python benchmarks/bench_train.py --overlap-only [--bucket-mb 0.5] [--out bench-train]
+    python benchmarks/bench_train.py --zero-only [--steps 4] [--bucket-mb 0.5]
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from modelpar.model import ModelConfig
-from modelpar.training import TrainConfig
+from modelpar.training import TrainConfig, TrainResult
 from modelpar.training.launch import run_local
 
 SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
@@ -86,6 +91,33 @@ def overlap_table(base: TrainConfig, bucket_mb: float, out: Path) -> None:
         print(f"{'':>10} {'timelines':>16} {png} (+ .json)")
 
 
+ZERO_SPLITS = [(1, 1, 2), (1, 2, 2)]
+ZERO_RUNS = [("ZeRO-0", {"zero": 0}), ("ZeRO-1", {"zero": 1}), ("ZeRO-2", {"zero": 2}), ("ZeRO-3", {"zero": 3}),
+             ("ZeRO-3 keep", {"zero": 3, "reshard_after_forward": False})]
+
+
+def _step(res: TrainResult) -> float:
+    return statistics.median(res.step_times[1:] or res.step_times)
+
+
+def zero_table(base: TrainConfig, bucket_mb: float) -> None:
+    """Step time, exposed gather time and peak bytes per rank of each ZeRO stage at d = 2."""
+    print(f"\nZeRO stages at d = 2 (buckets of {bucket_mb:g} MiB, float32, gloo; 'keep': --no-reshard-after-forward)\n")
+    print(f"{'(t, p, d)':>10} {'run':>12} {'step ms':>8} {'vs ZeRO-0':>10} {'exposed gather ms':>18} {'gathers':>8} "
+          f"{'peak MiB/rank':>14} {'params/grads/AdamW MiB':>23} {'dp MiB/step':>12}")
+    for t, p, d in ZERO_SPLITS:
+        results = [(name, run_local(replace(base, tp=t, pp=p, dp=d, bucket_mb=bucket_mb, **changes)))
+                   for name, changes in ZERO_RUNS]
+        zero0 = _step(results[0][1])
+        for name, res in results:
+            exposed = "-" if res.exposed_gather is None else f"{1e3 * res.exposed_gather:.2f}"
+            kept = "/".join(f"{b / 2**20:.2f}" for b in (res.parameter_bytes, res.gradient_bytes,
+                                                         res.optimizer_state_bytes))
+            print(f"{(t, p, d)!s:>10} {name:>12} {1e3 * _step(res):>8.1f} {_step(res) / zero0:>10.2f} {exposed:>18} "
+                  f"{res.gathers_per_step if res.gathers_per_step else '-':>8} {res.peak_state_bytes / 2**20:>14.2f} "
+                  f"{kept:>23} {res.dp_bytes_sent / 2**20:>12.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=15)
@@ -93,6 +125,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--overlap-only", action="store_true", help="only the data-parallel overlap table")
+    ap.add_argument("--zero-only", action="store_true", help="only the ZeRO stages table")
     ap.add_argument("--bucket-mb", type=float, default=0.5, help="gradient bucket size of the overlap runs")
     ap.add_argument("--out", default="bench-train", help="folder for the overlap timelines")
     args = ap.parse_args()
@@ -100,6 +133,9 @@ def main() -> None:
                        chunks=2 if args.schedule == "interleaved" else 1, eval_every=0, eval_batches=1, warmup=5)
     if args.overlap_only:
         overlap_table(base, args.bucket_mb, Path(args.out))
+        return
+    if args.zero_only:
+        zero_table(base, args.bucket_mb)
         return
     cores = os.cpu_count() or 1
     rows = []
@@ -123,6 +159,7 @@ def main() -> None:
               f"{pct(res.bubble_measured) if p > 1 else '-':>12} {pct(res.bubble_simulated) if p > 1 else '-':>18} "
               f"{pct(res.bubble_ideal):>6}")
     overlap_table(base, args.bucket_mb, Path(args.out))
+    zero_table(base, args.bucket_mb)
 
 
 if __name__ == "__main__":

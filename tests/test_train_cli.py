@@ -45,7 +45,8 @@ def test_flags_reach_the_config():
     (["--resume"], "resume needs checkpoint_dir"),
     (["--dtype", "float64"], "--dtype float64 is retired: use --precision fp32 (was float32), fp64 (was float64) or bf16"),
     (["--precision", "fp16"], "precision 'fp16' is not supported: fp16 needs loss scaling"),
-    (["--zero", "2"], "zero must be one of {0, 1}, got 2"),
+    (["--zero", "4"], "zero must be one of {0, 1, 2, 3}, got 4"),
+    (["--zero", "3"], "zero 3 shards over the data-parallel replicas and needs dp >= 2, got dp 1; use zero 0"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, flags, message):
     assert main(["train", *flags]) == 2

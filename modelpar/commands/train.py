@@ -217,9 +217,15 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("precision", _PRECISION[cfg.precision]),
         ("data parallel", f"ZeRO-{cfg.zero}, {result.buckets} bucket{'s' if result.buckets != 1 else ''}, "
                           + ("overlapped" if cfg.overlap_grad_reduce and cfg.dp > 1 else "after the step")),
-        ("rank 0: AdamW state, grads", f"{_mib(result.optimizer_state_bytes)}, {_mib(result.gradient_bytes)}"),
+        ("rank 0: params, grads, AdamW", f"{_mib(result.parameter_bytes)}, {_mib(result.gradient_bytes)}, "
+                                         f"{_mib(result.optimizer_state_bytes)}" + (
+            f" + up to {_mib(result.peak_buffer_bytes)} of full buckets" if result.peak_buffer_bytes else "")),
         ("rank 0: dp sent, exposed", f"{_mib(result.dp_bytes_sent)}/step, " + (
             "-" if result.exposed_reduction is None else f"{1e3 * result.exposed_reduction:.1f} ms")),
+        ("rank 0: all-gather, reduce-scatter", f"{_mib(result.all_gather_bytes)}, {_mib(result.reduce_scatter_bytes)}"
+                                               "/step" + (f"; {result.gathers_per_step} gathers/step, "
+                                               f"{1e3 * (result.exposed_gather or 0.0):.1f} ms waited"
+                                               if cfg.zero == 3 else "")),
         ("pipeline message", ", ".join(f"{b / 1024:,.1f} KiB" for b in (result.message_bytes or []) if b) or "-"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
@@ -239,6 +245,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "device": result.device_name, "peak_tflops": peak, "mfu": mfu, "skipped_steps": result.skipped_steps,
                "optimizer_state_bytes": result.optimizer_state_bytes, "gradient_bytes": result.gradient_bytes,
                "dp_bytes_sent": result.dp_bytes_sent, "exposed_reduction": result.exposed_reduction,
+               "parameter_bytes": result.parameter_bytes, "peak_buffer_bytes": result.peak_buffer_bytes,
+               "all_gather_bytes": result.all_gather_bytes, "reduce_scatter_bytes": result.reduce_scatter_bytes,
+               "gathers_per_step": result.gathers_per_step, "exposed_gather": result.exposed_gather,
                "message_bytes": result.message_bytes}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))

@@ -86,28 +86,35 @@ def training_state_bytes(params: float, d: int, zero: int, param_bytes: int, gra
     return _held(params, d, zero >= 3) * w + _held(params, d, zero >= 2) * g + _held(params, d, zero >= 1) * _adamw(w)
 
 
-def dp_bytes_per_microbatch(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int) -> float:
+def dp_bytes_per_microbatch(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int,
+                            reshard_after_forward: bool = True) -> float:
     """Data-parallel bytes one rank sends for every microbatch: none for zero 0 and 1 (their gradients
     accumulate in a whole buffer); zero 2 reduce-scatters each microbatch's gradients, having nowhere to
-    accumulate them; zero 3 also all-gathers the parameters for the forward and again for the backward."""
+    accumulate them; zero 3 also all-gathers the parameters for the forward and again for the backward
+    (``reshard_after_forward``; without it a stage's parameters stay gathered through the step: one
+    all-gather per step, counted in ``dp_bytes_at_step_end``)."""
     params, d = _checked(params, d, zero)
     g, w = check_int("grad_bytes", grad_bytes, minimum=1), check_int("param_bytes", param_bytes, minimum=1)
     if zero <= 1 or d == 1:
         return 0.0
     ring = (d - 1) * _held(params, d, True)  # elements one rank sends in an all-gather or reduce-scatter
-    return ring * (g + (2 * w if zero == 3 else 0))
+    return ring * (g + (2 * w if zero == 3 and reshard_after_forward else 0))
 
 
-def dp_bytes_at_step_end(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int) -> float:
+def dp_bytes_at_step_end(params: float, d: int, zero: int, grad_bytes: int, param_bytes: int,
+                         reshard_after_forward: bool = True) -> float:
     """Data-parallel bytes one rank sends once per step, after the last microbatch's backward.
 
     zero 0: the ring all-reduce of the gradients, 2(d − 1)/d · params · grad_bytes. zero 1: a
     reduce-scatter of the gradients and, after the sharded update, an all-gather of the parameters,
     (d − 1) shards each: the all-reduce's total when grad_bytes == param_bytes. zero 2: the
-    parameter all-gather. zero 3: nothing (the next forward gathers what it needs).
+    parameter all-gather. zero 3: nothing (the next forward gathers what it needs), or without
+    ``reshard_after_forward`` the one all-gather that keeps the parameters through the step.
     """
     params, d = _checked(params, d, zero)
     g, w = check_int("grad_bytes", grad_bytes, minimum=1), check_int("param_bytes", param_bytes, minimum=1)
+    if zero == 3 and not reshard_after_forward and d > 1:
+        return (d - 1) * _held(params, d, True) * w
     if d == 1 or zero == 3:
         return 0.0
     if zero == 0:
@@ -117,15 +124,17 @@ def dp_bytes_at_step_end(params: float, d: int, zero: int, grad_bytes: int, para
 
 
 def dp_bytes_sent(
-    params: float, d: int, zero: int, grad_bytes: int, param_bytes: int, microbatches: int = 1
+    params: float, d: int, zero: int, grad_bytes: int, param_bytes: int, microbatches: int = 1,
+    reshard_after_forward: bool = True,
 ) -> float:
     """Data-parallel bytes one rank sends per step with ring collectives (ZeRO §7): ``microbatches`` ×
     ``dp_bytes_per_microbatch`` + ``dp_bytes_at_step_end``.
 
     zero 0: 2(d − 1)/d · params · grad_bytes (all-reduce). zero 1: (d − 1)·⌈params/d⌉·(grad_bytes +
     param_bytes) (reduce-scatter + all-gather). zero 2: (d − 1)·⌈params/d⌉·(m·grad_bytes + param_bytes).
-    zero 3: (d − 1)·⌈params/d⌉·m·(grad_bytes + 2·param_bytes), 1.5× the all-reduce per microbatch (ZeRO §7.2.2).
+    zero 3: (d − 1)·⌈params/d⌉·m·(grad_bytes + 2·param_bytes), 1.5× the all-reduce per microbatch (ZeRO §7.2.2);
+    without ``reshard_after_forward`` (d − 1)·⌈params/d⌉·(m·grad_bytes + param_bytes).
     """
     m = check_int("microbatches", microbatches, minimum=1)
-    return (m * dp_bytes_per_microbatch(params, d, zero, grad_bytes, param_bytes)
-            + dp_bytes_at_step_end(params, d, zero, grad_bytes, param_bytes))
+    return (m * dp_bytes_per_microbatch(params, d, zero, grad_bytes, param_bytes, reshard_after_forward)
+            + dp_bytes_at_step_end(params, d, zero, grad_bytes, param_bytes, reshard_after_forward))

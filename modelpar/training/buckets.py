@@ -15,7 +15,11 @@ time. ``ready`` says when the bucket may be reduced over the data-parallel group
   embedding group (the other copy's stage runs on another rank, whose backward ends later).
 
 The buffers hold ``numel`` elements padded to a multiple of ``shards`` (the data-parallel size
-under ZeRO-1: each rank owns one equal contiguous range of every bucket). Buckets follow the
+under ZeRO: each rank owns one equal contiguous range of every bucket). Under ZeRO-2 the rank
+keeps its range of the gradient in ``shard_grad`` and the full ``grad`` buffer exists only while
+a backward fills it and its reduction runs; under ZeRO-3 ``shard_data`` holds its range of the
+parameters and the full ``data`` buffer exists only while gathered (``acquire``/``release``
+resize the storage, so the parameters' views stay in place: FSDP1's flat-parameter trick). Buckets follow the
 order the stages finish their backward, and within a stage the reverse order of its
 parameters (the order the backward produces them), as torch DDP and Megatron order theirs.
 """
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["READY", "Bucket", "build_buckets"]
+__all__ = ["READY", "Bucket", "BufferMeter", "build_buckets"]
 
 READY = ("backward", "stage", "step")
 
@@ -46,6 +50,8 @@ class Bucket:
     numel: int  # elements of the parameters; the buffers are padded beyond it
     data: torch.Tensor  # [size]: the parameters' values
     grad: torch.Tensor  # [size]: their gradients
+    shard_data: torch.Tensor | None = None  # ZeRO-3: this rank's range of data, the fp32 master (data is gathered)
+    shard_grad: torch.Tensor | None = None  # ZeRO-2/3: this rank's range of the reduced gradient, accumulated
 
     @property
     def size(self) -> int:
@@ -56,6 +62,48 @@ class Bucket:
         """[start, stop) of the flat buffers that rank ``rank`` of ``shards`` owns."""
         per = self.size // shards
         return rank * per, (rank + 1) * per
+
+    def owned_data(self, rank: int, shards: int) -> torch.Tensor:
+        """This rank's range of the parameters: ``shard_data``, or a view into ``data``."""
+        if self.shard_data is not None:
+            return self.shard_data
+        lo, hi = self.shard_range(rank, shards)
+        return self.data[lo:hi]
+
+    def owned_grad(self, rank: int, shards: int) -> torch.Tensor:
+        """This rank's range of the gradient: ``shard_grad``, or a view into ``grad``."""
+        if self.shard_grad is not None:
+            return self.shard_grad
+        lo, hi = self.shard_range(rank, shards)
+        return self.grad[lo:hi]
+
+
+class BufferMeter:
+    """Full-size bucket buffers that come and go (ZeRO-2's gradients, ZeRO-3's gathered parameters):
+    ``acquire`` gives a buffer its storage back, ``release`` frees it; bytes held now and at the peak."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+        self._counted: dict[int, int] = {}  # id(buffer) -> bytes, for the buffers acquired and not released
+
+    @staticmethod
+    def held(t: torch.Tensor) -> bool:
+        return t.untyped_storage().size() > 0
+
+    def acquire(self, t: torch.Tensor) -> None:
+        if not self.held(t):
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.now = self.now - self._counted.pop(id(t), 0) + t.numel() * t.element_size()
+        self._counted[id(t)] = t.numel() * t.element_size()
+        self.peak = max(self.peak, self.now)
+
+    def release(self, t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(0)
+        self.now -= self._counted.pop(id(t), 0)
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
 
 
 def _split(params: Sequence[nn.Parameter], elements: int) -> list[list[nn.Parameter]]:

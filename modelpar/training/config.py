@@ -31,7 +31,7 @@ from modelpar.training.precision import check_precision, param_dtype
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
+ZERO_CHOICES = (0, 1, 2, 3)  # ZeRO stages (docs/numerics.md)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 _RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -85,9 +85,14 @@ class TrainConfig:
                                                        "every split)")
     precision: str = option("fp32", section="optimisation", help="fp32, bf16 (autocast, fp32 master weights and "
                                                                  "AdamW) or fp64 (the tests); docs/numerics.md")
-    zero: int = option(0, section="parallelism", help="1: ZeRO-1, AdamW state sharded over the d replicas "
-                                                      "(reduce-scatter, shard update, all-gather); 0: every replica "
-                                                      "holds all of it")
+    zero: int = option(0, section="parallelism", help="ZeRO stage over the d replicas: 0 every replica holds "
+                                                      "everything; 1 AdamW state sharded; 2 and the gradients; 3 and "
+                                                      "the parameters (docs/numerics.md)")
+    reshard_after_forward: bool = option(True, section="parallelism", help="ZeRO-3: free gathered parameters after "
+                                                                           "every forward (--no-reshard-after-"
+                                                                           "forward: keep a stage's gathered from its "
+                                                                           "first forward to its last backward of a "
+                                                                           "step)")
     overlap_grad_reduce: bool = option(True, section="parallelism", help="start each gradient bucket's dp "
                                                                          "reduction during the backward")
     bucket_mb: float = option(25.0, section="parallelism", help="MiB of gradients per data-parallel collective")
@@ -158,6 +163,9 @@ class TrainConfig:
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
+        if self.zero >= 2 and self.dp < 2:
+            raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
+                             f"{self.dp}; use zero 0 on one replica")
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
         if self.schedule == "interleaved":
             check_int("chunks", self.chunks, minimum=2)

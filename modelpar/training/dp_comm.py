@@ -57,6 +57,8 @@ class DataParallelComm:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.nccl = is_nccl(group)
         self.bytes_sent = 0.0  # since the last ``take_step``
+        self.bytes_by_label: dict[str, float] = {}  # the same by collective ("all-gather", "reduce-scatter", ...)
+        self.last_step_bytes: dict[str, float] = {}  # ``bytes_by_label`` of the last step, kept by ``take_step``
         self._spans: list[Pending] = []
         self._side: Any = torch.cuda.Stream() if self.nccl else None  # records the completion events
         self._queue: queue.Queue[Pending | None] | None = None
@@ -80,6 +82,7 @@ class DataParallelComm:
 
     def _issue(self, label: str, work: Any, nbytes: float) -> Pending:
         self.bytes_sent += nbytes
+        self.bytes_by_label[label] = self.bytes_by_label.get(label, 0.0) + nbytes
         pending = Pending(label, work, self.timer.mark())
         self._spans.append(pending)
         if self.nccl:
@@ -133,6 +136,7 @@ class DataParallelComm:
         """Bytes sent and (label, start, end) of each collective issued since the last call, in this
         rank's step clock; call after they were all waited for, before the next pipeline step."""
         nbytes, spans, self._spans, self.bytes_sent = self.bytes_sent, self._spans, [], 0.0
+        self.last_step_bytes, self.bytes_by_label = self.bytes_by_label, {}
         if self.nccl and spans:
             self._side.synchronize()  # its completion events must have happened to be read
             times = self.timer.resolve([m for s in spans for m in (s.start, s.end)], self.timeout,

@@ -169,10 +169,11 @@ class GradSync:
 
     def _owned(self, bucket: Bucket) -> torch.Tensor:
         """The part of the bucket's gradient this rank reduced: all of it, or its range under ZeRO-1."""
-        if not self.zero:
-            return bucket.grad
-        lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
-        return bucket.grad[lo:hi]
+        return bucket.owned_grad(self.dp_rank, self.comm.size) if self.zero else bucket.grad
+
+    def _grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of the bucket's gradient (positions in the full flat buffer)."""
+        return bucket.grad[start:stop]
 
     def _counted(self, p: nn.Parameter) -> bool:
         """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
@@ -200,7 +201,7 @@ class GradSync:
         """Collective over all ranks (one scalar all-reduce): the L2 norm of the whole model's gradient."""
         local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
         for b, a, z in self._counted_ranges:
-            local += torch.linalg.vector_norm(b.grad[a:z], dtype=torch.float64).square()
+            local += torch.linalg.vector_norm(self._grad_range(b, a, z), dtype=torch.float64).square()
         dist.all_reduce(local)
         return math.sqrt(local.item())
 
@@ -215,5 +216,14 @@ class GradSync:
 
     # --- accounting -------------------------------------------------------------------------
     def gradient_bytes(self) -> int:
-        """Bytes of this rank's gradient buffers."""
+        """Bytes of this rank's gradient buffers (kept between steps)."""
         return sum(b.grad.numel() * b.grad.element_size() for b in self.buckets)
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's parameter buffers (kept between steps)."""
+        return sum(b.data.numel() * b.data.element_size() for b in self.buckets)
+
+    @property
+    def grad_holders(self) -> list[nn.Parameter]:
+        """Tensors whose ``.grad`` are this rank's reduced gradients (for the non-finite check)."""
+        return self.params

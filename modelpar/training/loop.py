@@ -31,6 +31,7 @@ from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
+from modelpar.training.buckets import BufferMeter
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
 from modelpar.training.grads import GradSync, finish_order
@@ -41,6 +42,8 @@ from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict, slow_init
+from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
+from modelpar.training.zero_params import ParamGather
 
 __all__ = ["TrainResult", "lr_at", "train"]
 
@@ -65,10 +68,17 @@ class TrainResult:
     flops_per_token: float = 0.0  # model FLOPs per trained token (ModelConfig.flops_per_token)
     device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
     parameters_here: int = 0  # elements of this rank's parameters (its tp / pp part; a tied copy included)
-    optimizer_state_bytes: int = 0  # this rank's AdamW moments (1/d of them under ZeRO-1), measured from the tensors
-    gradient_bytes: int = 0  # this rank's gradient buffers, measured
+    optimizer_state_bytes: int = 0  # this rank's AdamW moments (1/d of them under ZeRO >= 1), measured from the tensors
+    gradient_bytes: int = 0  # this rank's gradient buffers kept between steps (its ranges under ZeRO >= 2), measured
+    parameter_bytes: int = 0  # this rank's parameter buffers kept between steps (its ranges under ZeRO-3), measured
+    peak_buffer_bytes: int = 0  # ZeRO >= 2: the most bytes of full-size buckets (gathered parameters, gradients
+    #                             being reduced) held at once in a step; 0 otherwise (they are all kept)
     buckets: int = 0  # this rank's gradient buckets (one data-parallel collective each)
     dp_bytes_sent: float = 0.0  # bytes this rank sent in the last step's data-parallel collectives (ring)
+    all_gather_bytes: float = 0.0  # of which parameter all-gathers
+    reduce_scatter_bytes: float = 0.0  # of which gradient reduce-scatters
+    gathers_per_step: int = 0  # ZeRO-3: buckets gathered in the last step
+    exposed_gather: float | None = None  # ZeRO-3: s the compute waited for gathers per step (median of the last steps)
     message_bytes: list[float] | None = None  # the pipeline's message into each stage (PipelineRunner.message_bytes)
     exposed_reduction: float | None = None  # s of gradient reduction past the last compute action (median of the
     #                                         last steps, the device that waits longest); the rest overlapped
@@ -77,6 +87,11 @@ class TrainResult:
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
+
+    @property
+    def peak_state_bytes(self) -> int:
+        """Parameters, gradients and AdamW state at this rank's peak: what it keeps plus the full buckets."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.peak_buffer_bytes
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,10 +154,24 @@ class _Run:
         self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
         self.comm = DataParallelComm(rs.dp_group, self.runner.timer, self.runner.recorder, rs.timeout)
         elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
-        self.sync = GradSync(self.modules, finish_order(self.schedule, rs.pp_rank), self.comm, rs.tp_group,
-                             rs.embed_group, rs.tp_rank, rs.dp_rank, tied_split=cfg.model.tie_embeddings and stages > 1,
-                             zero=cfg.zero, bucket_elements=elements, overlap=cfg.overlap_grad_reduce and cfg.dp > 1)
-        if self.sync.overlap:
+        sync_args: dict[str, Any] = dict(
+                         modules=self.modules, finish_order=finish_order(self.schedule, rs.pp_rank), comm=self.comm,
+                         tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.dp_rank,
+                         tied_split=cfg.model.tie_embeddings and stages > 1, zero=cfg.zero, bucket_elements=elements,
+                         overlap=cfg.overlap_grad_reduce and cfg.dp > 1)
+        self.meter = BufferMeter()
+        self.gather: ParamGather | None = None
+        if cfg.zero >= 2:
+            compute = torch.bfloat16 if cfg.zero == 3 and cfg.precision == "bf16" else None
+            self.sync: GradSync = ShardedGradSync(**sync_args, meter=self.meter, compute_dtype=compute)
+            check_bucket_size(self.sync.buckets, elements, cfg.dp, cfg.bucket_mb)
+            if cfg.zero == 3:
+                self.gather = ParamGather(self.modules, self.sync.buckets, self.comm, self.meter,
+                                          cfg.reshard_after_forward)
+                self.runner.register_action_hook(self.gather.action_hook)
+        else:
+            self.sync = GradSync(**sync_args)
+        if self.sync.overlap or cfg.zero >= 2:
             self.runner.register_action_hook(self.sync.action_hook)
         self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.dp_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
@@ -157,6 +186,7 @@ class _Run:
                                   parameters_here=sum(p.numel() for p in self.sync.params),
                                   optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
                                   gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
+                                  parameter_bytes=self.sync.parameter_bytes(),
                                   unigram_baseline=self.corpus.unigram_baseline(),
                                   tokens_per_byte=self.corpus.tokens_per_byte)
         self.first = rs.pp_rank == self.schedule.device_of(0)
@@ -165,6 +195,7 @@ class _Run:
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
         self.timelines: list[Any] = []
         self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
+        self.gather_waits: list[float] = []  # ZeRO-3: seconds waited for gathers, every step
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, y = self.corpus.batch(split, index, self.cfg.batch_size, self.cfg.model.seq_len, self.cfg.seed)
@@ -179,17 +210,25 @@ class _Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.cfg, step)
         self.sync.zero_grad()
+        self.meter.reset_peak()
         self.runner.step(xi, yi)
-        self.stop.inject_nonfinite(step, self.sync.params)
+        self.stop.inject_nonfinite(step, self.sync.grad_holders)
         self.sync.finish()
         norm = self.sync.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
-        verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.params, self.rs.device)
+        verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.grad_holders, self.rs.device)
         if verdict.update:
-            self.optimizer.step()  # ZeRO-1: then the all-gather of the updated parameters
+            self.optimizer.step()  # ZeRO-1/2: then the all-gather of the updated parameters
         loss = verdict.loss
         r = self.result
+        if self.gather is not None:
+            self.gather.release_all()  # anything still gathered predates the update
+            r.gathers_per_step, waited = self.gather.take_step()
+            self.gather_waits.append(waited)
         r.dp_bytes_sent, self.comm_spans = self.comm.take_step()
+        r.all_gather_bytes = self.comm.last_step_bytes.get("all-gather", 0.0)
+        r.reduce_scatter_bytes = self.comm.last_step_bytes.get("reduce-scatter", 0.0)
+        r.peak_buffer_bytes = max(r.peak_buffer_bytes, self.meter.peak)
         r.step_times.append(time.perf_counter() - t0)
         r.losses.append(loss)
         r.grad_norms.append(norm)
@@ -201,7 +240,9 @@ class _Run:
                        "step_time": r.step_times[-1],
                        "peak_memory_mb": peak_memory_mb(self.rs.device),
                        "optimizer_state_bytes": r.optimizer_state_bytes, "gradient_bytes": r.gradient_bytes,
-                       "dp_bytes_sent": r.dp_bytes_sent})
+                       "parameter_bytes": r.parameter_bytes, "dp_bytes_sent": r.dp_bytes_sent,
+                       "all_gather_bytes": r.all_gather_bytes, "reduce_scatter_bytes": r.reduce_scatter_bytes,
+                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak})
         return verdict
 
     def measure(self) -> None:
@@ -215,6 +256,10 @@ class _Run:
             loss = self.runner.evaluate(xi, yi)  # the schedule's forward half, same lowered communication
             total += _global_mean(None if loss is None else float(loss), self.loss_weight, self.rs.device) / self.cfg.eval_batches
         self.result.val.append((step, total))
+        if self.gather is not None:  # ZeRO-3: free what the evaluation gathered; its collectives are no step's
+            self.gather.release_all()
+            self.gather.take_step()
+            self.comm.take_step()
         if self.emit:
             self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})
 
@@ -293,6 +338,8 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         if checkpoints is not None:
             checkpoints.close()
     run.result.skipped_steps = stop.skipped
+    if run.gather_waits:
+        run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})

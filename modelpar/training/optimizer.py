@@ -1,4 +1,4 @@
-"""The run's AdamW: torch's on whole parameters (ZeRO-0), or ``ZeroAdamW`` on this rank's ranges (ZeRO-1).
+"""The run's AdamW: torch's on whole parameters (ZeRO-0), or ``ZeroAdamW`` on this rank's ranges (ZeRO-1-3).
 
 Both are plain ``torch.optim.AdamW`` underneath (fused on GPUs), with betas (0.9, 0.95), eps 1e-8
 and decoupled weight decay on matrices only; the state is created before the first step
@@ -31,13 +31,13 @@ def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
 
 def build_optimizer(zero: int, sync: GradSync, comm: DataParallelComm, dp_rank: int, lr: float,
                     weight_decay: float) -> Optimizer:
-    """AdamW over ``sync``'s parameters (``zero`` 0) or over this rank's ranges of its buckets (``zero`` 1)."""
+    """AdamW over ``sync``'s parameters (``zero`` 0) or over this rank's ranges of its buckets (``zero`` 1-3)."""
     device = sync.params[0].device
     kwargs: dict[str, Any] = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8}
     if device.type == "cuda":
         kwargs["fused"] = True
     if zero:
-        return ZeroAdamW(sync.buckets, comm, dp_rank, weight_decay, **kwargs)
+        return ZeroAdamW(sync.buckets, comm, dp_rank, weight_decay, gather=zero < 3, **kwargs)
     return torch.optim.AdamW(param_groups(sync.params, weight_decay), **kwargs)
 
 

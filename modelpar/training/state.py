@@ -3,7 +3,8 @@
 Entries (``modelpar.checkpoint.ShardedState``), each the *full* tensor of the single-process model:
 
     model.<name>                 every parameter under its single-process name (global layer index;
-                                 a last stage's copy of a tied output weight is the embedding: saved once)
+                                 a last stage's copy of a tied output weight is the embedding: saved once;
+                                 ZeRO-3: each rank adds the boxes of its ranges, as for the AdamW state)
     optim.<name>.<field>         AdamW's exp_avg and exp_avg_sq, laid out like the parameter; step whole
                                  (ZeRO-1: only the dp rank owning a range of the flattened parameter
                                  adds that range's boxes, ``ZeroAdamW.checkpoint_shards``)
@@ -66,15 +67,17 @@ def layout_shard(tensor: torch.Tensor, layout: ParamLayout) -> Shard:
 
 def checkpoint_state(model: ModelConfig, modules: Mapping[int, nn.Module], optimizer: Optimizer,
                      rng: torch.Tensor) -> ShardedState:
-    """This rank's entries; loading fills these very tensors in place. Under ZeRO-1 (``ZeroAdamW``)
-    a rank adds the boxes of the optimizer state it owns, its ranges of the flattened parameters."""
+    """This rank's entries; loading fills these very tensors in place. Under ZeRO-1/2 (``ZeroAdamW``)
+    a rank adds the boxes of the optimizer state it owns, its ranges of the flattened parameters;
+    under ZeRO-3 the parameters' entries too (the ranges are all it holds)."""
     state = ShardedState()
     names: dict[int, tuple[str, ParamLayout]] = {}
     for module in modules.values():
         for local_name, p in module.named_parameters():
             name, layout = global_name(model, local_name), param_layout(p)
             names[id(p)] = name, layout
-            state.add(f"model.{name}", layout_shard(p.data, layout))
+            if not (isinstance(optimizer, ZeroAdamW) and not optimizer.gather):  # ZeRO-3: from the ranges, below
+                state.add(f"model.{name}", layout_shard(p.data, layout))
             if isinstance(optimizer, ZeroAdamW):
                 continue
             for field, value in optimizer.state.get(p, {}).items():

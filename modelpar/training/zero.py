@@ -1,5 +1,8 @@
 """ZeRO-1 (Rajbhandari et al. 2020, §5.1; Megatron's distributed optimizer): AdamW state sharded over d.
 
+(Also the optimizer of ZeRO-2 and ZeRO-3: the ranges are then the buckets' ``shard_grad`` and, under
+ZeRO-3, ``shard_data``; ZeRO-3 gathers no parameters after the step, its next forward does.)
+
 Every bucket's flat buffers (``modelpar.training.buckets``, padded to a multiple of d) are cut
 into d equal contiguous ranges, and data-parallel rank r owns range r of every bucket::
 
@@ -41,7 +44,7 @@ class Segment:
     param: nn.Parameter
     start: int
     stop: int
-    data: torch.Tensor  # 1-D view of those elements in the bucket's data buffer; its .grad the gradient's
+    data: torch.Tensor  # 1-D view of those elements in the rank's range of the bucket; its .grad the gradient's
 
 
 def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -98,16 +101,17 @@ class ZeroAdamW:
     """
 
     def __init__(self, buckets: Sequence[Bucket], comm: DataParallelComm, dp_rank: int, weight_decay: float,
-                 **adamw: Any) -> None:
-        self.buckets, self.comm, self.dp_rank = list(buckets), comm, dp_rank
+                 gather: bool = True, **adamw: Any) -> None:
+        self.buckets, self.comm, self.dp_rank, self.gather = list(buckets), comm, dp_rank, gather
         self.segments: list[Segment] = []
         for bucket in self.buckets:
             lo, hi = bucket.shard_range(dp_rank, comm.size)
+            data, grad = bucket.owned_data(dp_rank, comm.size), bucket.owned_grad(dp_rank, comm.size)
             for p, offset in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, offset), min(hi, offset + p.numel())
                 if a < b:
-                    view = bucket.data[a:b]
-                    view.grad = bucket.grad[a:b]
+                    view = data[a - lo:b - lo]
+                    view.grad = grad[a - lo:b - lo]
                     self.segments.append(Segment(p, a - offset, b - offset, view))
         decay = [s.data for s in self.segments if s.param.dim() >= 2]
         rest = [s.data for s in self.segments if s.param.dim() < 2]
@@ -123,10 +127,10 @@ class ZeroAdamW:
         return self.optimizer.state
 
     def step(self) -> None:
-        """Update this rank's ranges, then all-gather every bucket's parameters."""
+        """Update this rank's ranges, then all-gather every bucket's parameters (not under ZeRO-3)."""
         self.optimizer.step()
         pending: list[Pending] = []
-        if self.comm.size > 1:
+        if self.comm.size > 1 and self.gather:
             for bucket in self.buckets:
                 lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
                 pending.append(self.comm.all_gather(bucket.data, bucket.data[lo:hi]))
@@ -134,10 +138,13 @@ class ZeroAdamW:
             self.comm.wait(p)
 
     def checkpoint_shards(self, names: dict[int, tuple[str, ParamLayout]]) -> Iterator[tuple[str, Shard]]:
-        """(``optim.<name>.<field>``, this rank's boxes of it) for each segment's AdamW state;
-        ``names`` maps id(parameter) to its single-process name and layout."""
+        """(``optim.<name>.<field>``, this rank's boxes of it) for each segment's AdamW state, and under
+        ZeRO-3 (``model.<name>``, its boxes of the parameter); ``names`` maps id(parameter) to its
+        single-process name and layout."""
         for s in self.segments:
             name, layout = names[id(s.param)]
+            if not self.gather:
+                yield f"model.{name}", segment_shard(s.data, s.param.shape, s.start, s.stop, layout)
             for field, value in self.optimizer.state.get(s.data, {}).items():
                 if field == "step":
                     yield f"optim.{name}.{field}", Shard.whole(value)
