@@ -74,6 +74,14 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("timeout", float, "seconds a collective or pipeline receive may wait before the run fails "
                            "(default 300: a hung rank ends the run with an error)"),
     ],
+    "planning and prediction (docs/calibrate.md)": [
+        ("hardware", str, "hardware profile from modelpar calibrate: the prediction (and --plan auto) price the run "
+                          "on it (default: a nominal CPU)"),
+        ("plan", str, "auto: the planner picks t, p, d, schedule, chunks, micro-batches, recomputation and ZeRO for "
+                      "the world size (--tp x --pp x --dp, default 4), prints the plan and runs it"),
+        ("memory_limit_gb", float, "with --plan auto: predicted bytes per rank must fit this many GB (default: "
+                                   "the device's memory)"),
+    ],
     "stopping and preemption (docs/stopping.md)": [
         ("preempt_signal", str, "signal that asks for a checkpoint at the next step and an exit with code 75: "
                                 "SIGTERM (default), SIGUSR1 or SIGUSR2"),
@@ -189,6 +197,12 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory, check_resume
 
     cfg = build_config(args)
+    if cfg.plan == "auto":  # before any process starts: a layout that does not fit is refused here
+        from modelpar.training.autoplan import auto_plan
+
+        world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
+        cfg, _, line = auto_plan(cfg, world)
+        print(f"modelpar train: {line}", file=sys.stderr, flush=True)
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     console = Console(stderr=True)
@@ -214,6 +228,40 @@ def run(args: argparse.Namespace) -> int:
     if first:
         _summary(cfg, result, Path(args.out), args.peak_tflops)
     return 0
+
+
+def _prediction_rows(cfg: Any, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
+    import statistics
+
+    from modelpar.training.metrics import append_record
+    from modelpar.training.prediction import compare, predict, profile_of
+
+    profile = profile_of(cfg)
+    times = result.step_times[1:] or result.step_times
+    item = cfg.param_dtype.itemsize
+    measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
+                "parameters_bytes": result.parameters_here * item, "gradients_bytes": result.gradient_bytes,
+                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
+    rows = compare(predict(cfg, profile), measured)
+    record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,
+              **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
+    append_record(out, record)
+
+    def show(name: str, value: float | None) -> str:
+        if value is None:
+            return "-"
+        if name == "step_time_s":
+            return f"{1e3 * value:,.1f} ms"
+        return f"{100 * value:.1f}%" if name == "bubble" else _mib(value)
+
+    lines = []
+    for name, row in rows.items():
+        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}%"
+        lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
+                      f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
+    lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
+    return lines, {"hardware": profile.name, **rows}
 
 
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
@@ -264,6 +312,8 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "optimizer_state_bytes": result.optimizer_state_bytes, "gradient_bytes": result.gradient_bytes,
                "dp_bytes_sent": result.dp_bytes_sent, "exposed_reduction": result.exposed_reduction,
                "message_bytes": result.message_bytes}
+    predicted_rows, summary["prediction"] = _prediction_rows(cfg, result, out)
+    rows += predicted_rows
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))

@@ -14,7 +14,8 @@ from typing import Any
 from modelpar.costmodel.profiles import HardwareProfile, node_profile
 from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
 
-__all__ = ["GPUS", "MODELS", "PROFILES", "NodePreset", "gpu_preset", "make_cluster", "model_preset", "profile_node"]
+__all__ = ["CPU_DEFAULT", "GPUS", "MODELS", "PROFILES", "NodePreset", "gpu_preset", "make_cluster", "model_preset",
+           "profile_node"]
 
 _LLAMA: dict[str, Any] = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
                               dropout=False)
@@ -62,6 +63,14 @@ def profile_node(profile: HardwareProfile) -> NodePreset:
 
 
 GPUS: dict[str, NodePreset] = {name: profile_node(profile) for name, profile in PROFILES.items()}
+
+# What `modelpar train` predicts with when no --hardware profile is given: nominal round numbers for one
+# core of a small x86 machine running gloo (not a measurement; `modelpar calibrate` replaces it).
+CPU_DEFAULT = HardwareProfile(
+    name="cpu-default", device="cpu", backend="gloo", memory_gb=8.0, devices_per_node=64, peak_tflops={"fp32": 0.05},
+    intra_node_gbps=1.0, inter_node_gbps=1.0, hbm_tb_s=0.005, host="nominal", matmul={"fp32": {"1": [[256, 256, 256, 0.05]]}},
+    attention={"fp32": {"1": 0.005}}, elementwise_gbps={"1": 5.0}, op_latency_s={"1": 2e-5},
+    collectives={op: {"intra": {"2": [1e-4, 1.0]}} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")})
 
 
 def _lookup(kind: str, table: dict, name: str):

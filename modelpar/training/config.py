@@ -24,6 +24,7 @@ SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+PLAN_CHOICES = ("none", "auto")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class TrainConfig:
     preempt_grace: float = 30.0  # seconds from that signal within which the checkpoint must be written (0: no limit)
     skip_nonfinite: int = 0  # skip the update of up to this many non-finite steps (0: stop at the first)
     init_from: str | None = None  # a Hugging Face Llama directory whose weights the run starts from
+    hardware: str | None = None  # hardware profile (modelpar calibrate) the prediction uses (None: nominal CPU)
+    plan: str = "none"  # "auto": the planner picks the layout (modelpar.training.autoplan) before the ranks start
+    memory_limit_gb: float = 0.0  # a planned layout's predicted bytes per rank must fit this (0: the device's)
 
     @property
     def dims(self) -> ParallelDims:
@@ -109,6 +113,8 @@ class TrainConfig:
         check_number("clip", self.clip)
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
+        check_choice("plan", self.plan, PLAN_CHOICES)
+        check_number("memory_limit_gb", self.memory_limit_gb)
         check_number("preempt_grace", self.preempt_grace)
         recompute = parse_strategy(self.recompute)
         if isinstance(recompute, int):

@@ -37,6 +37,7 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
 from modelpar.training.precision import wrap_stage
+from modelpar.training.prediction import saved_bytes
 from modelpar.training.resume import CheckpointDir
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
@@ -76,7 +77,16 @@ class TrainResult:
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
+    saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
+    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
+
+    @property
+    def activation_bytes(self) -> float | None:
+        """Activations held at this rank's peak: peak microbatch-chunks × the mean saved bytes of its stages."""
+        if not self.saved_bytes or not self.peak_held:
+            return None
+        return self.peak_held * sum(self.saved_bytes.values()) / len(self.saved_bytes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +167,8 @@ class _Run:
                                   gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
                                   unigram_baseline=self.corpus.unigram_baseline(),
                                   tokens_per_byte=self.corpus.tokens_per_byte)
+        self.result.saved_bytes = saved_bytes(cfg, {s: wrap_stage(m, cfg.precision, last=s == stages - 1)
+                                                    for s, m in self.modules.items()}, self.loss_fn, cfg.tp, rs.device)
         self.first = rs.pp_rank == self.schedule.device_of(0)
         self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
         self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
@@ -289,6 +301,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         run.comm.close()
         directory.close()
     run.result.skipped_steps = stop.skipped
+    run.result.peak_held = run.runner.record.peak_held
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})
