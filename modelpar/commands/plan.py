@@ -43,7 +43,8 @@ def validate(as_json: bool) -> int:
     if as_json:
         print(json.dumps({"runs": [{"name": r.run.name, "source": r.run.source, "command": f"modelpar plan {r.run.command}",
                                     "convention": r.run.convention, "measured": r.run.measured,
-                                    "predicted": r.predicted, "error": r.error, "fitted": r.run.fitted}
+                                    "predicted": r.predicted, "error": r.error, "fitted": r.run.fitted,
+                                    "set": r.run.split}
                                    for r in rows],
                           "mean_abs_error": accuracy_summary(rows)}, indent=1))
         return 0
