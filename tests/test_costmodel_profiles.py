@@ -7,7 +7,7 @@ import pytest
 
 from modelpar.cli import main
 from modelpar.costmodel import GPUS, PROFILES, HardwareProfile, ParallelConfig, estimate, make_cluster, model_preset
-from modelpar.costmodel.estimate import gemm_efficiency, layer_gemms
+from modelpar.costmodel.measured import gemm_efficiency, layer_gemms
 from modelpar.costmodel.profiles import installed_torch, load_profile, save_profile
 from modelpar.costmodel.request import parse_plan_command
 from modelpar.formulas import allreduce_bytes

@@ -230,40 +230,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prediction_rows(cfg: Any, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
-    """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
-    import statistics
-
-    from modelpar.training.metrics import append_record
-    from modelpar.training.prediction import compare, predict, profile_of
-
-    profile = profile_of(cfg)
-    times = result.step_times[1:] or result.step_times
-    item = cfg.param_dtype.itemsize
-    measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
-                "parameters_bytes": result.parameters_here * item, "gradients_bytes": result.gradient_bytes,
-                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
-    rows = compare(predict(cfg, profile), measured)
-    record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,
-              **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
-    append_record(out, record)
-
-    def show(name: str, value: float | None) -> str:
-        if value is None:
-            return "-"
-        if name == "step_time_s":
-            return f"{1e3 * value:,.1f} ms"
-        return f"{100 * value:.1f}%" if name == "bubble" else _mib(value)
-
-    lines = []
-    for name, row in rows.items():
-        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}%"
-        lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
-                      f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
-    lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
-    return lines, {"hardware": profile.name, **rows}
-
-
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
@@ -312,7 +278,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "optimizer_state_bytes": result.optimizer_state_bytes, "gradient_bytes": result.gradient_bytes,
                "dp_bytes_sent": result.dp_bytes_sent, "exposed_reduction": result.exposed_reduction,
                "message_bytes": result.message_bytes}
-    predicted_rows, summary["prediction"] = _prediction_rows(cfg, result, out)
+    from modelpar.training.prediction import summary_rows
+
+    predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)
     rows += predicted_rows
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))

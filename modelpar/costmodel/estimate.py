@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
 from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
-__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "gemm_efficiency", "layer_gemms",
-           "layer_time", "matmul_efficiency",
+__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "layer_time", "matmul_efficiency",
            "microbatch_times", "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
 
 PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
@@ -105,40 +105,6 @@ def matmul_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfi
             * width / (width + a.gemm_width_half))
 
 
-def layer_gemms(model: ModelSpec, tokens: int, t: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of one layer's forward GEMMs on one of t ranks, x[m×k]·w[k×n]: QKV, output projection, MLP."""
-    h, f, r = model.hidden, model.ffn_size, model.kv_fraction
-    qkv = round((1 + 2 * r) * h / t)
-    up = (2 if model.gated_mlp else 1) * f // t
-    return [(tokens, qkv, h), (tokens, h, h // t), (tokens, up, h), (tokens, h, f // t)]
-
-
-def gemm_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig) -> float:
-    """Measured throughput of a layer's GEMMs (forward, input gradient and weight gradient shapes),
-    FLOP-weighted, over the profile's peak: what ``matmul_efficiency`` is on a calibrated machine."""
-    profile = cluster.measured
-    assert profile is not None
-    flops = seconds = 0.0
-    for m, n, k in layer_gemms(model, cfg.micro_batch * model.seq, cfg.t):
-        for shape in ((m, n, k), (m, k, n), (k, n, m)):  # forward, dgrad, wgrad
-            tflops = profile.matmul_tflops(*shape, ranks=cluster.ranks_per_node) or cluster.gpu.peak_tflops
-            flops += 2.0 * m * n * k
-            seconds += 2.0 * m * n * k / (tflops * 1e12)
-    return min(1.0, flops / seconds / (cluster.gpu.peak_tflops * 1e12))
-
-
-def _collective(nbytes: float, gbps: float, a: Assumptions, cluster: ClusterSpec | None = None, op: str = "",
-                group: int = 0, span: int = 0) -> float:
-    """Time of a collective sending ``nbytes`` per rank: the measured profile's cost for (op, group, link)
-    when it has one, else ``nbytes`` at ``link_efficiency`` of ``gbps`` plus ``collective_latency_s``."""
-    profile = cluster.measured if cluster is not None else None
-    if cluster is not None and profile is not None and op:
-        cost = profile.collective(op, group, "intra" if cluster.link_name(span or group) == "nvlink" else "inter")
-        if cost is not None:
-            return cost.time(nbytes)
-    return nbytes / (gbps * 1e9 * a.link_efficiency) + a.collective_latency_s
-
-
 def _hbm(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12)
 
@@ -166,7 +132,7 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
     compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
     if t == 1:
         return compute, 0.0
-    one = _collective(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
+    one = collective_time(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
     return compute, tp_collectives(cfg, a) * one
 
 
@@ -208,11 +174,11 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
     act = cfg.micro_batch * model.seq * model.hidden * float(a.param_bytes)
     span = cluster.gpus
     if cfg.sequence_parallel:
-        return _collective(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
+        return collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
     if a.pp_scatter_gather and cfg.t > 1 and cluster.link_name(span) == "network":
-        return (_collective(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
-                + _collective(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a, cluster, "all_gather", cfg.t))
-    return _collective(act, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
+        return (collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
+                + collective_time(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a, cluster, "all_gather", cfg.t))
+    return collective_time(act, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
 
 
 def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
@@ -264,7 +230,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
         work = {r: loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in ranks}
     work = {r: w + _accumulation(params[r], cluster, a) for r, w in work.items()}
     dp_link = cluster.link_gbps(cfg.t * d)
-    sharded = {r: _collective(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a,
+    sharded = {r: collective_time(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a,
                               cluster, "reduce_scatter", d, cfg.t * d)
                if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
     total = {r: work[r] + sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
@@ -292,7 +258,7 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     heaviest = max(params.values())
     end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
     dp_op = "all_reduce" if cfg.zero == 0 else "all_gather"
-    dp_end = ((1 - a.dp_overlap) * _collective(end_bytes, cluster.link_gbps(cfg.t * d), a, cluster, dp_op, d, cfg.t * d)
+    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * d), a, cluster, dp_op, d, cfg.t * d)
               if end_bytes else 0.0)
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer

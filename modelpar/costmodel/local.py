@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from modelpar.costmodel.estimate import layer_gemms
 from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalRun, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule

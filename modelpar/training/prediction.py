@@ -4,11 +4,14 @@
 hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_bytes`` measures, on
 each rank before training, what autograd keeps for one microbatch of each of its stages
 (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
-``compare`` lays the two side by side with the error, for the summary and ``metrics.jsonl``.
+``compare`` lays the two side by side with the error; ``summary_rows`` writes them into the summary
+and ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +24,7 @@ from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "local_run", "predict", "saved_bytes"]
+__all__ = ["compare", "local_run", "predict", "saved_bytes", "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalRun:
@@ -92,3 +95,34 @@ def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> di
         error = None if got is None or not got else value / got - 1
         rows[name] = {"predicted": value, "measured": got, "error": error}
     return rows
+
+
+def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
+    from modelpar.training.metrics import append_record
+
+    profile = profile_of(cfg)
+    times = result.step_times[1:] or result.step_times
+    item = cfg.param_dtype.itemsize
+    measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
+                "parameters_bytes": result.parameters_here * item, "gradients_bytes": result.gradient_bytes,
+                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
+    rows = compare(predict(cfg, profile), measured)
+    record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,
+              **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
+    append_record(out, record)
+
+    def show(name: str, value: float | None) -> str:
+        if value is None:
+            return "-"
+        if name == "step_time_s":
+            return f"{1e3 * value:,.1f} ms"
+        return f"{100 * value:.1f}%" if name == "bubble" else f"{value / 2**20:,.2f} MiB"
+
+    lines = []
+    for name, row in rows.items():
+        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}%"
+        lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
+                      f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
+    lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
+    return lines, {"hardware": profile.name, **rows}
