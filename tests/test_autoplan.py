@@ -69,3 +69,16 @@ def test_bad_plan_flags(capsys, flags, message):
     assert main(["train", *flags, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_hardware_profile_is_refused_before_training(tmp_path, capsys):
+    bad = tmp_path / "hw.json"
+    bad.write_text('{"format": "modelpar-hardware-profile", "version": 1, "name": "x"}')
+    assert main(["train", "--hardware", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is malformed" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_named_gpu_plans_too():
+    cfg, pred, line = auto_plan(dataclasses.replace(CFG, hardware="h100-sxm"), 4)
+    assert "plan on h100-sxm" in line and cfg.check(4) is cfg and pred.step_time_s > 0

@@ -75,8 +75,8 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
                            "(default 300: a hung rank ends the run with an error)"),
     ],
     "planning and prediction (docs/calibrate.md)": [
-        ("hardware", str, "hardware profile from modelpar calibrate: the prediction (and --plan auto) price the run "
-                          "on it (default: a nominal CPU)"),
+        ("hardware", str, "hardware profile from modelpar calibrate, or a GPU name (a100-80gb, h100-sxm, ...): the "
+                          "prediction (and --plan auto) price the run on it (default: a nominal CPU)"),
         ("plan", str, "auto: the planner picks t, p, d, schedule, chunks, micro-batches, recomputation and ZeRO for "
                       "the world size (--tp x --pp x --dp, default 4), prints the plan and runs it"),
         ("memory_limit_gb", float, "with --plan auto: predicted bytes per rank must fit this many GB (default: "
@@ -197,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory, check_resume
 
     cfg = build_config(args)
+    if cfg.hardware:  # a missing, malformed or other-torch profile: one line now, not after the run
+        from modelpar.training.prediction import profile_of
+
+        profile_of(cfg)
     if cfg.plan == "auto":  # before any process starts: a layout that does not fit is refused here
         from modelpar.training.autoplan import auto_plan
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from modelpar.costmodel.local import LocalPrediction, predict_local
 from modelpar.costmodel.local_memory import LocalRun
-from modelpar.costmodel.presets import CPU_DEFAULT
+from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.training.config import TrainConfig
@@ -36,8 +36,11 @@ def local_run(cfg: TrainConfig) -> LocalRun:
 
 
 def profile_of(cfg: TrainConfig) -> HardwareProfile:
-    """The run's ``hardware`` profile (checked: same torch, well formed), or the nominal CPU default."""
-    return load_profile(cfg.hardware) if cfg.hardware else CPU_DEFAULT
+    """The run's ``hardware``: a named GPU (``presets.PROFILES``) or a profile file (checked: same torch,
+    well formed); without one the nominal CPU default."""
+    if not cfg.hardware:
+        return CPU_DEFAULT
+    return PROFILES.get(cfg.hardware.lower()) or load_profile(cfg.hardware)
 
 
 def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
