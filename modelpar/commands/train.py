@@ -205,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
         from modelpar.training.autoplan import auto_plan
 
         world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
-        cfg, _, line = auto_plan(cfg, world)
-        print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+        cfg, _, line = auto_plan(cfg, world)  # the same plan on every rank under torchrun; rank 0 prints it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"modelpar train: {line}", file=sys.stderr, flush=True)
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise ValueError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     console = Console(stderr=True)
