@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["SECTIONS", "FieldInfo", "about", "check_keys", "coerce", "construct", "field_infos", "option"]
 
 # The sections of a training run, in the order the help, the docs and the summary list them.
-SECTIONS = ("model", "data", "parallelism", "schedule", "optimisation", "checkpoint", "run")
+SECTIONS = ("model", "data", "parallelism", "schedule", "optimisation", "checkpoint", "planning", "run")
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, section: str | None = None,

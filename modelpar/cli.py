@@ -15,6 +15,7 @@ import sys
 # Subcommand name -> module that registers it.
 COMMANDS: dict[str, str] = {
     "plan": "modelpar.commands.plan",
+    "calibrate": "modelpar.commands.calibrate",
     "bench": "modelpar.commands.bench",
     "export": "modelpar.commands.export",
     "simulate": "modelpar.commands.simulate",

@@ -25,6 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--json", action="store_true", help="print the ranked list (or the accuracy table) as JSON")
     out.add_argument("--validate", action="store_true",
                      help="predict every published run the package ships and print predicted vs measured")
+    out.add_argument("--validate-local", action="store_true",
+                     help="run short trainings of every split of this machine's ranks (schedules, micro-batches, "
+                          "recomputation, two model sizes) and print predicted (--hardware) vs measured")
+    out.add_argument("--local-ranks", metavar="N,N,...",
+                     help="process counts for --validate-local (default: 1, 2, ... up to twice the cores; above the "
+                          "cores a smaller grid, marked as sharing cores)")
     p.set_defaults(func=run)
 
 
@@ -37,11 +43,48 @@ def validate(as_json: bool) -> int:
     if as_json:
         print(json.dumps({"runs": [{"name": r.run.name, "source": r.run.source, "command": f"modelpar plan {r.run.command}",
                                     "convention": r.run.convention, "measured": r.run.measured,
-                                    "predicted": r.predicted, "error": r.error, "fitted": r.run.fitted}
+                                    "predicted": r.predicted, "error": r.error, "fitted": r.run.fitted,
+                                    "set": r.run.split}
                                    for r in rows],
                           "mean_abs_error": accuracy_summary(rows)}, indent=1))
         return 0
     print(format_accuracy(rows))
+    return 0
+
+
+def validate_local(args: argparse.Namespace) -> int:
+    """Short local runs, each beside its prediction on ``--hardware`` (torch is imported here, not by ``plan``)."""
+    import os
+    import sys
+
+    from modelpar.calibrate import default_ranks
+    from modelpar.calibrate.validate_local import LocalCase, cases, format_report, summarise
+    from modelpar.calibrate.validate_local import validate_local as run_cases
+    from modelpar.commands.calibrate import _ints
+    from modelpar.costmodel.presets import CPU_DEFAULT
+    from modelpar.costmodel.profiles import load_profile
+
+    if args.gpu is not None:
+        raise ValueError(f"--validate-local measures this machine: use --hardware PROFILE, not --gpu {args.gpu}")
+    ranks = sorted(set(_ints("--local-ranks", args.local_ranks))) if args.local_ranks else default_ranks()
+    profile = load_profile(args.hardware) if args.hardware else CPU_DEFAULT
+    if not args.hardware:
+        print("modelpar plan: no --hardware profile: predicting with the nominal cpu-default "
+              "(run modelpar calibrate first)", file=sys.stderr)
+    todo = cases(ranks, os.cpu_count() or 1)
+    print(f"modelpar plan: {len(todo)} configurations on {', '.join(map(str, ranks))} local processes",
+          file=sys.stderr, flush=True)
+
+    def progress(case: LocalCase) -> None:
+        print(f"  {case.name}: {1e3 * case.measured['step_time_s']:.1f} ms", file=sys.stderr, flush=True)
+
+    done = run_cases(todo, profile, progress)
+    if args.json:
+        print(json.dumps({"summary": summarise(done), "configurations": [
+            {"name": c.name, "shared_cores": c.shared, "predicted": c.predicted, "measured": c.measured} for c in done]},
+            indent=1))
+    else:
+        print(format_report(done, profile))
     return 0
 
 
@@ -51,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.validate:
         return validate(args.json)
+    if args.validate_local:
+        return validate_local(args)
     req = request_from_args(args)
     top = check_int("--top", args.top, minimum=1)
     if args.plot:  # fail before the search, in one line, not deep inside matplotlib

@@ -126,13 +126,33 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory
 
     cfg, options = build(args)
-    cfg.check()
+    cfg = _planned(cfg).check()
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
     check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
     with out_lock(options.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
         return _run(cfg, options)
+
+
+def _planned(cfg: Any) -> Any:
+    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout, before any process starts."""
+    import os
+
+    from modelpar.distributed import is_torchrun
+
+    if cfg.hardware:  # a missing, malformed or other-torch profile: one line now, not after the run
+        from modelpar.training.prediction import profile_of
+
+        profile_of(cfg)
+    if cfg.plan == "auto":  # a layout that does not fit is refused here
+        from modelpar.training.autoplan import auto_plan
+
+        world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
+        cfg, _, line = auto_plan(cfg, world)  # the same plan on every rank under torchrun; rank 0 prints it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def _ranks_here(cfg: Any) -> tuple[int, int | None]:
@@ -249,6 +269,10 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "all_gather_bytes": result.all_gather_bytes, "reduce_scatter_bytes": result.reduce_scatter_bytes,
                "gathers_per_step": result.gathers_per_step, "exposed_gather": result.exposed_gather,
                "message_bytes": result.message_bytes}
+    from modelpar.training.prediction import summary_rows
+
+    predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)
+    rows += predicted_rows
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))

@@ -33,6 +33,7 @@ SECTION_HELP = {
     "schedule": "the pipeline schedule, its micro-batches, the layer split and recomputation",
     "optimisation": "AdamW, the batch, the learning-rate schedule, precision and the seed",
     "checkpoint": "checkpoints, resuming and starting from other weights (docs/checkpoints.md)",
+    "planning": "the planner's choice of layout and the hardware the run's prediction is priced on (docs/calibrate.md)",
     "run": "evaluation, timeouts, stopping (docs/stopping.md) and this command's output",
 }
 BACKENDS = ("auto", "gloo", "nccl")

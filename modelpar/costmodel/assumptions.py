@@ -19,7 +19,9 @@ from typing import Any
 
 from modelpar._validate import check_int, check_number
 
-__all__ = ["DEFAULT", "MODERN", "REFERENCE", "Assumptions", "assumptions_for"]
+__all__ = ["DEFAULT", "DTYPE_BYTES", "MODERN", "REFERENCE", "Assumptions", "assumptions_for", "measured_assumptions"]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 
 @dataclass(frozen=True)
@@ -111,3 +113,12 @@ MODERN = DEFAULT.with_(flash_attention=True, dp_overlap=0.8, grad_bytes=4, memor
 def assumptions_for(gpu_name: str) -> Assumptions:
     """``DEFAULT`` (Megatron-LM as in the published A100 runs) for A100s, ``MODERN`` for H100/H200 and later."""
     return DEFAULT if gpu_name.lower().startswith(("a100", "v100", "custom")) else MODERN
+
+
+def measured_assumptions(dtype: str, op_latency_s: float | None, ops_per_layer_pass: float = 12.0) -> Assumptions:
+    """``DEFAULT`` on a calibrated machine: weights, gradients and activations in ``dtype`` (no mixed
+    precision), no fused attention, no overlapped data-parallel reduction; the measured per-op latency
+    × ``ops_per_layer_pass`` (norms, projections, attention, activation, residuals) per layer pass."""
+    size = DTYPE_BYTES[dtype]
+    latency = DEFAULT.layer_latency_s if op_latency_s is None else op_latency_s * ops_per_layer_pass
+    return DEFAULT.with_(param_bytes=size, grad_bytes=size, layer_latency_s=latency, engine="megatron")

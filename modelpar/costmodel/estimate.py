@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
@@ -92,17 +93,16 @@ def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, ba
 
 
 def matmul_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
-    """Fraction of peak the layer GEMMs reach: ceiling × x/(x + x½) for tokens b·s and per-GPU width h/t."""
+    """Fraction of peak the layer GEMMs reach: ceiling × x/(x + x½) for tokens b·s and per-GPU width h/t,
+    or, on a measured profile, the profile's throughput at this layer's GEMM shapes (``gemm_efficiency``)."""
     if a.matmul_efficiency is not None:
         return a.matmul_efficiency
+    if cluster.measured is not None:
+        return gemm_efficiency(model, cluster, cfg)
     tokens = cfg.micro_batch * model.seq
     width = model.hidden / cfg.t
     return (cluster.gpu.matmul_efficiency * tokens / (tokens + a.gemm_tokens_half)
             * width / (width + a.gemm_width_half))
-
-
-def _collective(nbytes: float, gbps: float, a: Assumptions) -> float:
-    return nbytes / (gbps * 1e9 * a.link_efficiency) + a.collective_latency_s
 
 
 def _hbm(nbytes: float, cluster: ClusterSpec) -> float:
@@ -132,7 +132,7 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
     compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
     if t == 1:
         return compute, 0.0
-    one = _collective(allreduce_bytes(tokens * h * 2, t), cluster.link_gbps(t), a)
+    one = collective_time(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
     return compute, tp_collectives(cfg, a) * one
 
 
@@ -171,14 +171,14 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
     """
     if cfg.p == 1:
         return 0.0
-    act = cfg.micro_batch * model.seq * model.hidden * 2.0
+    act = cfg.micro_batch * model.seq * model.hidden * float(a.param_bytes)
     span = cluster.gpus
     if cfg.sequence_parallel:
-        return _collective(act / cfg.t, cluster.link_gbps(span), a)
+        return collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
     if a.pp_scatter_gather and cfg.t > 1 and cluster.link_name(span) == "network":
-        return (_collective(act / cfg.t, cluster.link_gbps(span), a)
-                + _collective(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a))
-    return _collective(act, cluster.link_gbps(span), a)
+        return (collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
+                + collective_time(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a, cluster, "all_gather", cfg.t))
+    return collective_time(act, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
 
 
 def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
@@ -230,7 +230,8 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
         work = {r: loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in ranks}
     work = {r: w + _accumulation(params[r], cluster, a) for r, w in work.items()}
     dp_link = cluster.link_gbps(cfg.t * d)
-    sharded = {r: _collective(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a)
+    sharded = {r: collective_time(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a,
+                              cluster, "reduce_scatter", d, cfg.t * d)
                if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
     total = {r: work[r] + sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
     busiest = max(total.values())
@@ -256,7 +257,9 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     pipe = m * (busiest + p2p) + (p - 1) / v * average + fill
     heaviest = max(params.values())
     end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
-    dp_end = (1 - a.dp_overlap) * _collective(end_bytes, cluster.link_gbps(cfg.t * d), a) if end_bytes else 0.0
+    dp_op = "all_reduce" if cfg.zero == 0 else "all_gather"
+    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * d), a, cluster, dp_op, d, cfg.t * d)
+              if end_bytes else 0.0)
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from modelpar.costmodel.profiles import HardwareProfile, node_profile
 from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
 
-__all__ = ["GPUS", "MODELS", "NodePreset", "gpu_preset", "make_cluster", "model_preset"]
+__all__ = ["CPU_DEFAULT", "GPUS", "MODELS", "PROFILES", "NodePreset", "gpu_preset", "make_cluster", "model_preset",
+           "profile_node"]
 
 _LLAMA: dict[str, Any] = dict(kv_heads=8, gated_mlp=True, tied_embeddings=False, learned_positions=False, bias=False,
                               dropout=False)
@@ -31,23 +33,44 @@ MODELS: dict[str, ModelSpec] = {
 
 @dataclass(frozen=True)
 class NodePreset:
-    """A GPU and the node it usually comes in."""
+    """A GPU and the node it usually comes in (or a measured machine: ``profile`` then holds its numbers)."""
 
     gpu: GPUSpec
     gpus_per_node: int
     intra_node_gbps: float  # NVLink, GB/s per GPU per direction
     inter_node_gbps: float  # InfiniBand, GB/s per GPU
+    profile: HardwareProfile | None = None  # the hardware profile it was made from
 
 
-GPUS: dict[str, NodePreset] = {
+# The named GPU nodes are hardware profiles of the data-sheet kind (no measured points), the same form
+# `modelpar calibrate` writes; `modelpar plan --gpu NAME` and `--hardware FILE` read them alike.
+PROFILES: dict[str, HardwareProfile] = {
     # A100 SXM: 312 TFLOP/s BF16 dense, 2.0 TB/s HBM2e, NVLink3 600 GB/s bidirectional, HDR 200 Gb/s.
-    "a100-80gb": NodePreset(GPUSpec("a100-80gb", 312.0, 80.0, 2.039, 0.82), 8, 300.0, 25.0),
-    "a100-40gb": NodePreset(GPUSpec("a100-40gb", 312.0, 40.0, 1.555, 0.82), 8, 300.0, 25.0),
+    "a100-80gb": node_profile("a100-80gb", 312.0, 80.0, 2.039, 0.82, 8, 300.0, 25.0),
+    "a100-40gb": node_profile("a100-40gb", 312.0, 40.0, 1.555, 0.82, 8, 300.0, 25.0),
     # H100 SXM: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, NVLink4 900 GB/s bidirectional, NDR 400 Gb/s.
-    "h100-sxm": NodePreset(GPUSpec("h100-sxm", 989.0, 80.0, 3.35, 0.72), 8, 450.0, 50.0),
+    "h100-sxm": node_profile("h100-sxm", 989.0, 80.0, 3.35, 0.72, 8, 450.0, 50.0),
     # H200: the H100 die with 141 GB of HBM3e at 4.8 TB/s.
-    "h200": NodePreset(GPUSpec("h200", 989.0, 141.0, 4.8, 0.72), 8, 450.0, 50.0),
+    "h200": node_profile("h200", 989.0, 141.0, 4.8, 0.72, 8, 450.0, 50.0),
 }
+
+
+def profile_node(profile: HardwareProfile) -> NodePreset:
+    """The node a hardware profile describes: its GPU spec (peak of the profile's dtype), node size and links."""
+    gpu = GPUSpec(profile.name, profile.peak_tflops[profile.dtype], profile.memory_gb, profile.hbm_tb_s,
+                  profile.matmul_ceiling)
+    return NodePreset(gpu, profile.devices_per_node, profile.intra_node_gbps, profile.inter_node_gbps, profile)
+
+
+GPUS: dict[str, NodePreset] = {name: profile_node(profile) for name, profile in PROFILES.items()}
+
+# What `modelpar train` predicts with when no --hardware profile is given: nominal round numbers for one
+# core of a small x86 machine running gloo (not a measurement; `modelpar calibrate` replaces it).
+CPU_DEFAULT = HardwareProfile(
+    name="cpu-default", device="cpu", backend="gloo", memory_gb=8.0, devices_per_node=64, peak_tflops={"fp32": 0.05},
+    intra_node_gbps=1.0, inter_node_gbps=1.0, hbm_tb_s=0.005, host="nominal", matmul={"fp32": {"1": [[256, 256, 256, 0.05]]}},
+    attention={"fp32": {"1": 0.005}}, elementwise_gbps={"1": 5.0}, op_latency_s={"1": 2e-5},
+    collectives={op: {"intra": {"2": [1e-4, 1.0]}} for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")})
 
 
 def _lookup(kind: str, table: dict, name: str):
@@ -76,4 +99,5 @@ def make_cluster(gpu: str | NodePreset, gpus: int, gpus_per_node: int | None = N
         node.gpus_per_node if gpus_per_node is None else gpus_per_node,
         node.intra_node_gbps if intra_node_gbps is None else intra_node_gbps,
         node.inter_node_gbps if inter_node_gbps is None else inter_node_gbps,
+        node.profile,
     )

@@ -35,6 +35,11 @@ class PublishedRun:
     convention: str = "tflops"  # "tflops", "mfu" or "step_s"
     fitted: str = ""  # the parameter fitted on this run, "" if none (held out)
 
+    @property
+    def split(self) -> str:
+        """"fit" (a parameter was fitted on it) or "test" (held out: its error is the planner's accuracy)."""
+        return "fit" if self.fitted else "test"
+
 
 def _gpt(layers: int, hidden: int, heads: int) -> str:
     return f"--layers {layers} --hidden {hidden} --heads {heads} --seq-len 2048 --vocab 51200"

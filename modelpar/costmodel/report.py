@@ -117,7 +117,15 @@ def format_accuracy(rows: list[Validation]) -> str:
     def show(x: float, convention: str) -> str:
         return f"{x:.1%}" if convention == "mfu" else f"{x:.2f}" if convention == "step_s" else f"{x:.0f}"
 
-    lines = [f"{'run':<34} {'unit':>7} {'measured':>9} {'predicted':>9} {'error':>7}  {'fit':<3} layout",
+    test_set = [r for r in rows if r.run.split == "test"]
+    fit_set = [r for r in rows if r.run.split == "fit"]
+    worst = lambda group: max(abs(r.error) for r in group)  # noqa: E731
+    head = [f"test set (held out, nothing fitted on them): {mean_abs_error(test_set):.1%} mean absolute step-time "
+            f"error over {len(test_set)} runs, worst {worst(test_set):.1%}"] if test_set else []
+    head += [f"fit set (a parameter was fitted on them): {mean_abs_error(fit_set):.1%} over {len(fit_set)} runs, "
+             f"worst {worst(fit_set):.1%}"] if fit_set else []
+    lines = head + ([""] if head else []) + [
+        f"{'run':<34} {'unit':>7} {'measured':>9} {'predicted':>9} {'error':>7}  {'fit':<3} layout",
              "-" * 100]
     for r in rows:
         c = r.best.config

@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
-from modelpar.costmodel.assumptions import Assumptions, assumptions_for
+from modelpar.costmodel.assumptions import Assumptions, assumptions_for, measured_assumptions
 from modelpar.costmodel.engines import ENGINES, engine_assumptions
-from modelpar.costmodel.presets import GPUS, NodePreset, gpu_preset, make_cluster, model_preset
+from modelpar.costmodel.presets import GPUS, NodePreset, gpu_preset, make_cluster, model_preset, profile_node
+from modelpar.costmodel.profiles import load_profile
 from modelpar.costmodel.search import SearchResult, search
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec
 from modelpar.costmodel.stages import check_split
 from modelpar.costmodel.zero import ZERO_STAGES
 from modelpar.layer_split import parse_split
 
-__all__ = ["PlanRequest", "add_plan_arguments", "parse_plan_command", "request_from_args"]
+__all__ = ["PlanRequest", "add_plan_arguments", "default_assumptions", "parse_plan_command", "request_from_args"]
 
 _MODEL_FLAGS = (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("seq_len", "seq"),
                 ("vocab", "vocab"), ("ffn", "ffn"))
@@ -51,6 +52,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         m.add_argument(f"--{flag.replace('_', '-')}", type=int)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", help="GPU node preset (default a100-80gb): a100-80gb, a100-40gb, h100-sxm, h200")
+    c.add_argument("--hardware", metavar="PROFILE",
+                   help="a hardware profile JSON (modelpar calibrate) in place of --gpu")
     c.add_argument("--peak-tflops", type=float, help="dense 16-bit peak, TFLOP/s per GPU")
     c.add_argument("--gpu-mem-gb", type=float, help="memory per GPU, GB")
     c.add_argument("--gpus", type=int, help="number of GPUs (required)")
@@ -89,7 +92,7 @@ def _cluster(args: argparse.Namespace) -> ClusterSpec:
     if args.gpus is None:
         raise ValueError("--gpus is required")
     n = check_int("--gpus", args.gpus, minimum=1)
-    node = gpu_preset(args.gpu) if args.gpu else GPUS["a100-80gb"]
+    node = _node(args)
     if args.peak_tflops is not None or args.gpu_mem_gb is not None:
         peak = node.gpu.peak_tflops if args.peak_tflops is None else check_number("--peak-tflops", args.peak_tflops, strict=True)
         mem = node.gpu.memory_gb if args.gpu_mem_gb is None else check_number("--gpu-mem-gb", args.gpu_mem_gb, strict=True)
@@ -102,6 +105,24 @@ def _cluster(args: argparse.Namespace) -> ClusterSpec:
 
     per_node = None if args.gpus_per_node is None else check_int("--gpus-per-node", args.gpus_per_node, minimum=1)
     return make_cluster(node, n, per_node, given("intra_node_gbps"), given("inter_node_gbps"))
+
+
+def _node(args: argparse.Namespace) -> NodePreset:
+    """The node ``--hardware`` (a profile file) or ``--gpu`` (a named one, default a100-80gb) describes."""
+    hardware = getattr(args, "hardware", None)
+    if hardware is not None:
+        if args.gpu is not None:
+            raise ValueError(f"--hardware {hardware} and --gpu {args.gpu} both describe the GPU: give one")
+        return profile_node(load_profile(hardware))
+    return gpu_preset(args.gpu) if args.gpu else GPUS["a100-80gb"]
+
+
+def default_assumptions(cluster: ClusterSpec) -> Assumptions:
+    """``assumptions_for`` a named GPU; on a measured profile ``measured_assumptions`` in its dtype."""
+    profile = cluster.measured
+    if profile is None:
+        return assumptions_for(cluster.gpu.name)
+    return measured_assumptions(profile.dtype, profile.op_latency(cluster.ranks_per_node))
 
 
 def _stage_layers(text: str, layers: int, pins: dict[str, Any]) -> tuple[int, ...]:
@@ -148,7 +169,7 @@ def request_from_args(args: argparse.Namespace, base: Assumptions | None = None)
     if args.batch is None:
         raise ValueError("--batch is required")
     batch = check_int("--batch", args.batch, minimum=1)
-    assumptions = engine_assumptions(base or assumptions_for(cluster.gpu.name), args.engine)
+    assumptions = engine_assumptions(base or default_assumptions(cluster), args.engine)
     return PlanRequest(model, cluster, batch, assumptions, _pins(args, model))
 
 

@@ -8,10 +8,11 @@ for a GPT (ffn = 4h, no GQA) they reduce to them exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero import ZERO_STAGES
 
 __all__ = ["PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
@@ -147,6 +148,8 @@ class ClusterSpec:
     gpus_per_node: int = 8
     intra_node_gbps: float = 300.0  # NVLink/NVSwitch, GB/s per GPU
     inter_node_gbps: float = 25.0  # InfiniBand, GB/s per GPU (one NIC per GPU)
+    # the hardware profile behind the numbers; a measured one also prices GEMMs and collectives (estimate.py)
+    profile: HardwareProfile | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_int("gpus", self.gpus, minimum=1)
@@ -157,6 +160,16 @@ class ClusterSpec:
     def link_name(self, span: int) -> str:
         """The link a collective over ``span`` consecutive ranks crosses: "nvlink" inside a node, else "network"."""
         return "nvlink" if span <= self.gpus_per_node else "network"
+
+    @property
+    def measured(self) -> HardwareProfile | None:
+        """The profile when it holds measured numbers (``modelpar calibrate``), else None."""
+        return self.profile if self.profile is not None and self.profile.measured else None
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Processes sharing a node's compute (a CPU's cores): the node, or all of them if fewer."""
+        return min(self.gpus, self.gpus_per_node)
 
     def link_gbps(self, span: int) -> float:
         """Bandwidth of a collective over ``span`` consecutive ranks: NVLink inside a node, else the inter-node link."""

@@ -35,6 +35,7 @@ ZERO_CHOICES = (0, 1, 2, 3)  # ZeRO stages (docs/numerics.md)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 _RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
+PLAN_CHOICES = ("none", "auto")  # train --plan: none (the flags' layout) or auto (the planner's)
 BUBBLE_TARGET = 0.25  # the default m keeps the bubble at most this share of the ideal compute (20% of the step)
 
 
@@ -127,6 +128,16 @@ class TrainConfig:
     init_from: str | None = option(None, section="checkpoint", help="a Hugging Face Llama directory whose weights "
                                                                     "the run starts from (config.json + "
                                                                     "model.safetensors; the model shape comes from it)")
+    hardware: str | None = option(None, section="planning", help="hardware profile from modelpar calibrate, or a GPU "
+                                                                  "name (a100-80gb, h100-sxm, ...): the prediction "
+                                                                  "(and --plan auto) price the run on it (none: a "
+                                                                  "nominal CPU; docs/calibrate.md)")
+    plan: str = option("none", section="planning", help="auto: the planner picks t, p, d, schedule, chunks, "
+                                                        "micro-batches, recomputation and ZeRO for the world size "
+                                                        "(tp x pp x dp), prints the plan and runs it; none: the "
+                                                        "flags' layout")
+    memory_limit_gb: float = option(0.0, section="planning", help="with --plan auto: predicted bytes per rank must "
+                                                                  "fit this many GB (0: the device's memory)")
 
     def __post_init__(self) -> None:
         if self.microbatches == 0:  # chosen once here; dataclasses.replace keeps it (pass 0 to choose again)
@@ -183,6 +194,8 @@ class TrainConfig:
         check_number("clip", self.clip)
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
+        check_choice("plan", self.plan, PLAN_CHOICES)
+        check_number("memory_limit_gb", self.memory_limit_gb)
         check_number("preempt_grace", self.preempt_grace)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes

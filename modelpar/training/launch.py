@@ -27,13 +27,18 @@ from modelpar.training.loop import TrainResult, train
 from modelpar.training.report import EventFile
 from modelpar.training.stopping import EXIT_PREEMPTED, Stop, handled
 
-__all__ = ["run_in_process", "run_local"]
+__all__ = ["rank_threads", "run_in_process", "run_local"]
+
+
+def rank_threads(world_size: int) -> int:
+    """Threads each of ``world_size`` local ranks computes with: the cores split evenly (no oversubscription)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
 
 
 def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.dims.world_size))  # no oversubscription
+    torch.set_num_threads(rank_threads(cfg.dims.world_size))
     return train(cfg, report=EventFile(events))
 
 

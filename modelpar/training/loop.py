@@ -38,6 +38,7 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
 from modelpar.training.precision import wrap_stage
+from modelpar.training.prediction import saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
@@ -86,12 +87,21 @@ class TrainResult:
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
+    saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
+    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
     @property
     def peak_state_bytes(self) -> int:
         """Parameters, gradients and AdamW state at this rank's peak: what it keeps plus the full buckets."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes + self.peak_buffer_bytes
+
+    @property
+    def activation_bytes(self) -> float | None:
+        """Activations held at this rank's peak: peak microbatch-chunks × the mean saved bytes of its stages."""
+        if not self.saved_bytes or not self.peak_held:
+            return None
+        return self.peak_held * sum(self.saved_bytes.values()) / len(self.saved_bytes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -189,6 +199,8 @@ class _Run:
                                   parameter_bytes=self.sync.parameter_bytes(),
                                   unigram_baseline=self.corpus.unigram_baseline(),
                                   tokens_per_byte=self.corpus.tokens_per_byte)
+        self.result.saved_bytes = saved_bytes(cfg, {s: wrap_stage(m, cfg.precision, last=s == stages - 1)
+                                                    for s, m in self.modules.items()}, self.loss_fn, cfg.tp, rs.device)
         self.first = rs.pp_rank == self.schedule.device_of(0)
         self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
         self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
@@ -340,6 +352,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
     run.result.skipped_steps = stop.skipped
     if run.gather_waits:
         run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
+    run.result.peak_held = run.runner.record.peak_held
     _bubbles(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["METRICS_FILE", "MetricsLog", "Reporters", "peak_memory_mb"]
+__all__ = ["METRICS_FILE", "MetricsLog", "Reporters", "append_record", "peak_memory_mb"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,6 +31,14 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def append_record(out: str | os.PathLike, record: dict[str, Any]) -> None:
+    """One more JSON line in ``out/metrics.jsonl`` after the run (the prediction beside what was measured)."""
+    path = Path(out) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 class MetricsLog:

@@ -1,0 +1,95 @@
+"""Latency and bandwidth of all-reduce, all-gather, reduce-scatter and point-to-point per group size.
+
+For a group of the first g ranks each collective is timed at a few message sizes and fitted as
+``time = latency + bytes/bandwidth`` by least squares, ``bytes`` being what one rank sends with a
+ring algorithm (``modelpar.formulas``: 2(g − 1)/g·S for an all-reduce of S bytes, (g − 1)/g·S for
+an all-gather or reduce-scatter whose whole tensor is S; the message for point-to-point, timed as
+half a ping-pong). Every rank takes part in every measurement (group creation is collective).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modelpar.calibrate.compute import timed
+from modelpar.formulas import allgather_bytes, allreduce_bytes
+
+__all__ = ["fit_line", "measure_collectives"]
+
+_SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the whole tensor (fp32)
+# the single-tensor collectives under their current names where torch has them (as modelpar.training.dp_comm)
+_reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency s, GB/s) of the least-squares line time = latency + bytes/bandwidth through (bytes, s) points.
+
+    A negative intercept is clamped to 0 and a non-positive slope (noise) gives the largest bytes/s seen.
+    """
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    if slope <= 0:
+        return max(0.0, min(y for _, y in points)), max(x / y for x, y in points) / 1e9
+    return max(0.0, my - slope * mx), 1.0 / slope / 1e9
+
+
+def _time_op(op: str, group: object, g: int, nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
+    """(bytes one rank sends, seconds) of one ``op`` on a ``nbytes`` tensor over ``group`` of g ranks."""
+    n = nbytes // 4 // g * g  # whole shards
+    nbytes = 4 * n
+    full = torch.ones(n, device=device)
+    if op == "all_reduce":
+        return allreduce_bytes(nbytes, g), timed(lambda: dist.all_reduce(full, group=group), device, reps=reps)
+    if op == "all_gather":
+        shard = torch.ones(n // g, device=device)
+        return allgather_bytes(nbytes, g), timed(lambda: _all_gather(full, shard, group=group), device, reps=reps)
+    shard = torch.ones(n // g, device=device)
+    return allgather_bytes(nbytes, g), timed(lambda: _reduce_scatter(shard, full, group=group), device, reps=reps)
+
+
+def _ping_pong(nbytes: int, device: torch.device, reps: int) -> float:
+    """Seconds of one message of ``nbytes`` from rank 0 to rank 1 (half a round trip); other ranks idle."""
+    buf = torch.ones(nbytes // 4, device=device)
+    rank = dist.get_rank()
+
+    def round_trip() -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    return timed(round_trip, device, reps=reps) / 2
+
+
+def measure_collectives(device: torch.device, local_size: int, reps: int = 5) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """op -> link -> str(group size) -> [latency_s, GB/s] for groups of the first 2 … world ranks.
+
+    A group of more than ``local_size`` ranks (the processes on one node) crosses nodes: link "inter".
+    Rank 0's timings are returned (every rank returns the same structure).
+    """
+    world = dist.get_world_size()
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for g in range(2, world + 1):
+        group = dist.new_group(list(range(g)))
+        link = "intra" if g <= local_size else "inter"
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            if dist.get_rank() < g:
+                points = [_time_op(op, group, g, size, device, reps=reps) for size in _SIZES]
+            else:  # outside the group: nothing to time, but keep in step with the group's barriers
+                points = [(1.0, 1.0)]
+                for _ in _SIZES:
+                    timed(lambda: None, device, reps=reps)
+            latency, gbps = fit_line(points)
+            out.setdefault(op, {}).setdefault(link, {})[str(g)] = [latency, gbps]
+    p2p = fit_line([(float(size), _ping_pong(size, device, reps=reps)) for size in _SIZES])
+    out["p2p"] = {"intra" if local_size >= 2 else "inter": {"2": list(p2p)}}
+    return out

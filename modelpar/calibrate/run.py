@@ -1,0 +1,135 @@
+"""``calibrate``: measure this machine on the processes it trains with and build its hardware profile.
+
+Locally (CPU, gloo) one ``LocalCluster`` per process count in ``ranks`` (default 1, 2, 4, …, up to
+twice the cores) measures compute with every rank busy at once, each with the threads
+``modelpar train`` gives it; the largest also measures the collectives of every group size.
+On a GPU outside torchrun one process measures its device. Under torchrun the launched processes
+measure (NCCL on GPUs): compute at the node's process count, collectives over every group size,
+intra- or inter-node. The result is ``modelpar.costmodel.profiles.HardwareProfile``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from modelpar.calibrate.comm import measure_collectives
+from modelpar.calibrate.compute import (
+    gemm_shapes,
+    measure_attention,
+    measure_elementwise,
+    measure_matmul,
+    measure_op_latency,
+)
+from modelpar.costmodel.profiles import HardwareProfile, installed_torch
+
+__all__ = ["calibrate", "default_ranks", "measure_rank"]
+
+
+def default_ranks(cores: int | None = None) -> list[int]:
+    """1, 2, 4, … up to twice the cores (two ranks per core shows what sharing them costs)."""
+    cores = cores or os.cpu_count() or 1
+    out, n = [], 1
+    while n <= 2 * cores:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
+                 budget_s: float = 0.05) -> dict[str, Any]:
+    """Everything one rank measures (called on every rank of the group at once)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cuda = (dist.is_initialized() and dist.get_backend() == "nccl") or (not dist.is_initialized() and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    shapes = gemm_shapes(device.type)
+    out: dict[str, Any] = {
+        "device": device.type,
+        "name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "memory": torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory(),
+        "matmul": {d: measure_matmul(d, device, shapes, budget_s) for d in dtypes},
+        "attention": {d: measure_attention(d, device, 2 * budget_s) for d in dtypes},
+        "elementwise_gbps": measure_elementwise(device, budget_s),
+        "op_latency_s": measure_op_latency(device, budget_s),
+    }
+    if collectives and dist.is_initialized() and dist.get_world_size() > 1:
+        out["collectives"] = measure_collectives(device, local_size)
+    return out
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
+    """Per process count: rank 0's measurements in a local gloo cluster of that many processes."""
+    from modelpar.distributed import LocalCluster
+    from modelpar.training.launch import rank_threads
+
+    found: dict[int, dict[str, Any]] = {}
+    for n in ranks:
+        if n == 1:
+            found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s)
+            continue
+        with LocalCluster(n, timeout=120.0, run_timeout=600.0) as cluster:
+            found[n] = cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s)[0]
+    return found
+
+
+def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = None, budget_s: float = 0.05,
+              name: str | None = None) -> HardwareProfile:
+    """Measure this machine and return its profile (see the module docstring for which processes measure)."""
+    from modelpar.distributed import init_from_env, is_torchrun
+
+    if is_torchrun():
+        init_from_env(timeout=300.0)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        cuda = dist.get_backend() == "nccl"
+        dtypes = dtypes or (("bf16", "fp32") if cuda else ("fp32",))
+        mine = measure_rank(dtypes, None, local, True, budget_s)
+        found = {local: mine}
+        backend = str(dist.get_backend())
+    elif torch.cuda.is_available():
+        dtypes = dtypes or ("bf16", "fp32")
+        found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s)}, "nccl"
+    else:
+        dtypes = dtypes or ("fp32",)
+        found, backend = _local(ranks or default_ranks(), dtypes, budget_s), "gloo"
+    return build_profile(found, backend, name)
+
+
+def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | None = None) -> HardwareProfile:
+    """The profile of per-process-count measurements (``measure_rank``'s dicts)."""
+    first = found[min(found)]
+    measured = [m["collectives"] for _, m in sorted(found.items(), reverse=True) if "collectives" in m]
+    collectives: dict[str, Any] = measured[0] if measured else {}
+    p2p = [gbps for link in collectives.get("p2p", {}).values() for _, gbps in link.values()]
+    dtypes = list(first["matmul"])
+    return HardwareProfile(
+        name=name or f"{platform.node() or 'host'}-{first['device']}",
+        device="cuda" if first["device"] == "cuda" else "cpu",
+        backend=backend,
+        memory_gb=first["memory"] / 1e9,
+        devices_per_node=max(found),
+        peak_tflops={d: max(pt[3] for pt in first["matmul"][d]) for d in dtypes},
+        intra_node_gbps=p2p[0] if p2p else 1.0,
+        inter_node_gbps=p2p[-1] if p2p else 1.0,
+        hbm_tb_s=first["elementwise_gbps"] / 1e3,
+        torch=installed_torch() or torch.__version__,  # what check_torch compares with
+        host=f"{platform.node()} ({first['name']}), {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        cores=os.cpu_count() or 0,
+        matmul={d: {str(n): m["matmul"][d] for n, m in found.items()} for d in dtypes},
+        attention={d: {str(n): m["attention"][d] for n, m in found.items()} for d in dtypes},
+        elementwise_gbps={str(n): m["elementwise_gbps"] for n, m in found.items()},
+        op_latency_s={str(n): m["op_latency_s"] for n, m in found.items()},
+        collectives=collectives,
+    )

@@ -1,0 +1,152 @@
+"""``modelpar plan --validate-local``: short runs on this machine, each beside the cost model's prediction.
+
+Every split (t, p, d) of each process count × schedules × microbatch counts × recomputation × two
+model sizes runs a few steps in one ``LocalCluster`` per process count (each rank with the threads
+``modelpar train`` gives it); the median step after the first, the bubble and rank 0's bytes are
+set against ``training.prediction.predict`` on the given hardware profile. Reported: per
+configuration, predicted vs measured with the error; the mean absolute percentage error (MAPE)
+over the configurations with at most one rank per core and, separately, the rest; and, per model
+and process count, how far the planner's pick (least predicted time) is from the fastest measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from modelpar.costmodel.profiles import HardwareProfile
+from modelpar.model import ModelConfig
+from modelpar.training.config import TrainConfig
+
+__all__ = ["LocalCase", "cases", "format_report", "summarise", "validate_local"]
+
+MODELS = {"h64": ModelConfig(hidden=64, heads=4, layers=4, seq_len=64),
+          "h128": ModelConfig(hidden=128, heads=4, layers=4, seq_len=64)}
+BASE = TrainConfig(steps=5, batch_size=16, eval_every=0, eval_batches=1, warmup=1)  # 16: every d·m here divides it
+
+
+@dataclass
+class LocalCase:
+    """One configuration: its name, the config, and (after running) predicted and measured figures."""
+
+    model: str
+    cfg: TrainConfig
+    shared: bool  # more ranks than cores
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    measured: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        c = self.cfg
+        return (f"{self.model} t={c.tp} p={c.pp} d={c.dp} {c.schedule} m={c.microbatches} {c.recompute}"
+                + (f" zero{c.zero}" if c.zero else ""))
+
+    def error(self, key: str = "step_time_s") -> float:
+        return self.predicted[key] / self.measured[key] - 1
+
+
+def _splits(world: int) -> Iterator[tuple[int, int, int]]:
+    for t in (x for x in range(1, world + 1) if world % x == 0):
+        for p in (x for x in range(1, world // t + 1) if (world // t) % x == 0):
+            yield t, p, world // (t * p)
+
+
+def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> list[LocalCase]:
+    """The configurations: the whole grid for process counts up to ``full_grid_up_to`` (default: the cores),
+    a smaller one (1F1B, m = 4, no recomputation, the larger model) above it."""
+    out = []
+    limit = cores if full_grid_up_to is None else full_grid_up_to
+    for world in ranks:
+        full = world <= limit
+        for t, p, d in _splits(world):
+            schedules = (["1f1b", "gpipe"] if full else ["1f1b"]) if p > 1 else ["1f1b"]
+            for name, model in MODELS.items() if full else [("h128", MODELS["h128"])]:
+                for schedule in schedules:
+                    for m in ((2, 4) if full else (4,)):
+                        for recompute in (("none", "full") if full else ("none",)):
+                            cfg = dataclasses.replace(BASE, model=model, tp=t, pp=p, dp=d, schedule=schedule,
+                                                      microbatches=m, recompute=recompute)
+                            out.append(LocalCase(name, cfg.check(world), world > cores))
+    return out
+
+
+def _run_rank(cfg: TrainConfig) -> tuple[Any, ...]:
+    import torch
+
+    from modelpar.training import train
+    from modelpar.training.launch import rank_threads
+
+    torch.set_num_threads(rank_threads(cfg.dims.world_size))
+    r = train(cfg)
+    times = r.step_times[1:] or r.step_times
+    return (statistics.median(times), r.bubble_measured, r.parameters_here * cfg.param_dtype.itemsize,
+            r.gradient_bytes, r.optimizer_state_bytes, r.activation_bytes)
+
+
+def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: Any = None) -> list[LocalCase]:
+    """Run every case (one cluster per process count) and fill in predicted and measured figures."""
+    from modelpar.distributed import LocalCluster
+    from modelpar.training.prediction import predict
+
+    for world in sorted({c.cfg.dims.world_size for c in todo}):
+        with LocalCluster(world, timeout=300.0, run_timeout=None) as cluster:
+            for case in (c for c in todo if c.cfg.dims.world_size == world):
+                pred = predict(case.cfg, profile)
+                case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,
+                                  **{f"{k}_bytes": v for k, v in pred.memory.items()}}
+                step, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
+                case.measured = {"step_time_s": step, "bubble": bubble if bubble is not None else 0.0,
+                                 "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
+                                 "activations_bytes": act or 0.0}
+                if progress is not None:
+                    progress(case)
+    return todo
+
+
+def summarise(done: list[LocalCase]) -> dict[str, Any]:
+    """MAPE of step time (one rank per core, and shared cores), worst memory error, and the planner's picks."""
+    def mape(rows: list[LocalCase]) -> float | None:
+        return sum(abs(c.error()) for c in rows) / len(rows) if rows else None
+
+    picks = []
+    for key in sorted({(c.model, c.cfg.dims.world_size) for c in done}):
+        group = [c for c in done if (c.model, c.cfg.dims.world_size) == key]
+        pick = min(group, key=lambda c: c.predicted["step_time_s"])
+        fastest = min(group, key=lambda c: c.measured["step_time_s"])
+        picks.append({"model": key[0], "ranks": key[1], "pick": pick.name, "fastest": fastest.name,
+                      "pick_over_fastest": pick.measured["step_time_s"] / fastest.measured["step_time_s"] - 1})
+    memory = [abs(c.error(k)) for c in done for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
+                                                     "activations_bytes") if c.measured.get(k)]
+    return {"configurations": len(done), "one_rank_per_core": sum(not c.shared for c in done),
+            "step_mape": mape([c for c in done if not c.shared]), "step_mape_shared": mape([c for c in done if c.shared]),
+            "worst_memory_error": max(memory, default=0.0), "picks": picks}
+
+
+def format_report(done: list[LocalCase], profile: HardwareProfile) -> str:
+    """The table and the summary lines ``modelpar plan --validate-local`` prints."""
+    lines = [f"predicted on {profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'}) vs "
+             f"measured on this machine ({os.cpu_count()} cores)",
+             f"{'configuration':<44} {'predicted':>10} {'measured':>10} {'error':>7}  {'bubble p/m':>11}  "
+             f"{'memory p/m (MiB)':>17}"]
+    for c in done:
+        mem_p = sum(v for k, v in c.predicted.items() if k.endswith("_bytes")) / 2**20
+        mem_m = sum(v for k, v in c.measured.items() if k.endswith("_bytes")) / 2**20
+        lines.append(f"{c.name + (' *' if c.shared else ''):<44} {1e3 * c.predicted['step_time_s']:>8.1f}ms "
+                     f"{1e3 * c.measured['step_time_s']:>8.1f}ms {100 * c.error():>+6.1f}%  "
+                     f"{100 * c.predicted['bubble']:>4.0f}%/{100 * c.measured['bubble']:>3.0f}%  "
+                     f"{mem_p:>8.2f}/{mem_m:<8.2f}")
+    s = summarise(done)
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    lines.append(f"step-time MAPE: {pct(s['step_mape'])} over {s['one_rank_per_core']} configurations with at most one "
+                 f"rank per core; {pct(s['step_mape_shared'])} over the {s['configurations'] - s['one_rank_per_core']} "
+                 "with shared cores (*)")
+    lines.append(f"memory: worst error {pct(s['worst_memory_error'])} (parameters, gradients and AdamW exact; "
+                 "activations counted)")
+    for p in s["picks"]:
+        lines.append(f"planner's pick for {p['model']} on {p['ranks']} rank(s): {p['pick']}, "
+                     f"{pct(p['pick_over_fastest'])} slower than the fastest measured ({p['fastest']})")
+    return "\n".join(lines)

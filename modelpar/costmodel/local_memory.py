@@ -1,0 +1,215 @@
+"""Per-rank bytes of ``modelpar train``'s own layout, exactly: parameters, gradient buffers, AdamW state, activations.
+
+The planner's ``memory.py`` follows Megatron's accounting (everything ÷ t, 16-bit); the trainer's
+ranks hold what its modules hold: replicated norms and row-parallel biases, key/value heads
+replicated when t > kv_heads, the final norm, a separate copy of a tied embedding on the last
+stage, and gradient buffers in buckets padded to a multiple of d under ZeRO. ``LocalRun`` states
+a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
+and these functions give the bytes its ranks measure (tests assert equality, and activations
+within 10%).
+
+Activations are what autograd saves for the backward, per microbatch and stage, in elements per
+token of one layer (derived from the modules' operations, and checked against
+``torch.autograd.graph.saved_tensors_hooks`` in the tests):
+
+    GPT:   replicated 4h + 4 (norm inputs and outputs, 2 LayerNorms' mean and rstd; with sequence
+           parallelism (2h + 4)/t + 2h: the norms see sequence shards, the linears' gathered inputs are whole)
+           sharded (3h + h + 2·ffn)/t (fused q, k, v; attention output; GeLU input and output)
+           + a/t (the attention's log-sum-exp, not kept with selective recomputation)
+    Llama: replicated 6h + 2 (RMSNorm keeps its input and normalised input, and rstd; SP: (4h + 2)/t + 2h)
+           sharded: q and k after rotation, v (or, under GQA without selective recomputation, k and v
+           repeated for the query heads),
+           attention output h/t, log-sum-exp a/t, the SwiGLU's gate and up 2·ffn/t, SiLU(gate) and
+           the product ffn/t each; plus cos and sin, 2·s·d per layer and microbatch
+
+The first stage also keeps the token ids (8 bytes each), the last the final norm's, the head's
+input, the fp32 logits V/t and 10 bytes per token of the loss (targets, masks). Full
+recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from modelpar.costmodel.specs import ModelSpec
+from modelpar.costmodel.zero import optimizer_state_bytes_per_param
+
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "stage_buckets", "stage_tensors",
+           "state_bytes"]
+
+PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}  # its activations
+_IDS = 8  # int64 token ids the embedding keeps, per token
+_LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps besides the logits
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """One ``modelpar train`` layout in plain numbers (Megatron notation)."""
+
+    model: ModelSpec  # ``ModelConfig.spec()``: padded vocabulary, the MLP width, key/value heads
+    t: int = 1
+    p: int = 1
+    d: int = 1
+    schedule: str = "1f1b"
+    v: int = 1  # chunks per pipeline rank
+    microbatches: int = 4  # per replica
+    batch: int = 16  # global, sequences
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero: int = 0
+    precision: str = "fp32"
+    bucket_elements: int = 1 << 22
+    overlap: bool = True  # data-parallel reduction during the backward
+
+    @property
+    def stages(self) -> int:
+        return self.p * self.v
+
+    @property
+    def micro_batch(self) -> int:
+        return self.batch // (self.d * self.microbatches)
+
+    @property
+    def world(self) -> int:
+        return self.t * self.p * self.d
+
+    @property
+    def param_bytes(self) -> int:
+        return PARAM_BYTES[self.precision]
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    numel: int
+    partial: bool  # its gradient is summed over the tensor-parallel group first (own bucket group)
+    tied: bool = False  # a copy of a tied embedding split across stages (a bucket of its own)
+
+
+def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
+    h = run.model.hidden
+    return [_Tensor(h, partial)] * (2 if run.model.bias else 1)
+
+
+def _layer(run: LocalRun) -> list[_Tensor]:
+    """One layer's parameters on one rank, in the module's order."""
+    m, t = run.model, run.t
+    h, f, a = m.hidden, m.ffn_size, m.heads
+    kv = m.kv_heads or a
+    d = h // a
+    sp = run.sequence_parallel and t > 1  # replicated parameters see a sequence shard: partial gradients
+    bias = m.bias
+    out = list(_norm(run, sp))
+    if not m.gated_mlp:  # GPT: fused qkv
+        out += [_Tensor(3 * h // t * h, False)] + ([_Tensor(3 * h // t, False)] if bias else [])
+    else:
+        kv_replicated = t > kv
+        out += [_Tensor(h // t * h, False), _Tensor(2 * max(1, kv // t) * d * h, t > 1 and kv_replicated)]
+    out += [_Tensor(h * h // t, False)] + ([_Tensor(h, sp)] if bias else [])
+    out += _norm(run, sp)
+    up = (2 if m.gated_mlp else 1) * f // t
+    out += [_Tensor(up * h, False)] + ([_Tensor(up, False)] if bias else [])
+    out += [_Tensor(h * f // t, False)] + ([_Tensor(h, sp)] if bias else [])
+    return out
+
+
+def stage_tensors(run: LocalRun, stage: int) -> list[_Tensor]:
+    """The parameters of (virtual) stage ``stage`` on one rank, in ``module.parameters()`` order."""
+    m, t, last = run.model, run.t, run.stages - 1
+    split = m.tied_embeddings and run.stages > 1
+    sp = run.sequence_parallel and t > 1
+    out: list[_Tensor] = []
+    if stage == 0:
+        out.append(_Tensor(m.vocab // t * m.hidden, False, split))
+        if m.learned_positions:
+            out.append(_Tensor(m.seq * m.hidden, sp))
+    out += _layer(run) * (m.layers // run.stages)
+    if stage == last:
+        out += _norm(run, sp)
+        if not (m.tied_embeddings and run.stages == 1):  # one stage: the head shares the embedding
+            out.append(_Tensor(m.vocab // t * m.hidden, False, split))
+    return out
+
+
+def _groups(sizes: list[int], elements: int) -> list[int]:
+    """Consecutive groups of at most ``elements`` (a larger tensor alone), as the trainer's buckets group them."""
+    groups: list[int] = []
+    fill = 0
+    for n in sizes:
+        if not groups or (fill + n > elements and groups[-1]):
+            groups.append(0)
+            fill = 0
+        groups[-1] += n
+        fill += n
+    return groups
+
+
+def stage_buckets(run: LocalRun, stage: int) -> list[int]:
+    """Elements of each gradient bucket of ``stage`` (before padding): the parameters in reverse, the
+    ones reduced at once first, then the partial ones, then each tied copy alone."""
+    tensors = list(reversed(stage_tensors(run, stage)))
+    plain = [x.numel for x in tensors if not x.tied and not x.partial]
+    partial = [x.numel for x in tensors if not x.tied and x.partial]
+    tied = [x.numel for x in stage_tensors(run, stage) if x.tied]
+    return _groups(plain, run.bucket_elements) + _groups(partial, run.bucket_elements) + tied
+
+
+def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
+    """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank``.
+
+    Gradient buffers are padded to a multiple of d under ZeRO (each rank owns an equal range of
+    every bucket); the AdamW moments cover the parameters of this rank's ranges only (no padding).
+    """
+    w = run.param_bytes
+    shards = run.d if run.zero else 1
+    params = grads = state = 0.0
+    for s in stages:
+        params += sum(x.numel for x in stage_tensors(run, s)) * w
+        for n in stage_buckets(run, s):
+            size = math.ceil(n / shards) * shards
+            per = size // shards
+            grads += (per if run.zero >= 2 else size) * w
+            owned = n if not run.zero else max(0, min(per, n - dp_rank * per))
+            state += owned * optimizer_state_bytes_per_param(w)
+    return {"parameters": params, "gradients": grads, "optimizer": state}
+
+
+def _layer_elements(run: LocalRun) -> float:
+    """Elements one layer keeps per token on one rank (module docstring), cos/sin excluded."""
+    m, t = run.model, run.t
+    h, f, a = m.hidden, m.ffn_size, m.heads
+    sp = run.sequence_parallel and t > 1
+    lse = 0.0 if run.recompute == "selective" else a / t
+    # the norms' inputs and statistics (and RMSNorm's normalised input) are sequence shards under SP; the two
+    # linear inputs they feed are all-gathered, whole
+    linear_inputs = 2 * h
+    if not m.gated_mlp:
+        return (2 * h + 4) / (t if sp else 1) + linear_inputs + (4 * h + 2 * f) / t + lse
+    kv = m.kv_heads or a
+    local_kv = max(1, kv // t) * (h // a)  # key/value features here (one head's at least)
+    if local_kv == h // t or run.recompute == "selective":  # q, k rotated, and the k|v output (v's storage)
+        attention = h / t + 3 * local_kv
+    else:  # grouped-query: q rotated, k and v repeated for the query heads (selective repeats them inside the core)
+        attention = 3 * h / t
+    return (4 * h + 2) / (t if sp else 1) + linear_inputs + attention + h / t + lse + 4 * f / t
+
+
+def activation_bytes(run: LocalRun, stage: int) -> float:
+    """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
+    m, t = run.model, run.t
+    e = COMPUTE_BYTES[run.precision]
+    tokens = run.micro_batch * m.seq
+    sp = run.sequence_parallel and t > 1
+    layers = m.layers // run.stages
+    if run.recompute == "full":
+        body = tokens * m.hidden / (t if sp else 1) * e if layers else 0.0
+    else:
+        rope = 0 if not m.gated_mlp else 2 * m.seq * (m.hidden // m.heads)
+        body = layers * (tokens * _layer_elements(run) + rope) * e
+    if stage == 0:
+        body += tokens * _IDS
+    if stage == run.stages - 1:
+        norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)
+        body += tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
+    return body

@@ -1,0 +1,234 @@
+"""Hardware profiles: what the cost model knows about a machine, as versioned JSON (pure Python, no torch).
+
+A profile is either *measured* (``modelpar calibrate`` writes one: matmul throughput over the GEMM
+shapes a transformer layer uses, per dtype; attention and element-wise throughput; latency and
+bandwidth of every collective per group size and link) or a *table* entry, one per named GPU node
+(``presets.GPUS``), in the same form: the data-sheet peak, the efficiency curve's ceiling, HBM and
+link bandwidths, no measured points. The cost model reads measured numbers where a profile has
+them and the named assumptions (``assumptions.py``) where it has not, so a table profile predicts
+exactly what the named GPU did before.
+
+Compute tables are keyed by ``ranks``: how many training processes share the node while measuring
+(a CPU's cores are split between them, as ``modelpar train`` splits its threads), so a profile
+prices a 4-rank run on 2 cores from a 4-rank measurement. Collective costs are
+``latency_s + bytes / (gbps·1e9)``, bytes being what one rank sends with a ring algorithm
+(``formulas.allreduce_bytes`` / ``allgather_bytes``; the message itself for point-to-point).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from modelpar._validate import check_choice, check_int, check_number
+
+__all__ = ["COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
+           "HardwareProfile", "check_torch", "load_profile", "node_profile", "save_profile"]
+
+PROFILE_FORMAT = "modelpar-hardware-profile"
+PROFILE_VERSION = 1
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+LINKS = ("intra", "inter")  # inside one node (NVLink, shared memory, loopback), across nodes
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """One collective on one link and group size: ``latency_s + bytes/(gbps·1e9)``."""
+
+    latency_s: float
+    gbps: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / (self.gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One machine kind, measured or from a data sheet; ``to_json``/``from_json`` round-trip it."""
+
+    name: str
+    device: str  # "cpu", "cuda" (measured) or "gpu" (a data-sheet table entry)
+    backend: str  # process-group backend it was measured with: gloo or nccl ("-" for a table entry)
+    memory_gb: float  # memory per device, GB (1e9 B)
+    devices_per_node: int  # devices (or, on a CPU, training processes) that share the fast link
+    peak_tflops: dict[str, float]  # dtype -> dense matmul peak (table) or the best measured, TFLOP/s
+    intra_node_gbps: float  # per device, one direction: nominal (table) or the measured p2p bandwidth
+    inter_node_gbps: float
+    hbm_tb_s: float  # element-wise (memory-bound) throughput, TB/s (table: HBM; measured: at one rank)
+    matmul_ceiling: float = 0.8  # table entries: the efficiency curve's ceiling (assumptions.py's curve)
+    torch: str | None = None  # torch version measured with; None for a table entry
+    host: str = "-"
+    cores: int = 0  # CPU cores of the host (0: unknown)
+    # measured: dtype -> str(ranks) -> [[m, n, k, TFLOP/s], ...] (x[m×k] · w[k×n])
+    matmul: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    attention: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> str(ranks) -> TFLOP/s
+    elementwise_gbps: dict[str, float] = field(default_factory=dict)  # str(ranks) -> GB/s per rank
+    op_latency_s: dict[str, float] = field(default_factory=dict)  # str(ranks) -> seconds per dispatched op
+    collectives: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    #              op -> link -> str(group size) -> [latency_s, GB/s]
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, ("cpu", "cuda", "gpu"))
+        for name in ("memory_gb", "intra_node_gbps", "inter_node_gbps", "hbm_tb_s"):
+            check_number(name, getattr(self, name), strict=True)
+        check_int("devices_per_node", self.devices_per_node, minimum=1)
+        if not 0 < check_number("matmul_ceiling", self.matmul_ceiling, strict=True) <= 1:
+            raise ValueError(f"matmul_ceiling must be in (0, 1], got {self.matmul_ceiling}")
+        if not self.peak_tflops:
+            raise ValueError("peak_tflops must name at least one dtype, got {}")
+        for dtype, value in self.peak_tflops.items():
+            check_choice("peak_tflops dtype", dtype, DTYPES)
+            check_number(f"peak_tflops[{dtype}]", value, strict=True)
+        for dtype, table in self.matmul.items():
+            check_choice("matmul dtype", dtype, DTYPES)
+            for ranks, points in table.items():
+                _ranks(f"matmul[{dtype}]", ranks)
+                for point in points:
+                    if len(point) != 4 or any(not isinstance(x, (int, float)) or not x > 0 for x in point):
+                        raise ValueError(f"matmul[{dtype}][{ranks}] points must be [m, n, k, TFLOP/s] > 0, got {point!r}")
+        for op, links in self.collectives.items():
+            check_choice("collective", op, COLLECTIVES)
+            for link, sizes in links.items():
+                check_choice(f"collectives[{op}] link", link, LINKS)
+                for n, cost in sizes.items():
+                    _ranks(f"collectives[{op}][{link}] group size", n)
+                    if len(cost) != 2:
+                        raise ValueError(f"collectives[{op}][{link}][{n}] must be [latency_s, GB/s], got {cost!r}")
+                    check_number(f"collectives[{op}][{link}][{n}] latency_s", cost[0])
+                    check_number(f"collectives[{op}][{link}][{n}] GB/s", cost[1], strict=True)
+
+    @property
+    def measured(self) -> bool:
+        """True for a ``modelpar calibrate`` profile, False for a data-sheet table entry."""
+        return self.device != "gpu"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the planner prices compute in: bf16 when the profile has it (a GPU), else the first."""
+        return "bf16" if "bf16" in self.peak_tflops and self.device != "cpu" else next(iter(self.peak_tflops))
+
+    def ranks_measured(self, ranks: int, table: dict[str, Any] | None = None) -> str:
+        """The key of ``table`` (default: the element-wise one) measured with the most processes per node
+        at or below ``ranks`` (the fewest if none is)."""
+        keys = sorted(int(k) for k in (self.elementwise_gbps if table is None else table))
+        if not keys:
+            return "1"
+        below = [k for k in keys if k <= ranks]
+        return str(below[-1] if below else keys[0])
+
+    def matmul_tflops(self, m: float, n: float, k: float, dtype: str | None = None, ranks: int = 1) -> float | None:
+        """Measured throughput of x[m×k]·w[k×n], TFLOP/s: inverse-distance weighting of the four nearest
+        measured shapes in log space (exact at a measured shape); None without measured points."""
+        table = self.matmul.get(dtype or self.dtype, {})
+        if not table:
+            return None
+        points = table[self.ranks_measured(ranks, table)]
+        target = (math.log(m), math.log(n), math.log(k))
+        scored = sorted((sum((math.log(p) - x) ** 2 for p, x in zip(pt[:3], target)), pt[3]) for pt in points)[:4]
+        if scored[0][0] < 1e-12:
+            return scored[0][1]
+        weights = [1 / d for d, _ in scored]
+        return sum(w * tf for w, (_, tf) in zip(weights, scored)) / sum(weights)
+
+    def attention_tflops(self, dtype: str | None = None, ranks: int = 1) -> float | None:
+        table = self.attention.get(dtype or self.dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else None
+
+    def elementwise_bytes_per_s(self, ranks: int = 1) -> float:
+        if self.elementwise_gbps:
+            return self.elementwise_gbps[self.ranks_measured(ranks)] * 1e9
+        return self.hbm_tb_s * 1e12
+
+    def op_latency(self, ranks: int = 1) -> float | None:
+        table = self.op_latency_s
+        return table[self.ranks_measured(ranks, table)] if table else None
+
+    def collective(self, op: str, group: int, link: str = "intra") -> CollectiveCost | None:
+        """The measured cost of ``op`` over ``group`` ranks on ``link`` (nearest measured group size), or None."""
+        sizes = self.collectives.get(op, {}).get(link) or self.collectives.get(op, {}).get("intra")
+        if not sizes or group < 2:
+            return None
+        near = min(sizes, key=lambda n: (abs(math.log(int(n) / group)), -int(n)))
+        latency, gbps = sizes[near]
+        return CollectiveCost(latency, gbps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "profile") -> HardwareProfile:
+        """The profile a ``to_json`` wrote; a ValueError naming ``source`` and the bad field otherwise."""
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{source} is not a modelpar hardware profile (no \"format\": \"{PROFILE_FORMAT}\")")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{source} has profile version {data.get('version')!r}; this modelpar reads version "
+                             f"{PROFILE_VERSION}: run modelpar calibrate again")
+        known = set(cls.__dataclass_fields__)
+        values = {k: v for k, v in data.items() if k not in ("format", "version")}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source} has unknown fields {unknown}")
+        try:
+            return cls(**values)
+        except TypeError as err:  # a missing field
+            raise ValueError(f"{source} is malformed: {err}") from None
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{source} is malformed: {err}") from None
+
+
+def _ranks(name: str, key: Any) -> int:
+    try:
+        return check_int(name, int(key), minimum=1)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a whole number >= 1, got {key!r}") from None
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version, read from its package metadata (torch itself is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return None
+
+
+def check_torch(profile: HardwareProfile, source: str = "profile") -> HardwareProfile:
+    """``profile`` if it was measured with the installed torch (or is a table entry), else a ValueError."""
+    here = installed_torch()
+    if profile.torch is not None and here is not None and profile.torch != here:
+        raise ValueError(f"{source} was measured with torch {profile.torch}, this is torch {here}: "
+                         "run modelpar calibrate again")
+    return profile
+
+
+def load_profile(path: str | os.PathLike, torch_check: bool = True) -> HardwareProfile:
+    """Read a profile JSON file; one-line ValueError for a missing, unreadable, malformed or other-torch file."""
+    source = f"hardware profile {os.fspath(path)!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ValueError(f"{source}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{source} is not JSON: {err}") from None
+    profile = HardwareProfile.from_json(data, source)
+    return check_torch(profile, source) if torch_check else profile
+
+
+def save_profile(profile: HardwareProfile, path: str | os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile.to_json(), f, indent=1)
+        f.write("\n")
+
+
+def node_profile(name: str, peak_tflops: float, memory_gb: float, hbm_tb_s: float, matmul_ceiling: float,
+                 gpus_per_node: int, intra_node_gbps: float, inter_node_gbps: float) -> HardwareProfile:
+    """A data-sheet GPU node as a table profile (no measured points: the assumptions price the rest)."""
+    return HardwareProfile(name=name, device="gpu", backend="-", memory_gb=memory_gb, devices_per_node=gpus_per_node,
+                           peak_tflops={"bf16": peak_tflops}, intra_node_gbps=intra_node_gbps,
+                           inter_node_gbps=inter_node_gbps, hbm_tb_s=hbm_tb_s, matmul_ceiling=matmul_ceiling)

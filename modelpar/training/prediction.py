@@ -1,0 +1,131 @@
+"""Predicted vs measured for every run: the cost model's figures for the run's own layout, and the bytes it holds.
+
+``local_run`` states a TrainConfig as the cost model's ``LocalRun``; ``predict`` prices it on a
+hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_bytes`` measures, on
+each rank before training, what autograd keeps for one microbatch of each of its stages
+(``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
+``compare`` lays the two side by side with the error; ``summary_rows`` writes them into the summary
+and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from modelpar.costmodel.local import LocalPrediction, predict_local
+from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
+from modelpar.costmodel.profiles import HardwareProfile, load_profile
+from modelpar.costmodel.specs import PLANNED_RECOMPUTE
+from modelpar.training.config import TrainConfig
+
+__all__ = ["compare", "local_run", "predict", "saved_bytes", "summary_rows"]
+
+
+def local_run(cfg: TrainConfig) -> LocalRun:
+    """The cost model's description of ``cfg``'s layout (the trainer's buckets and precision included)."""
+    elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
+    return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
+                    cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
+                    cfg.overlap_grad_reduce and cfg.dp > 1)
+
+
+def profile_of(cfg: TrainConfig) -> HardwareProfile:
+    """The run's ``hardware``: a named GPU (``presets.PROFILES``) or a profile file (checked: same torch,
+    well formed); without one the nominal CPU default."""
+    if not cfg.hardware:
+        return CPU_DEFAULT
+    return PROFILES.get(cfg.hardware.lower()) or load_profile(cfg.hardware)
+
+
+def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
+    """The cost model's prediction for ``cfg`` (rank 0's bytes; no activations for an unplanned recomputation)."""
+    pred = predict_local(local_run(cfg), profile or profile_of(cfg))
+    if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
+        pred.memory.pop("activations", None)
+    return pred
+
+
+@torch.no_grad()
+def _inputs(cfg: TrainConfig, stage: int, tp: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(stage)  # not the run's random stream
+    b = cfg.batch_size // (cfg.dp * cfg.microbatches)
+    if stage == 0:
+        return torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len), generator=gen).to(device)
+    s = cfg.model.seq_len // (tp if cfg.sequence_parallel else 1)
+    return torch.randn(b, s, cfg.model.hidden, generator=gen).to(device, cfg.param_dtype)
+
+
+def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp: int,
+                device: torch.device) -> dict[int, int]:
+    """Bytes autograd keeps for one microbatch of each stage here (a collective over the tensor-parallel group)."""
+    owned = {p.untyped_storage().data_ptr() for m in stages.values() for p in m.parameters()}
+    last = cfg.pp * cfg.chunks - 1
+    out = {}
+    for stage, module in sorted(stages.items()):
+        seen: dict[int, int] = {}
+
+        def pack(x: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in owned:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return x
+
+        x = _inputs(cfg, stage, tp, device)
+        if stage:
+            x.requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            y = module(x)
+            if stage == last:
+                gen = torch.Generator().manual_seed(last + 1)
+                loss_fn(y, torch.randint(0, cfg.model.vocab_size, tuple(y.shape[:2]), generator=gen).to(device))
+        out[stage] = sum(seen.values())
+    return out
+
+
+def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
+    """name -> {predicted, measured, error (predicted / measured − 1)} for step time, bubble and rank 0's bytes."""
+    pairs = {"step_time_s": predicted.step_time_s, "bubble": predicted.bubble,
+             **{f"{k}_bytes": v for k, v in predicted.memory.items()}}
+    rows: dict[str, dict[str, float | None]] = {}
+    for name, value in pairs.items():
+        got = measured.get(name)
+        error = None if got is None or not got else value / got - 1
+        rows[name] = {"predicted": value, "measured": got, "error": error}
+    return rows
+
+
+def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
+    from modelpar.training.metrics import append_record
+
+    profile = profile_of(cfg)
+    times = result.step_times[1:] or result.step_times
+    item = cfg.param_dtype.itemsize
+    measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
+                "parameters_bytes": result.parameters_here * item, "gradients_bytes": result.gradient_bytes,
+                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
+    rows = compare(predict(cfg, profile), measured)
+    record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,
+              **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
+    append_record(out, record)
+
+    def show(name: str, value: float | None) -> str:
+        if value is None:
+            return "-"
+        if name == "step_time_s":
+            return f"{1e3 * value:,.1f} ms"
+        return f"{100 * value:.1f}%" if name == "bubble" else f"{value / 2**20:,.2f} MiB"
+
+    lines = []
+    for name, row in rows.items():
+        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}%"
+        lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
+                      f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
+    lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
+    return lines, {"hardware": profile.name, **rows}

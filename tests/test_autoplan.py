@@ -1,0 +1,84 @@
+"""``modelpar train --plan auto``: the capability list, the ranking, the memory limit and the refusal."""
+
+import dataclasses
+
+import pytest
+
+from modelpar.cli import main
+from modelpar.costmodel.local import predict_local
+from modelpar.costmodel.local_search import layouts, plan_local
+from modelpar.costmodel.presets import CPU_DEFAULT
+from modelpar.model import ModelConfig
+from modelpar.training import TrainConfig
+from modelpar.training.autoplan import CAPABILITIES, auto_plan
+from modelpar.training.config import SCHEDULE_CHOICES, ZERO_CHOICES
+from modelpar.training.prediction import local_run
+
+TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
+CFG = TrainConfig(model=TINY, batch_size=8, microbatches=2, steps=2, eval_every=0, eval_batches=1)
+
+
+def test_capabilities_are_the_trainers():
+    assert CAPABILITIES.schedules == SCHEDULE_CHOICES and CAPABILITIES.zero == ZERO_CHOICES
+
+
+def test_every_planned_layout_is_one_the_trainer_accepts_and_they_are_ranked():
+    cfg, pred, line = auto_plan(CFG, 4)
+    assert cfg.dims.world_size == 4 and cfg.check(4) is cfg
+    assert pred.step_time_s == predict_local(local_run(cfg), CPU_DEFAULT).step_time_s
+    assert "predicted step" in line and f"t={cfg.tp} p={cfg.pp} d={cfg.dp}" in line
+    plan = plan_local(local_run(CFG), 4, CPU_DEFAULT, 1e12)
+    times = [p.step_time_s for _, p in plan.ranked]
+    every = list(layouts(TINY.spec(), 4, 8, CAPABILITIES, local_run(CFG)))
+    assert times == sorted(times) and plan.tried == len(plan.ranked) == len(every)
+    assert {(r.t, r.p, r.d) for r, _ in plan.ranked} == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}
+
+
+def test_memory_limit_drops_what_does_not_fit():
+    base = plan_local(local_run(CFG), 4, CPU_DEFAULT, 1e12)
+    limit = sorted(p.memory_bytes for _, p in base.ranked)[len(base.ranked) // 2]
+    capped = plan_local(local_run(CFG), 4, CPU_DEFAULT, limit)
+    assert capped.ranked and all(p.memory_bytes <= limit for _, p in capped.ranked)
+    assert len(capped.ranked) < len(base.ranked) and capped.leanest is not None
+    assert capped.leanest[1].memory_bytes > limit
+    cfg, pred, _ = auto_plan(dataclasses.replace(CFG, memory_limit_gb=limit / 1e9), 4)
+    assert pred.memory_bytes <= limit
+
+
+def test_refused_in_one_line_before_any_process(capsys):
+    code = main(["train", "--plan", "auto", "--memory-limit-gb", "0.0001", "--layers", "4", "--hidden", "32",
+                 "--heads", "4", "--seq-len", "16", "--batch-size", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no layout fits 0.0001 GB per rank on 4 ranks" in err and "on pipeline stage" in err and "GB" in err
+
+
+def test_plan_auto_runs_the_plan(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--plan", "auto", "--tp", "1", "--pp", "2", "--dp", "1", "--layers", "2", "--hidden", "32",
+                 "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "0",
+                 "--eval-batches", "1", "--no-progress", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0 and "modelpar train: plan on cpu-default" in captured.err
+    assert "predicted / measured step time" in captured.out and (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [(["--plan", "maybe"], "plan must be one of"),
+                                            (["--memory-limit-gb", "-1"], "memory_limit_gb must be >= 0")])
+def test_bad_plan_flags(capsys, flags, message):
+    assert main(["train", *flags, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_hardware_profile_is_refused_before_training(tmp_path, capsys):
+    bad = tmp_path / "hw.json"
+    bad.write_text('{"format": "modelpar-hardware-profile", "version": 1, "name": "x"}')
+    assert main(["train", "--hardware", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is malformed" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_named_gpu_plans_too():
+    cfg, pred, line = auto_plan(dataclasses.replace(CFG, hardware="h100-sxm"), 4)
+    assert "plan on h100-sxm" in line and cfg.check(4) is cfg and pred.step_time_s > 0

@@ -1,0 +1,68 @@
+"""``modelpar calibrate``: the fit, the profile it writes (structure, not timings) and bad input."""
+
+import json
+
+import pytest
+
+from modelpar.calibrate import build_profile, default_ranks
+from modelpar.calibrate.comm import fit_line
+from modelpar.calibrate.compute import gemm_shapes
+from modelpar.cli import main
+from modelpar.costmodel.profiles import installed_torch, load_profile
+
+
+def test_fit_line_hand_checked():
+    # time = 1 ms + bytes / 2 GB/s, exactly
+    points = [(b, 1e-3 + b / 2e9) for b in (1e3, 1e5, 1e7)]
+    latency, gbps = fit_line(points)
+    assert latency == pytest.approx(1e-3) and gbps == pytest.approx(2.0)
+    # noise that makes the slope negative: no latency below zero, the best bytes/s seen
+    assert fit_line([(1e3, 2e-3), (1e6, 1e-3)]) == (pytest.approx(1e-3), pytest.approx(1.0))
+
+
+def test_default_ranks_and_shapes():
+    assert default_ranks(2) == [1, 2, 4] and default_ranks(1) == [1, 2] and default_ranks(3) == [1, 2, 4]
+    shapes = gemm_shapes("cpu")
+    assert (256, 384, 128) in shapes and (256, 128, 512) in shapes  # QKV (h → 3h) and the MLP's 4h → h at h = 128
+    assert len(shapes) == len(set(shapes)) == 48
+
+
+def test_build_profile_from_measurements():
+    one = {"device": "cpu", "name": "x86", "memory": 8e9, "matmul": {"fp32": [[64, 64, 64, 0.01], [256, 128, 128, 0.05]]},
+           "attention": {"fp32": 0.002}, "elementwise_gbps": 3.0, "op_latency_s": 2e-5}
+    two = {**one, "matmul": {"fp32": [[64, 64, 64, 0.005]]}, "elementwise_gbps": 2.0,
+           "collectives": {"all_reduce": {"intra": {"2": [1e-4, 1.5]}}, "p2p": {"intra": {"2": [5e-5, 0.8]}}}}
+    p = build_profile({1: one, 2: two}, "gloo", "box")
+    assert p.name == "box" and p.measured and p.torch == installed_torch() and p.devices_per_node == 2
+    assert p.peak_tflops == {"fp32": 0.05} and p.hbm_tb_s == 3e-3 and p.intra_node_gbps == 0.8
+    assert p.matmul_tflops(64, 64, 64, ranks=2) == 0.005 and p.elementwise_bytes_per_s(2) == 2e9
+    assert p.collective("all_reduce", 2).latency_s == 1e-4
+
+
+def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
+    """Two local gloo ranks, a tiny time budget: every table is there, and `plan --hardware` uses the file."""
+    out = tmp_path / "hw.json"
+    assert main(["calibrate", "--out", str(out), "--ranks", "1,2", "--budget", "0.001"]) == 0
+    assert "modelpar calibrate:" in capsys.readouterr().out
+    p = load_profile(out)
+    data = json.loads(out.read_text())
+    assert data["version"] == 1 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
+    assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
+    assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == {"1", "2"}
+    assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
+    assert main(["plan", "--hardware", str(out), "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "64",
+                 "--vocab", "256", "--gpus", "2", "--batch", "8", "--json", "--top", "1"]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ranks", "0"], "--ranks must be >= 1"),
+    (["--ranks", "a"], "--ranks must be comma-separated"),
+    (["--dtypes", "int8"], "--dtypes must be one of"),
+    (["--out", "hw.txt"], "--out must name a .json file"),
+    (["--budget", "0"], "--budget must be > 0"),
+])
+def test_bad_input_is_one_line(capsys, args, message):
+    assert main(["calibrate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

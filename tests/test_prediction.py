@@ -1,0 +1,108 @@
+"""Predicted vs measured: every rank's parameter, gradient and AdamW bytes are the cost model's exactly,
+its held activations within 10% (here: exact), and the summary and metrics.jsonl carry both.
+
+One LocalCluster of 4 gloo ranks for the module; the runs are one or two steps of a tiny model.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from modelpar.costmodel.local import predict_local
+from modelpar.costmodel.local_memory import activation_bytes, state_bytes
+from modelpar.costmodel.presets import CPU_DEFAULT
+from modelpar.distributed import LocalCluster
+from modelpar.model import ModelConfig
+from modelpar.schedules import get_schedule
+from modelpar.training import TrainConfig, train
+from modelpar.training.prediction import compare, local_run, predict
+
+TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
+LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)
+BASE = TrainConfig(model=TINY, steps=1, batch_size=8, microbatches=2, precision="fp64", warmup=1, eval_every=0,
+                   eval_batches=1, tp=1, pp=1, dp=1)
+
+CASES = [
+    dict(tp=2, pp=2),
+    dict(pp=4, schedule="gpipe"),
+    dict(pp=2, dp=2, zero=1, model=dataclasses.replace(TINY, tie_embeddings=True)),
+    dict(dp=4, zero=1, bucket_mb=0.01),  # several buckets, each padded to a multiple of d
+    dict(tp=4, sequence_parallel=True, recompute="selective"),
+    dict(tp=2, dp=2, model=LLAMA, recompute="full"),  # one key/value head, replicated on both tp ranks
+    dict(pp=2, schedule="interleaved", chunks=2, dp=2, microbatches=2),
+    dict(pp=2, schedule="zb-h1", tp=2, precision="fp32"),
+]
+
+
+@pytest.fixture(scope="module")
+def c4():
+    with LocalCluster(4, timeout=120) as c:
+        yield c
+
+
+def _measured(cfg):
+    torch.set_num_threads(1)
+    r = train(cfg)
+    return (dist.get_rank(), r.parameters_here, r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes, r.peak_held,
+            r.activation_bytes)
+
+
+def _case_id(case):
+    return "-".join(f"{k}{v if not isinstance(v, ModelConfig) else v.arch}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_every_rank_holds_the_predicted_bytes(c4, case):
+    cfg = dataclasses.replace(BASE, **case)
+    if cfg.schedule == "interleaved":
+        cfg = dataclasses.replace(cfg, batch_size=8)
+    run = local_run(cfg.check(4))
+    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    item = cfg.param_dtype.itemsize
+    for rank, params, grads, state, saved, held, act in c4.run(_measured, cfg):
+        where = cfg.dims.coordinates(rank)
+        stages = schedule.stages_on(where["pp"])
+        want = state_bytes(run, stages, where["dp"])
+        assert (params * item, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        assert sorted(saved) == stages
+        for s in stages:  # what autograd keeps per microbatch, counted: within 10% (the formula is exact here)
+            assert saved[s] == pytest.approx(activation_bytes(run, s), rel=0.1)
+        if rank == 0:
+            pred = predict_local(run, CPU_DEFAULT)
+            assert pred.peak_held == held and pred.memory["activations"] == pytest.approx(act, rel=0.1)
+            assert {k: pred.memory[k] for k in ("parameters", "gradients", "optimizer")} == want
+
+
+def test_prediction_arithmetic():
+    """The step is the pipeline plus the exposed dp time plus the optimizer; the bubble is the simulator's."""
+    cfg = dataclasses.replace(BASE, pp=2, dp=2, precision="fp32")
+    pred = predict(cfg, CPU_DEFAULT)
+    assert pred.step_time_s == pytest.approx(sum(pred.time.values()))
+    assert 0 < pred.bubble < 1 and pred.peak_held == 2  # 1F1B: the first stage holds p = 2 microbatches
+    rows = compare(pred, {"step_time_s": 2 * pred.step_time_s, "bubble": None, "parameters_bytes": pred.memory["parameters"]})
+    assert rows["step_time_s"]["error"] == pytest.approx(-0.5) and rows["bubble"]["error"] is None
+    assert rows["parameters_bytes"]["error"] == 0.0
+    assert "activations" not in predict(dataclasses.replace(cfg, recompute="2"), CPU_DEFAULT).memory
+
+
+def test_summary_and_metrics_carry_the_prediction(tmp_path, capsys):
+    from modelpar.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--tp", "1", "--pp", "2",
+                 "--steps", "2", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--eval-batches", "1",
+                 "--no-progress", "--out", str(out)])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "predicted / measured step time" in stdout and "predicted / measured optimizer" in stdout
+    summary = json.loads((out / "summary.json").read_text())["prediction"]
+    assert summary["hardware"] == "cpu-default"
+    for name in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
+        assert summary[name]["error"] == 0.0
+    assert abs(summary["activations_bytes"]["error"]) <= 0.1
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "prediction" and last["step"] == 2 and last["optimizer_bytes_error"] == 0.0
+    assert last["step_time_s_measured"] > 0 and last["step_time_s_predicted"] > 0

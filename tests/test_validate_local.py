@@ -1,0 +1,58 @@
+"""``modelpar plan --validate-local``: the grid, the arithmetic of the report, and two real runs (no timings asserted)."""
+
+import dataclasses
+
+import pytest
+
+from modelpar.calibrate.validate_local import LocalCase, cases, format_report, summarise, validate_local
+from modelpar.cli import main
+from modelpar.costmodel.presets import CPU_DEFAULT
+
+
+def test_the_grid_on_two_cores():
+    grid = cases([1, 2, 4], cores=2)
+    per_core = [c for c in grid if not c.shared]
+    assert len(per_core) >= 12 and all(c.cfg.dims.world_size <= 2 for c in per_core)
+    # every split of 1 and 2 ranks, both model sizes, both recomputations, m = 2 and 4
+    assert {(c.cfg.tp, c.cfg.pp, c.cfg.dp) for c in per_core} == {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert {c.model for c in per_core} == {"h64", "h128"} and {c.cfg.recompute for c in per_core} == {"none", "full"}
+    assert {c.cfg.schedule for c in per_core if c.cfg.pp > 1} == {"1f1b", "gpipe"}
+    shared = [c for c in grid if c.shared]
+    assert {(c.cfg.tp, c.cfg.pp, c.cfg.dp) for c in shared} == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
+                                                                 (4, 1, 1)}
+    assert len({c.name for c in grid}) == len(grid)
+
+
+def _case(name, world, predicted, measured, shared=False):
+    cfg = next(c.cfg for c in cases([world], 2) if c.cfg.dims.world_size == world)
+    return LocalCase(name, dataclasses.replace(cfg, microbatches=2 if predicted > 0.15 else 4), shared,
+                     {"step_time_s": predicted, "bubble": 0.1, "parameters_bytes": 100.0},
+                     {"step_time_s": measured, "bubble": 0.2, "parameters_bytes": 100.0})
+
+
+def test_summary_arithmetic_hand_checked():
+    done = [_case("a", 1, 0.11, 0.10), _case("a", 1, 0.18, 0.20), _case("a", 4, 0.3, 0.2, shared=True)]
+    s = summarise(done)
+    assert s["step_mape"] == pytest.approx((0.1 + 0.1) / 2) and s["step_mape_shared"] == pytest.approx(0.5)
+    assert s["configurations"] == 3 and s["one_rank_per_core"] == 2 and s["worst_memory_error"] == 0.0
+    pick = next(p for p in s["picks"] if p["ranks"] == 1)
+    assert pick["pick_over_fastest"] == 0.0  # the least predicted (0.11) is the fastest measured (0.10)
+    report = format_report(done, CPU_DEFAULT)
+    assert "step-time MAPE: 10.0% over 2 configurations" in report and "50.0% over the 1 with shared cores" in report
+
+
+def test_two_real_runs_have_exact_state_bytes():
+    done = validate_local([c for c in cases([1], 2) if c.model == "h64"][:2], CPU_DEFAULT)
+    for c in done:
+        assert c.measured["step_time_s"] > 0
+        for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
+            assert c.predicted[key] == c.measured[key]
+        assert c.predicted["activations_bytes"] == pytest.approx(c.measured["activations_bytes"], rel=0.1)
+
+
+def test_bad_input(capsys):
+    for args, message in ((["--local-ranks", "0"], "--local-ranks must be >= 1"),
+                          (["--gpu", "h100-sxm"], "use --hardware PROFILE")):
+        assert main(["plan", "--validate-local", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
