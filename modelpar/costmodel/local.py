@@ -24,9 +24,10 @@ from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["LocalPrediction", "predict_local"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
+PRICED_ZERO = (0, 1)  # ZeRO stages whose step this model prices (2 and 3 reduce or gather every microbatch)
 _OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
 
 

@@ -1,7 +1,9 @@
 """``modelpar train --plan auto``: the planner picks the layout the trainer runs, before any process starts.
 
-The candidates are ``costmodel.local_search``'s, restricted to what the trainer runs: its schedule
-and ZeRO lists fill ``Capabilities`` and ``TrainConfig.check`` must accept each one. Each is
+The candidates are ``costmodel.local_search``'s, restricted to what the trainer runs and the local
+cost model prices: the trainer's schedule list, its ZeRO stages that ``costmodel.local`` prices
+(``PRICED_ZERO``: 0 and 1; the per-microbatch traffic of ZeRO-2/3 is not modelled there yet), and
+``TrainConfig.check`` must accept each one. Each is
 priced on the run's hardware profile (``--hardware``, else the nominal CPU); the fastest whose
 most loaded rank fits ``memory_limit_gb`` (default: the device's memory, a CPU host's shared by
 its ranks) is run. None fitting is a one-line ValueError naming the stage and the bytes.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from modelpar.costmodel.local import LocalPrediction
+from modelpar.costmodel.local import PRICED_ZERO, LocalPrediction
 from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.local_search import Capabilities, plan_local
 from modelpar.training.config import SCHEDULE_CHOICES, ZERO_CHOICES, TrainConfig
@@ -19,7 +21,7 @@ from modelpar.training.prediction import local_run, profile_of
 
 __all__ = ["CAPABILITIES", "auto_plan", "describe"]
 
-CAPABILITIES = Capabilities(schedules=SCHEDULE_CHOICES, zero=ZERO_CHOICES)
+CAPABILITIES = Capabilities(schedules=SCHEDULE_CHOICES, zero=tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO))
 
 
 def _config(cfg: TrainConfig, run: LocalRun) -> TrainConfig:
