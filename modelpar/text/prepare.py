@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -36,7 +36,25 @@ from modelpar.text.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenizer, de
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from modelpar.training.config import TrainConfig
+
+class RunConfig(Protocol):
+    """What data preparation reads of a run's config (``modelpar.training.TrainConfig`` is one)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # a dataclass: prepared with dataclasses.replace
+
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def model(self) -> Any: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def checkpoint_dir(self) -> str | None: ...
+    @property
+    def resume(self) -> bool: ...
+
+
+Config = TypeVar("Config", bound=RunConfig)  # the caller's config type, returned with its data prepared
 
 __all__ = ["cache_root", "open_corpus", "prepare_data", "prepare_on_rank0"]
 
@@ -44,7 +62,7 @@ _FORMAT = 1  # bump when the token files' layout changes: old cache entries are 
 _RANK0_WAIT = timedelta(days=1)  # how long the other ranks wait for rank 0 to prepare (tokenizing is slow)
 
 
-def cache_root(cfg: TrainConfig) -> Path:
+def cache_root(cfg: Config) -> Path:
     """``--cache-dir``, else ``modelpar-cache`` beside the checkpoint directory, else ``./modelpar-cache``."""
     if cfg.data.cache_dir:
         return Path(cfg.data.cache_dir).expanduser()
@@ -53,7 +71,7 @@ def cache_root(cfg: TrainConfig) -> Path:
     return Path("modelpar-cache")
 
 
-def prepare_data(cfg: TrainConfig, console: Console | None = None, progress: bool = False) -> TrainConfig:
+def prepare_data(cfg: Config, console: Console | None = None, progress: bool = False) -> Config:
     """``cfg`` with its data prepared (see the module docstring); ValueError for bad input, before writing.
 
     ``console``: where to say what was done (None: silent); ``progress``: progress bars on it.
@@ -94,7 +112,7 @@ def prepare_data(cfg: TrainConfig, console: Console | None = None, progress: boo
                    data=replace(data, prepared=entry.path, fingerprint=fingerprint))
 
 
-def prepare_on_rank0(cfg: TrainConfig) -> TrainConfig:
+def prepare_on_rank0(cfg: Config) -> Config:
     """Under a launcher that did not prepare (torchrun): global rank 0 prepares while the others wait.
 
     The others block in a broadcast on a gloo group of its own with a long timeout (tokenizing may
@@ -131,7 +149,7 @@ def open_corpus(data: DataConfig) -> Corpus:
         if not data.is_shipped_bytes:
             raise ValueError("data is not prepared: call modelpar.text.prepare_data(cfg) in the launching process "
                              "first (modelpar train and run_local do)")
-        from modelpar.corpus import load_corpus
+        from modelpar.text.shipped import load_corpus
 
         return load_corpus()
     entry = read_tokens(data.prepared)
@@ -140,7 +158,7 @@ def open_corpus(data: DataConfig) -> Corpus:
     return entry.corpus()
 
 
-def _tokenizer(cfg: TrainConfig, source: Source, split: dict[str, Any], mask: Callable[[], np.ndarray],
+def _tokenizer(cfg: Config, source: Source, split: dict[str, Any], mask: Callable[[], np.ndarray],
                bar: Callable[..., Any]) -> Tokenizer:
     """bytes; the given tokenizer.json; or for bpe: the checkpoint's (resume), the cached one, or a new one."""
     data = cfg.data
@@ -167,7 +185,7 @@ def _tokenizer(cfg: TrainConfig, source: Source, split: dict[str, Any], mask: Ca
     return tokenizer
 
 
-def _check_checkpoint_tokenizer(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+def _check_checkpoint_tokenizer(cfg: Config, tokenizer: Tokenizer) -> None:
     """A resumed run must use the tokenizer saved with its checkpoints."""
     saved = Path(cfg.checkpoint_dir) / TOKENIZER_FILE if cfg.checkpoint_dir else None
     if not (cfg.resume and saved is not None and saved.is_file()):
@@ -178,7 +196,7 @@ def _check_checkpoint_tokenizer(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
                          f"({describe(theirs)}), this run has {describe(tokenizer)}: resume with the same --tokenizer")
 
 
-def _save_checkpoint_tokenizer(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+def _save_checkpoint_tokenizer(cfg: Config, tokenizer: Tokenizer) -> None:
     """``tokenizer.json`` in the checkpoint directory (none for bytes; a stale one there is removed)."""
     if not cfg.checkpoint_dir:
         return

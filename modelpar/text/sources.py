@@ -86,7 +86,7 @@ class FileSource:
 
 
 class ShippedSource:
-    """The shipped corpus (``modelpar.corpus``) as two documents: its training text and its validation text.
+    """The shipped corpus (``modelpar.text.shipped``) as two documents: its training text and its validation text.
 
     Its block split is kept, so a BPE run on it validates on the same text as a byte run.
     """
@@ -98,7 +98,7 @@ class ShippedSource:
         return {"shipped": "pydoc_topics"}
 
     def documents(self) -> Iterator[str]:
-        from modelpar.corpus import load_corpus
+        from modelpar.text.shipped import load_corpus
 
         corpus = load_corpus()
         yield bytes(corpus.train).decode("utf-8")
