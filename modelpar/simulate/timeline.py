@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import GRAPH, SPECS
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "CommSpan", "Event", "Timeline"]
@@ -220,16 +221,16 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> list[float]:
         """Per device: the most microbatch × whole-stage activations held (F until B or I)."""
-        return self._peaks(release=(Kind.B, Kind.I))
+        return self._peaks(release=tuple(k for k, spec in SPECS.items() if GRAPH in spec.consumes))
 
     @cached_property
     def peak_until_w(self) -> list[float]:
         """As ``peak_activations`` but a split backward frees the activations only after W."""
-        return self._peaks(release=(Kind.B, Kind.W))
+        return self._peaks(release=tuple(k for k, spec in SPECS.items() if spec.weight_grads))
 
-    def _peaks(self, release: tuple[Kind, Kind]) -> list[float]:
+    def _peaks(self, release: tuple[Kind, ...]) -> list[float]:
         w = 1 / self.chunks
-        f, r0, r1 = Kind.F, *release
+        f, released = Kind.F, frozenset(release)
         peaks = []
         for acts in self.actions:
             held = peak = 0
@@ -238,7 +239,7 @@ class Timeline:
                     held += 1
                     if held > peak:
                         peak = held
-                elif k is r0 or k is r1:
+                elif k in released:
                     held -= 1
             peaks.append(peak * w)
         return peaks
