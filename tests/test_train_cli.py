@@ -29,7 +29,8 @@ def test_flags_reach_the_config():
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
     (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
-    (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, zb-h1}, got 'dualpipe'"),
+    (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, "
+                                 "v-half, v-min, dualpipe-v}, got 'dualpipe'"),
     (["--recompute", "often"], "recompute must be one of {none, selective, full, sqrt, recompute-all} or a positive "
                                "integer k, got 'often'"),
     (["--arch", "llama", "--kv-heads", "3"], "heads (4) must be divisible by kv_heads (3)"),
@@ -102,3 +103,10 @@ def test_a_tiny_llama_run_reports_flops_per_token_and_mfu(tmp_path, capsys):
     assert summary["num_parameters"] == model.num_parameters() == spec.params + 32  # + the final RMSNorm
     assert summary["mfu"] == pytest.approx(summary["flops_per_token"] * summary["tokens_per_s"] / (2 * 0.5e12))
     assert "MFU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "v-half", "v-min", "dualpipe-v", "looped-bfs"])
+def test_two_chunk_schedules_default_to_v_2(schedule):
+    args = build_parser().parse_args(["train", "--tp", "1", "--pp", "2", "--schedule", schedule, "--layers", "4"])
+    cfg = build_config(args).check()
+    assert (cfg.schedule, cfg.chunks) == (schedule, 2)

@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"{', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
-    p.add_argument("--chunks", default="2", metavar="V", help="chunks per device, interleaved only (default 2)")
+    p.add_argument("--chunks", default="2", metavar="V",
+                   help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
@@ -68,7 +69,7 @@ def _float(name: str, text: str, strict: bool = False) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.schedules.generators import SCHEDULES, get_schedule
+    from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
     from modelpar.schedules.schedule import Schedule
     from modelpar.simulate import Costs, simulate
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name == "interleaved" else 1))
+        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
     timelines = [simulate(s, costs) for s in schedules]
     if args.json:
         records = [_record(t, costs) for t in timelines]

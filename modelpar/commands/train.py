@@ -34,8 +34,9 @@ _FLAGS: dict[str, list[tuple[str, type, str]]] = {
         ("tp", int, "tensor-parallel size t"),
         ("pp", int, "pipeline stages p"),
         ("dp", int, "data-parallel replicas d"),
-        ("schedule", str, "gpipe, 1f1b, interleaved or zb-h1"),
-        ("chunks", int, "model chunks v per rank, >= 2 with --schedule interleaved (its default 2), else 1"),
+        ("schedule", str, "gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min or dualpipe-v"),
+        ("chunks", int, "model chunks v per rank: >= 2 with interleaved / looped-bfs (default 2), 2 with the V "
+                        "shapes zb-v, v-half, v-min, dualpipe-v, else 1"),
         ("microbatches", int, "micro-batches m per replica"),
         ("recompute", str, "activation recomputation: none, selective (attention core), full (stage input), "
                            "k (every k layers), sqrt"),
@@ -153,7 +154,8 @@ def build_config(args: argparse.Namespace) -> Any:
         run["preempt_signal"] = name if name.startswith("SIG") else "SIG" + name
     if run.pop("no_overlap_grad_reduce", False):
         run["overlap_grad_reduce"] = False
-    if run.get("schedule") == "interleaved" and "chunks" not in run:
+    if run.get("schedule") in ("interleaved", "looped-bfs", "zb-v", "v-half", "v-min", "dualpipe-v") \
+            and "chunks" not in run:
         run["chunks"] = 2
     base = cfg.model
     if "init_from" in run:  # the shape is the directory's; flags may only repeat it (or shorten seq_len)

@@ -28,6 +28,12 @@ def loop_map(num_devices: int, chunks: int) -> tuple[int, ...]:
     return tuple(s % k for s in range(k * v))
 
 
+def v_map(num_devices: int) -> tuple[int, ...]:
+    """The V placement of ZB-V and DualPipe-V: 2K stages, device d holds d and 2K − 1 − d."""
+    k = check_int("num_devices", num_devices, minimum=1)
+    return tuple(range(k)) + tuple(range(k - 1, -1, -1))
+
+
 @dataclass(frozen=True, eq=True)
 class Schedule:
     """Ordered actions per device, with virtual stage ``s`` living on ``stage_to_device[s]``."""

@@ -15,12 +15,13 @@ from modelpar._validate import check_choice, check_divisible, check_int, check_n
 from modelpar.distributed import ParallelDims
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
+from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig"]
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_CHOICES = tuple(n for n in SCHEDULES if n != "naive")  # naive (M = 1, 1/K use) is for the simulator
 ZERO_CHOICES = (0, 1)  # ZeRO stages the trainer runs (the planner models 2 and 3 too)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
@@ -35,8 +36,8 @@ class TrainConfig:
     tp: int = 2  # t: tensor-parallel ranks (consecutive ranks, inside a machine)
     pp: int = 2  # p: pipeline stages
     dp: int = 1  # d: data-parallel replicas
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, zb-h1
-    chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with the interleaved schedule, 1 with the others
+    schedule: str = "1f1b"  # pipeline schedule: one of SCHEDULE_CHOICES
+    chunks: int = 1  # v: model chunks per pipeline rank; >= 2 with interleaved / looped-bfs, 2 with V shapes, else 1
     microbatches: int = 4  # m: micro-batches per replica per step
     batch_size: int = 16  # global batch (sequences per optimizer step, all replicas together)
     recompute: str = "none"  # modelpar.recompute.RECOMPUTE_NAMES (none, selective, full, sqrt, ...) or k
@@ -93,11 +94,13 @@ class TrainConfig:
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
-        if self.schedule == "interleaved":
+        if self.schedule in CHUNKED:
             check_int("chunks", self.chunks, minimum=2)
+        elif self.schedule in V_SHAPED:
+            check_chunks(self.schedule, self.chunks)
         elif self.chunks != 1:
-            raise ValueError(f"chunks must be 1 unless the schedule is interleaved, got {self.chunks!r} with "
-                             f"schedule {self.schedule!r}")
+            raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "
+                             f"{self.chunks!r} with schedule {self.schedule!r}")
         v = self.chunks
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
@@ -119,6 +122,8 @@ class TrainConfig:
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule == "interleaved":
             check_divisible("microbatches", self.microbatches, "pp", self.pp)
+        if self.schedule == "dualpipe-v":
+            check_int("microbatches", self.microbatches, minimum=2 * self.pp)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         self.data.check()
         if self.resume and not self.checkpoint_dir:
