@@ -1,9 +1,12 @@
 """``modelpar simulate``: draw and compare pipeline schedules (pure Python: never imports torch).
 
 No arguments: GPipe vs 1F1B vs interleaved (v = 2) vs ZB-H1 for K = 4, M = 8, charts and a
-metrics table. ``--from FILE`` times a hand-written schedule; ``--sweep`` prints the bubble vs
-M tables of §2.3 and §4.1–4.2 without and with transfer cost; ``--comm`` prints each device's
-lowered program (compute plus SEND/RECV, matched by order); ``--json`` is for scripts.
+metrics table. ``--from FILE`` times a hand-written schedule (our text form, or torch's schedule
+CSV when FILE ends in .csv); ``--export-csv FILE`` writes the schedule as torch's
+``_PipelineScheduleRuntime`` CSV (with ``--comm``: its lowered program, "compute_comms");
+``--sweep`` prints the bubble vs M tables of §2.3 and §4.1–4.2 without and with transfer cost;
+``--comm`` prints each device's lowered program (compute plus SEND/RECV, matched by order);
+``--json`` is for scripts.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
     p.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device")
+                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device, or torch's "
+                        "schedule CSV (FILE.csv: one row per rank)")
+    p.add_argument("--export-csv", metavar="FILE",
+                   help="write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per rank: "
+                        "compute_only, or compute_comms with --comm")
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.simulate import Costs, simulate
 
     for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
-                                 ("--trace", args.trace, (".json",))):
+                                 ("--trace", args.trace, (".json",)), ("--export-csv", args.export_csv, (".csv",))):
         if path:
             check_output_path(flag, path, suffixes)
     if args.unit:
@@ -100,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.from_file)
         if not path.is_file():
             raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
-        schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
+        if path.suffix.lower() == ".csv":
+            from modelpar.schedules.torch_csv import from_csv
+
+            schedules.append(from_csv(path.read_text(), name=path.stem).validate())
+        else:
+            schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
     for name in names:
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
@@ -108,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
                 f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
             )
         schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+    if args.export_csv and len(schedules) != 1:
+        raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [simulate(s, costs) for s in schedules]
     if args.json:
         records = [_record(t, costs) for t in timelines]
@@ -118,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(args, timelines)
     _save(args, timelines)
+    if args.export_csv:
+        from modelpar.schedules.torch_csv import to_csv
+
+        Path(args.export_csv).write_text(to_csv(schedules[0], comm=args.comm))
+        if not args.json:
+            print(f"wrote {args.export_csv} ({'compute_comms' if args.comm else 'compute_only'})")
     return 0
 
 
