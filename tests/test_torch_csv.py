@@ -1,6 +1,6 @@
 """torch's schedule CSV both ways: the text, bad input, and real runs on gloo (float64).
 
-Our schedules, written as CSV, loaded by torch's ``_PipelineScheduleRuntime._load_csv`` and run
+Our schedules (a synthesised one too), written as CSV, loaded by torch's ``_PipelineScheduleRuntime._load_csv`` and run
 by torch give the gradients our runtime gives; torch's own ZB-V and DualPipe-V, dumped by
 torch's ``_dump_csv`` and read back, validate and run in ``modelpar`` with the single process's
 gradients. (``_PipelineScheduleRuntime``, ``_Action``, ``_load_csv``, ``_dump_csv`` are private
@@ -25,6 +25,7 @@ from modelpar.pipeline import PipelineRunner, split_stages
 from modelpar.schedules import SCHEDULES, DeadlockError, get_schedule
 from modelpar.schedules.generators import CHUNKED
 from modelpar.schedules.torch_csv import from_csv, to_csv
+from modelpar.simulate.synthesis import StageCosts, synthesize
 
 TOL = 1e-12
 WIDTHS = [5, 7, 6, 4, 8, 5, 6, 7, 3]
@@ -144,11 +145,15 @@ def _torch_runs_our_csv(text, fmt, m):
     return _grad_diff(ours_model, theirs_model), _grad_diff(theirs_model, ref)
 
 
-@pytest.mark.parametrize("name", ["zb-v", "v-min", "dualpipe-v", "zb-h2", "interleaved"])
+@pytest.mark.parametrize("name", ["auto", "zb-v", "v-min", "dualpipe-v", "zb-h2", "interleaved"])
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
 def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
     m = 4
-    schedule = get_schedule(name, stages=2, microbatches=m, chunks=2 if name in CHUNKED else None)
+    if name == "auto":  # synthesised for I = 3 W, at most 2 microbatches held: a V order of the list scheduler
+        schedule, _ = synthesize(2, m, StageCosts.uniform(2, 1, 1.5, 0.5), 2)
+        assert schedule.name == "auto" and schedule.stage_to_device == (0, 1, 1, 0)
+    else:
+        schedule = get_schedule(name, stages=2, microbatches=m, chunks=2 if name in CHUNKED else None)
     text = to_csv(schedule, comm=fmt == "compute_comms")
     for ours_vs_torch, torch_vs_one in cluster.run(_torch_runs_our_csv, text, fmt, m):
         assert ours_vs_torch <= TOL and torch_vs_one <= TOL

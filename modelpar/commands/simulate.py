@@ -6,7 +6,9 @@ CSV when FILE ends in .csv); ``--export-csv FILE`` writes the schedule as torch'
 ``_PipelineScheduleRuntime`` CSV (with ``--comm``: its lowered program, "compute_comms");
 ``--sweep`` prints the bubble vs M tables of §2.3 and §4.1–4.2 without and with transfer cost;
 ``--comm`` prints each device's lowered program (compute plus SEND/RECV, matched by order);
-``--json`` is for scripts.
+``--schedule auto`` builds the fastest schedule within ``--memory-limit`` for ``--costs``;
+``--pareto`` prints (``--png`` draws) step time against peak held activations for the whole
+family and the synthesised schedules; ``--json`` is for scripts.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--schedule", action="append", metavar="NAME",
-                   help=f"one of {{{', '.join(SCHEDULES)}}}; repeat to compare (default: "
-                        f"{', '.join(DEFAULT_COMPARE)})")
+                   help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
+                        f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
@@ -39,6 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
+    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]",
+                   help="forward, input-backward and weight-backward time of a whole stage: one triple for every "
+                        "stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
+    p.add_argument("--memory-limit", metavar="L",
+                   help="most activations a device may hold, in microbatches' worth of one stage (--schedule auto; "
+                        "default: no limit)")
+    p.add_argument("--pareto", action="store_true",
+                   help="step time vs peak held activations for the family and the synthesised schedules "
+                        "(--png draws it)")
     p.add_argument("--from", dest="from_file", metavar="FILE",
                    help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device, or torch's "
                         "schedule CSV (FILE.csv: one row per rank)")
@@ -97,10 +108,16 @@ def run(args: argparse.Namespace) -> int:
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
-        if name not in SCHEDULES:
-            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}}, got {name!r}")
+        if name not in SCHEDULES and name != "auto":
+            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}} or auto, got {name!r}")
+    stage_costs = _stage_costs(args.costs, k, costs)
+    limit = _float("--memory-limit", args.memory_limit, strict=True) if args.memory_limit else None
     if args.sweep is not None:
+        if "auto" in names:
+            raise ValueError("--sweep compares named schedules: drop --schedule auto")
         return _sweep(args, names or list(DEFAULT_COMPARE), k, v, costs)
+    if args.pareto:
+        return _pareto(args, k, m, stage_costs)
 
     schedules = []
     if args.from_file:
@@ -113,7 +130,15 @@ def run(args: argparse.Namespace) -> int:
             schedules.append(from_csv(path.read_text(), name=path.stem).validate())
         else:
             schedules.append(Schedule.from_text(path.read_text(), name=path.stem))
+    synthesised = {}
     for name in names:
+        if name == "auto":
+            from modelpar.simulate.synthesis import synthesize
+
+            best, tl = synthesize(k, m, stage_costs, limit)
+            schedules.append(best)
+            synthesised[id(best)] = tl
+            continue
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
             raise ValueError(
@@ -122,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
-    timelines = [simulate(s, costs) for s in schedules]
+    timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
+                 for s in schedules]
     if args.json:
         records = [_record(t, costs) for t in timelines]
         if args.comm:
@@ -138,6 +164,56 @@ def run(args: argparse.Namespace) -> int:
         Path(args.export_csv).write_text(to_csv(schedules[0], comm=args.comm))
         if not args.json:
             print(f"wrote {args.export_csv} ({'compute_comms' if args.comm else 'compute_only'})")
+    return 0
+
+
+def _stage_costs(text, k, costs):
+    """``--costs`` as StageCosts: one F:I:W triple for every stage, or one per stage; default from ``costs``."""
+    from modelpar.simulate.synthesis import StageCosts
+
+    if not text:
+        half = costs.full_backward / 2
+        return StageCosts.uniform(k, costs.forward, costs.full_backward - half, half, costs.transfer)
+    triples = []
+    for part in text.split(","):
+        fields = part.split(":")
+        if len(fields) != 3:
+            raise ValueError(f"--costs must be F:I:W triples separated by commas (e.g. 1:1:1), got {text!r}")
+        triples.append(tuple(_float("--costs", x.strip()) for x in fields))
+    if len(triples) == 1:
+        triples *= k
+    if len(triples) != k:
+        raise ValueError(f"--costs must give one F:I:W triple or one per stage ({k}), got {len(triples)}")
+    f, i, w = zip(*triples)
+    return StageCosts(f, i, w, costs.transfer)
+
+
+def _pareto(args, k, m, stage_costs) -> int:
+    """Every candidate of ``synthesize``: the named ones listed, the synthesised ones on the frontier."""
+    from modelpar.simulate.report import pareto_table
+    from modelpar.simulate.synthesis import candidates, pareto
+
+    named, synth = [], []
+    for s in candidates(k, m, stage_costs):
+        (synth if s.name == "auto" else named).append(stage_costs.timeline(s))
+    front = pareto(named + synth)
+    auto = [t for t in front if t.name == "auto"]
+    if args.json:
+        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_activations),
+                           "step_time": t.step_time, "bubble": t.bubble, "frontier": t in front}
+                          for t in named + auto], indent=1))
+    else:
+        triples = zip(stage_costs.forward, stage_costs.input_grad, stage_costs.weight_grad)
+        print(f"Step time vs peak held activations, K = {k}, M = {m} (costs F:I:W per stage "
+              f"{', '.join(f'{a:g}:{b:g}:{c:g}' for a, b, c in triples)}, transfer {stage_costs.transfer:g}); "
+              f"* = on the frontier")
+        print(pareto_table(named + auto, front))
+    for path in filter(None, (args.png, args.svg)):
+        from modelpar.simulate.plot import plot_pareto
+
+        plot_pareto(named, auto, front, path, title=f"K = {k}, M = {m}: step time vs peak held activations")
+        if not args.json:
+            print(f"wrote {path}")
     return 0
 
 

@@ -9,7 +9,7 @@ from modelpar.simulate.costs import Costs
 from modelpar.simulate.simulator import simulate
 from modelpar.simulate.timeline import FORWARD, Timeline
 
-__all__ = ["headline", "label", "metrics_table", "sweep", "sweep_table"]
+__all__ = ["headline", "label", "metrics_table", "pareto_table", "sweep", "sweep_table"]
 
 
 def label(name: str, chunks: int = 1) -> str:
@@ -44,6 +44,15 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
             str(t.transfers),
             f"{t.speedup:.2f}x",
         ))
+    return _format(rows)
+
+
+def pareto_table(timelines: Sequence[Timeline], front: Sequence[Timeline]) -> str:
+    """One row per timeline, by peak: name, peak held (max over devices), step, bubble; * on the frontier."""
+    rows = [("", "schedule", "peak held", "step", "bubble")]
+    for t in sorted(timelines, key=lambda t: (max(t.peak_activations), t.step_time)):
+        rows.append(("*" if any(t is f for f in front) else "", label(t.name or "schedule", t.chunks),
+                     f"{max(t.peak_activations):g}", f"{t.step_time:.4g}", f"{t.bubble:.1%}"))
     return _format(rows)
 
 
