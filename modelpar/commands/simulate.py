@@ -193,7 +193,8 @@ def _pareto(args, k, m, stage_costs) -> int:
     from modelpar.simulate.report import pareto_table
     from modelpar.simulate.synthesis import candidates, pareto
 
-    named, synth = [], []
+    named: list = []
+    synth: list = []
     for s in candidates(k, m, stage_costs):
         (synth if s.name == "auto" else named).append(stage_costs.timeline(s))
     front = pareto(named + synth)
