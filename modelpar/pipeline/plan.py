@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from modelpar.pipeline.shapes import TensorSpec
-from modelpar.schedules.action import Action
+from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.kinds import SPECS, describe_message, inputs_of
 from modelpar.schedules.lower import Op, Transfer
 from modelpar.schedules.schedule import Schedule
@@ -42,11 +42,21 @@ class Planned:
     sink: str = ""  # COMPUTE: "loss", "local", "send" or ""
     buffer: torch.Tensor | None = None  # RECV: filled by every step
     final: bool = False  # COMPUTE: the stage's last weight-gradient action of the step
+    fused: bool = False  # COMPUTE, an I: runs the whole backward (its W comes right after and is absorbed)
+    absorbed: bool = False  # COMPUTE, a W: its work was done by the fused I just before it
 
 
 def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[tuple[int, int], TensorSpec],
-               rows: Sequence[int], buffer_device: torch.device) -> list[Planned]:
-    """The plan of device ``me``'s ``program``; ``specs[stage, rows]`` is what stage sends for that many rows."""
+               rows: Sequence[int], buffer_device: torch.device, merge_backward: bool = False) -> list[Planned]:
+    """The plan of device ``me``'s ``program``; ``specs[stage, rows]`` is what stage sends for that many rows.
+
+    ``merge_backward``: an I immediately followed by its own W (nothing between them in the
+    program, so no send waits on the I alone) runs as one full backward, as torch's ``_merge_bw``
+    does — one autograd call instead of two; the W is kept in the plan, absorbed, so the measured
+    timeline still has the schedule's actions (the I taking the whole backward, the W about no
+    time) and action hooks see every action (a stage's last-backward hook around the absorbed W:
+    its gradients are then all final, so data-parallel buckets start at its end).
+    """
     dev, last = schedule.stage_to_device, schedule.num_stages - 1
     final = {}
     for i, op in enumerate(program):
@@ -68,6 +78,10 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
             continue
         s, m = op.stage, op.microbatch
         p = Planned(op, COMPUTE, str(op), final=final.get(s) == i)
+        if merge_backward and op.kind is Kind.I and i + 1 < len(program) and program[i + 1] == Action(s, Kind.W, m):
+            p.fused = True
+        elif plan and plan[-1].fused and op.kind is Kind.W:
+            p.absorbed = True  # keeps ``final``: a stage's last-backward hook runs around it, after the work
         for v in SPECS[op.kind].produces:  # what leaves the stage (at most one value does)
             if v.consumer:
                 t = s + v.consumer
