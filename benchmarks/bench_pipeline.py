@@ -7,7 +7,7 @@ of each and the ratio ours / torch (aim ≤ 1.0), the largest gradient differenc
 (float32 here; the float64 transparency tests are in tests/), and our measured bubble beside the
 simulator's prediction from the measured action costs.
 
-    python benchmarks/bench_pipeline.py [--stages 4] [--microbatches 8] [--steps 10]
+    python benchmarks/bench_pipeline.py [--stages 4] [--microbatches 8] [--steps 10] [--only zb-v,dualpipe-v]
 """
 
 from __future__ import annotations
@@ -32,7 +32,12 @@ CASES = [
     ("1f1b", 1, "Schedule1F1B"),
     ("interleaved", 2, "ScheduleInterleaved1F1B"),
     ("zb-h1", 1, "ScheduleInterleavedZeroBubble"),
+    ("looped-bfs", 2, "ScheduleLoopedBFS"),
+    ("zb-v", 2, "ScheduleZBVZeroBubble"),  # V placement: device d holds stages d and 2K - 1 - d
+    ("dualpipe-v", 2, "ScheduleDualPipeV"),  # needs M >= 2K
 ]
+_MULTI = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
+          "ScheduleDualPipeV")  # torch classes that take a list of stages
 
 
 def _torch_schedule(cls_name: str, modules: dict, num_stages: int, m: int):
@@ -40,8 +45,7 @@ def _torch_schedule(cls_name: str, modules: dict, num_stages: int, m: int):
 
     stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
     cls = getattr(pipelining, cls_name)
-    multi = cls_name in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
-    return cls(stages if multi else stages[0], m, loss_fn=F.mse_loss), stages
+    return cls(stages if cls_name in _MULTI else stages[0], m, loss_fn=F.mse_loss), stages
 
 
 def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
@@ -107,7 +111,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--only", default="", help="comma-separated schedule names to run (default: all)")
     args = parser.parse_args()
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(only) - {name for name, _, _ in CASES})
+    if unknown:
+        parser.error(f"--only must name schedules among {', '.join(name for name, _, _ in CASES)}, got {unknown}")
     print(f"K = {args.stages}, M = {args.microbatches}, MLP width {args.width}, 2 blocks per process, "
           f"{args.rows} rows, float32, gloo, median of {args.steps} alternating steps\n")
     header = ("schedule", "torch class", "ours ms", "torch ms", "ours/torch", "max |grad diff|",
@@ -115,6 +124,8 @@ def main() -> None:
     rows = [header]
     with LocalCluster(args.stages, timeout=300) as cluster:
         for name, v, cls in CASES:
+            if (only and name not in only) or (name == "dualpipe-v" and args.microbatches < 2 * args.stages):
+                continue
             cfg = MLPBench(schedule=name, stages=args.stages, microbatches=args.microbatches, chunks=v,
                            width=args.width, blocks=2, rows=args.rows, steps=args.steps)
             res = cluster.run(compare_rank, cfg, cls)[0]

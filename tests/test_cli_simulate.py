@@ -88,7 +88,8 @@ def test_sweep_prints_both_tables(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--schedule", "foo"], "--schedule must be one of {naive, gpipe, 1f1b, interleaved, zb-h1}, got 'foo'"),
+        (["--schedule", "foo"], "--schedule must be one of {naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, "
+                                "zb-h2, zb-v, v-half, v-min, dualpipe-v} or auto, got 'foo'"),
         (["--stages", "0"], "--stages must be >= 1, got 0"),
         (["--microbatches", "2.5"], "--microbatches must be an integer, got '2.5'"),
         (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be a multiple of --stages (4)"),
@@ -142,3 +143,33 @@ def test_output_and_unit_checked_before_any_work(capsys, args, message):
     assert main(["simulate", *args]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""  # nothing printed before the error
+
+
+def test_export_csv_and_read_it_back(capsys, tmp_path):
+    path = tmp_path / "zbv.csv"
+    code, out, _ = run(capsys, "--schedule", "zb-v", "--stages", "2", "--microbatches", "4", "--export-csv", str(path))
+    assert code == 0 and f"wrote {path} (compute_only)" in out
+    assert path.read_text().splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0,")
+    code, out, _ = run(capsys, "--from", str(path))
+    assert code == 0 and "zbv (K = 2, M = 4, v = 2): step" in out
+    code, out, _ = run(capsys, "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--export-csv",
+                       str(path), "--comm", "--json")
+    assert code == 0 and path.read_text() == "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0RECV_B1,0B0,0B1,0REDUCE_GRAD\n" \
+        "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", "action 0B1 is missing (device 0)"),
+    ("0F0,0B0\n0F1,1F0,1B0\n", "stage 0 appears on device 0 and device 1 (action 0F1)"),
+    ("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", "deadlock: device 0 waits at 0B0 (position 1) for 1B0 on device 1"),
+])
+def test_bad_csv_is_one_line_naming_the_first_bad_action(capsys, tmp_path, text, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    code, out, err = run(capsys, "--from", str(path))
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err
+
+
+def test_export_csv_needs_one_schedule(capsys, tmp_path):
+    code, _, err = run(capsys, "--export-csv", str(tmp_path / "x.csv"))
+    assert code == 2 and "--export-csv writes one schedule: give one --schedule or --from, got 4" in err

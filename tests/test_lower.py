@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelpar.schedules import Action, DeadlockError, Kind, Schedule, get_schedule, lower, parse_op, rendezvous
+from modelpar.schedules import SCHEDULES, Action, DeadlockError, Kind, Schedule, get_schedule, lower, parse_op, rendezvous
 from modelpar.schedules.derive import forward_only, on_one_device
 from modelpar.schedules.lower import Comm, Transfer
 
@@ -15,11 +15,14 @@ SETTINGS = settings(max_examples=80, deadline=None)
 
 @st.composite
 def generated(draw):
-    name = draw(st.sampled_from(["naive", "gpipe", "1f1b", "interleaved", "zb-h1"]))
+    name = draw(st.sampled_from(SCHEDULES))
     k = draw(st.integers(1, 6))
     if name == "interleaved":
         return get_schedule(name, stages=k, microbatches=k * draw(st.integers(1, 3)), chunks=draw(st.integers(1, 4)))
-    return get_schedule(name, stages=k, microbatches=draw(st.integers(1, 9)))
+    if name == "looped-bfs":
+        return get_schedule(name, stages=k, microbatches=draw(st.integers(1, 9)), chunks=draw(st.integers(1, 4)))
+    low = 2 * k if name == "dualpipe-v" else 1
+    return get_schedule(name, stages=k, microbatches=draw(st.integers(low, max(low, 9))))
 
 
 @st.composite

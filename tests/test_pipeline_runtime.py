@@ -30,6 +30,10 @@ CASES = {  # schedule -> (K, M, v) where the schedule allows it
     "1f1b": [(k, m, 1) for k in (1, 2, 4) for m in (1, 2, 4, 8)],
     "interleaved": [(k, m, 2) for k in (1, 2, 4) for m in (1, 2, 4, 8) if m % k == 0],
     "zb-h1": [(k, m, 1) for k in (1, 2, 4) for m in (1, 2, 4, 8)],
+    "looped-bfs": [(k, m, 2) for k in (1, 2, 4) for m in (1, 3, 8)],
+    "zb-h2": [(k, m, 1) for k in (1, 2, 4) for m in (1, 3, 8)],
+    **{v: [(k, m, 2) for k in (1, 2, 4) for m in (1, 3, 8)] for v in ("zb-v", "v-half", "v-min")},  # V placements
+    "dualpipe-v": [(k, m, 2) for k in (1, 2, 4) for m in (2 * k, 2 * k + 1, 8) if m <= 8],
 }
 _GROUPS: dict = {}
 
@@ -160,9 +164,9 @@ def _token_model(seed=0):
     return nn.Sequential(*layers).double()
 
 
-def _uneven_tokens(name, balance, recompute):
+def _uneven_tokens(name, balance, recompute, microbatches=6):
     """Uneven stages, integer token ids in, NLL loss out; returns errors, peak, and the timeline."""
-    schedule = get_schedule(name, stages=4, microbatches=6)
+    schedule = get_schedule(name, stages=4, microbatches=microbatches)
     model, ref = _token_model(), _token_model()
     stages = split_stages(model, schedule, dist.get_rank(), balance=balance, recompute=recompute)
     runner = PipelineRunner(schedule, stages, F.nll_loss, dist.group.WORLD, timeout=30)
@@ -203,6 +207,23 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
     # one message into stage s: stage s - 1's output (widths 12, 9, 8), float64, 9 rows in 6 microbatches
     assert per_rank[0]["bytes"] == [0.0, 12 * 8 * 1.5, 9 * 8 * 1.5, 8 * 8 * 1.5]
     assert len(ascii_chart(tl, unit=tl.step_time / 50).splitlines()) == 4
+
+
+@pytest.mark.parametrize("name,recompute,m", [("zb-v", "full", 6), ("v-half", "sqrt", 5), ("v-min", None, 7),
+                                               ("dualpipe-v", "full", 8), ("zb-h2", "sqrt", 6)])
+def test_v_shapes_uneven_stages_and_recompute(cluster, name, recompute, m):
+    """V placements (both ends of the model on device 0), uneven layer counts, 9 rows in m microbatches."""
+    schedule = get_schedule(name, stages=4, microbatches=m)
+    balance = [1, 1, 2, 2, 2, 2, 3, 3] if schedule.num_stages == 8 else [1, 2, 5, 8]
+    per_rank = cluster.run(_uneven_tokens, name, balance, recompute, m)
+    model = list(_token_model())
+    for d, r in enumerate(per_rank):
+        assert r["err"] <= TOL and r["loss_err"] <= TOL, (d, r["err"], r["loss_err"])
+        bounds = [sum(balance[:s]) for s in range(len(balance) + 1)]
+        owned = sum(1 for s in schedule.stages_on(d) for layer in model[bounds[s]:bounds[s + 1]]
+                    for _ in layer.parameters())
+        assert r["owned"] == owned
+    assert per_rank[0]["timeline"].actions == [list(a) for a in schedule.actions]
 
 
 V_SCHEDULE = """

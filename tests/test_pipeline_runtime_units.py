@@ -205,3 +205,39 @@ def test_cli_json_runs_two_processes(capsys):
     for kind in ("measured", "simulated"):  # two stages: each device idles while the other fills or drains
         assert out[f"{kind}_step_s"] > 0 and 0 < out[f"{kind}_bubble"] < 1
     assert 0 <= out["simulated_bubble"] < 1 and 0 <= out["measured_bubble"] < 1
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_an_input_backward_right_before_its_weight_backward_runs_as_one(monkeypatch, merge):
+    """torch's _merge_bw on the lowered program: I directly followed by its W is one full backward
+    (one autograd call); an I whose W comes later stays split. Same gradients either way."""
+    from modelpar.pipeline.stage import LocalStage
+    from modelpar.schedules import Schedule
+
+    calls = []
+    for method in ("backward", "backward_input", "backward_weight"):
+        original = getattr(LocalStage, method)
+
+        def counted(self, *args, _original=original, _name=method):
+            calls.append((_name, self.index, args[0]))
+            return _original(self, *args)
+
+        monkeypatch.setattr(LocalStage, method, counted)
+    schedule = Schedule.from_text("0F0 1F0 1I0 1W0 0F1 1F1 1I1 0I0 0W0 1W1 0I1 0W1")  # one device, two stages
+    model, ref = _mlp([3, 5, 4, 2], 0), _mlp([3, 5, 4, 2], 0)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = torch.randn(4, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    runner = PipelineRunner(schedule, split_stages(model, schedule, 0, balance=[2, 4]),
+                            torch.nn.functional.mse_loss, None, merge_backward=merge)
+    runner.step(x, y)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    assert max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) < 1e-15
+    if merge:  # 1I0 1W0, 0I0 0W0, 0I1 0W1 adjacent; 1I1 waits for its W behind 0I0 0W0
+        assert calls == [("backward", 1, 0), ("backward_input", 1, 1), ("backward", 0, 0),
+                         ("backward_weight", 1, 1), ("backward", 0, 1)]
+    else:
+        assert calls == [("backward_input", 1, 0), ("backward_weight", 1, 0), ("backward_input", 1, 1),
+                         ("backward_input", 0, 0), ("backward_weight", 0, 0), ("backward_weight", 1, 1),
+                         ("backward_input", 0, 1), ("backward_weight", 0, 1)]
+    tl = runner.timeline()
+    assert tl.actions == [list(schedule.actions[0])]  # the schedule's actions, merged or not

@@ -18,6 +18,7 @@ from modelpar.schedules import (
     validate_schedule,
     zb_h1,
 )
+from modelpar.schedules.generators import CHUNKED
 
 
 def line(schedule, device):
@@ -101,7 +102,7 @@ def test_zb_h1_splits_backward_and_defers_w_by_device_index():
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_get_schedule_names(name):
-    s = get_schedule(name, stages=4, microbatches=8, chunks=2 if name == "interleaved" else 1)
+    s = get_schedule(name, stages=4, microbatches=8, chunks=2 if name in CHUNKED else None)
     assert s.name == name
     assert s.num_devices == 4 and s.num_microbatches == 8
     validate_schedule(s)
@@ -111,7 +112,10 @@ def test_get_schedule_names(name):
     "call, match",
     [
         (lambda: get_schedule("pipedream", stages=4, microbatches=8),
-         r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
+         r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, "
+         r"v-min, dualpipe-v\}, got 'pipedream'"),
+        (lambda: get_schedule("zb-v", stages=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
+        (lambda: get_schedule("dualpipe-v", stages=4, microbatches=7), r"microbatches must be >= 2 x stages \(8\)"),
         (lambda: get_schedule("gpipe", stages=0, microbatches=8), r"stages must be >= 1, got 0"),
         (lambda: get_schedule("1f1b", stages=4, microbatches=-2), r"microbatches must be >= 1, got -2"),
         (lambda: get_schedule("gpipe", stages=2.5, microbatches=8), r"stages must be an integer, got 2.5"),

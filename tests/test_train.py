@@ -148,7 +148,11 @@ def _as_llama(changes: dict) -> dict:
     return {**changes, "model": dataclasses.replace(LLAMA, tie_embeddings=changes.get("model", TINY).tie_embeddings)}
 
 
-SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS), *DATA_PARALLEL,
+# the schedules beyond 1F1B at p = 2 (GPT only): V placements put both ends of the model on rank 0
+FAMILY = [{"pp": 2, "schedule": "zb-h2"}, {"pp": 2, "schedule": "looped-bfs", "chunks": 2},
+          *({"pp": 2, "schedule": s, "chunks": 2} for s in ("zb-v", "v-half", "v-min")),
+          {"pp": 2, "schedule": "dualpipe-v", "chunks": 2, "microbatches": 4, "model": TIED, "recompute": "full"}]
+SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS), *DATA_PARALLEL, *FAMILY,
                {"tp": 2, "pp": 2, "recompute": "selective", "sequence_parallel": True,
                 "model": dataclasses.replace(LLAMA, kv_heads=2)},
                {"tp": 2, "pp": 2, "recompute": "selective", "model": TINY}]
@@ -193,7 +197,10 @@ def test_uneven_splits_compute_the_single_process_model(request, changes):
     ({"tp": 2, "model": dataclasses.replace(LLAMA, heads=2, kv_heads=2, hidden=24, ffn=33)},
      r"ffn hidden size \(33\) must be divisible by tp \(2\)"),
     ({"pp": 2, "microbatches": 3}, r"batch_size per replica \(8\) must be divisible by microbatches \(3\)"),
-    ({"pp": 2, "schedule": "pipedream"}, r"schedule must be one of \{gpipe, 1f1b, interleaved, zb-h1\}, got 'pipedream'"),
+    ({"pp": 2, "schedule": "pipedream"},
+     r"schedule must be one of \{gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v\}, "
+     r"got 'pipedream'"),
+    ({"pp": 2, "schedule": "dualpipe-v", "chunks": 2}, r"microbatches must be >= 4, got 2"),
 ])
 def test_bad_input_is_one_error_on_every_rank(c2, changes, message):
     results = c2.run(_try_train, dataclasses.replace(BASE, **changes))

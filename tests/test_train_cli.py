@@ -34,7 +34,8 @@ def test_flags_reach_the_config():
 @pytest.mark.parametrize("flags, message", [
     (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
     (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
-    (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, zb-h1}, got 'dualpipe'"),
+    (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, "
+                                 "v-half, v-min, dualpipe-v}, got 'dualpipe'"),
     (["--recompute", "often"], "recompute must be one of {none, selective, full, sqrt, recompute-all} or a positive "
                                "integer k, got 'often'"),
     (["--arch", "llama", "--kv-heads", "3"], "heads (4) must be divisible by kv_heads (3)"),
@@ -214,3 +215,10 @@ def test_unknown_keys_are_refused_everywhere():
         TrainConfig.from_dict({"data": {"path": "x"}})
     assert TrainConfig.from_dict({"dtype": "float64"}).precision == "fp64"  # old checkpoints: retired, accepted
     assert TrainConfig.from_dict(TrainConfig(stage_layers=(1, 3)).to_dict()).stage_layers == (1, 3)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "v-half", "v-min", "dualpipe-v", "looped-bfs"])
+def test_two_chunk_schedules_default_to_v_2(schedule):
+    args = build_parser().parse_args(["train", "--tp", "1", "--pp", "2", "--schedule", schedule, "--layers", "4"])
+    cfg = build_config(args).check()
+    assert (cfg.schedule, cfg.chunks) == (schedule, 2)

@@ -1,9 +1,14 @@
 """``modelpar simulate``: draw and compare pipeline schedules (pure Python: never imports torch).
 
 No arguments: GPipe vs 1F1B vs interleaved (v = 2) vs ZB-H1 for K = 4, M = 8, charts and a
-metrics table. ``--from FILE`` times a hand-written schedule; ``--sweep`` prints the bubble vs
-M tables of §2.3 and §4.1–4.2 without and with transfer cost; ``--comm`` prints each device's
-lowered program (compute plus SEND/RECV, matched by order); ``--json`` is for scripts.
+metrics table. ``--from FILE`` times a hand-written schedule (our text form, or torch's schedule
+CSV when FILE ends in .csv); ``--export-csv FILE`` writes the schedule as torch's
+``_PipelineScheduleRuntime`` CSV (with ``--comm``: its lowered program, "compute_comms");
+``--sweep`` prints the bubble vs M tables of §2.3 and §4.1–4.2 without and with transfer cost;
+``--comm`` prints each device's lowered program (compute plus SEND/RECV, matched by order);
+``--schedule auto`` builds the fastest schedule within ``--memory-limit`` for ``--costs``;
+``--pareto`` prints (``--png`` draws) step time against peak held activations for the whole
+family and the synthesised schedules; ``--json`` is for scripts.
 """
 
 from __future__ import annotations
@@ -27,16 +32,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--schedule", action="append", metavar="NAME",
-                   help=f"one of {{{', '.join(SCHEDULES)}}}; repeat to compare (default: "
-                        f"{', '.join(DEFAULT_COMPARE)})")
+                   help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
+                        f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
-    p.add_argument("--chunks", default="2", metavar="V", help="chunks per device, interleaved only (default 2)")
+    p.add_argument("--chunks", default="2", metavar="V",
+                   help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
+    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]",
+                   help="forward, input-backward and weight-backward time of a whole stage: one triple for every "
+                        "stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
+    p.add_argument("--memory-limit", metavar="L",
+                   help="most activations a device may hold, in microbatches' worth of one stage (--schedule auto; "
+                        "default: no limit)")
+    p.add_argument("--pareto", action="store_true",
+                   help="step time vs peak held activations for the family and the synthesised schedules "
+                        "(--png draws it)")
     p.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device")
+                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device, or torch's "
+                        "schedule CSV (FILE.csv: one row per rank)")
+    p.add_argument("--export-csv", metavar="FILE",
+                   help="write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per rank: "
+                        "compute_only, or compute_comms with --comm")
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
@@ -68,11 +87,11 @@ def _float(name: str, text: str, strict: bool = False) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.schedules.generators import SCHEDULES, get_schedule
+    from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
     from modelpar.simulate import Costs, simulate
 
     for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
-                                 ("--trace", args.trace, (".json",))):
+                                 ("--trace", args.trace, (".json",)), ("--export-csv", args.export_csv, (".csv",))):
         if path:
             check_output_path(flag, path, suffixes)
     if args.unit:
@@ -88,10 +107,16 @@ def run(args: argparse.Namespace) -> int:
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
-        if name not in SCHEDULES:
-            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}}, got {name!r}")
+        if name not in SCHEDULES and name != "auto":
+            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}} or auto, got {name!r}")
+    stage_costs = _stage_costs(args.costs, k, costs)
+    limit = _float("--memory-limit", args.memory_limit, strict=True) if args.memory_limit else None
     if args.sweep is not None:
+        if "auto" in names:
+            raise ValueError("--sweep compares named schedules: drop --schedule auto")
         return _sweep(args, names or list(DEFAULT_COMPARE), k, v, costs)
+    if args.pareto:
+        return _pareto(args, k, m, stage_costs)
 
     schedules = []
     if args.from_file:
@@ -99,14 +124,25 @@ def run(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
         schedules.append(_read_schedule(path))
+    synthesised = {}
     for name in names:
+        if name == "auto":
+            from modelpar.simulate.synthesis import synthesize
+
+            best, tl = synthesize(k, m, stage_costs, limit)
+            schedules.append(best)
+            synthesised[id(best)] = tl
+            continue
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
             raise ValueError(
                 f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name == "interleaved" else 1))
-    timelines = [simulate(s, costs) for s in schedules]
+        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+    if args.export_csv and len(schedules) != 1:
+        raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
+    timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
+                 for s in schedules]
     if args.json:
         records = [_record(t, costs) for t in timelines]
         if args.comm:
@@ -116,23 +152,87 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(args, timelines)
     _save(args, timelines)
+    if args.export_csv:
+        from modelpar.schedules.torch_csv import to_csv
+
+        Path(args.export_csv).write_text(to_csv(schedules[0], comm=args.comm))
+        if not args.json:
+            print(f"wrote {args.export_csv} ({'compute_comms' if args.comm else 'compute_only'})")
+    return 0
+
+
+def _stage_costs(text, k, costs):
+    """``--costs`` as StageCosts: one F:I:W triple for every stage, or one per stage; default from ``costs``."""
+    from modelpar.simulate.synthesis import StageCosts
+
+    if not text:
+        half = costs.full_backward / 2
+        return StageCosts.uniform(k, costs.forward, costs.full_backward - half, half, costs.transfer)
+    triples = []
+    for part in text.split(","):
+        fields = part.split(":")
+        if len(fields) != 3:
+            raise ValueError(f"--costs must be F:I:W triples separated by commas (e.g. 1:1:1), got {text!r}")
+        triples.append(tuple(_float("--costs", x.strip()) for x in fields))
+    if len(triples) == 1:
+        triples *= k
+    if len(triples) != k:
+        raise ValueError(f"--costs must give one F:I:W triple or one per stage ({k}), got {len(triples)}")
+    f, i, w = zip(*triples)
+    return StageCosts(f, i, w, costs.transfer)
+
+
+def _pareto(args, k, m, stage_costs) -> int:
+    """Every candidate of ``synthesize``: the named ones listed, the synthesised ones on the frontier."""
+    from modelpar.simulate.report import pareto_table
+    from modelpar.simulate.synthesis import candidates, pareto
+
+    named: list = []
+    synth: list = []
+    for s in candidates(k, m, stage_costs):
+        (synth if s.name == "auto" else named).append(stage_costs.timeline(s))
+    front = pareto(named + synth)
+    auto = [t for t in front if t.name == "auto"]
+    if args.json:
+        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_activations),
+                           "step_time": t.step_time, "bubble": t.bubble, "frontier": t in front}
+                          for t in named + auto], indent=1))
+    else:
+        triples = zip(stage_costs.forward, stage_costs.input_grad, stage_costs.weight_grad)
+        print(f"Step time vs peak held activations, K = {k}, M = {m} (costs F:I:W per stage "
+              f"{', '.join(f'{a:g}:{b:g}:{c:g}' for a, b, c in triples)}, transfer {stage_costs.transfer:g}); "
+              f"* = on the frontier")
+        print(pareto_table(named + auto, front))
+    for path in filter(None, (args.png, args.svg)):
+        from modelpar.simulate.plot import plot_pareto
+
+        plot_pareto(named, auto, front, path, title=f"K = {k}, M = {m}: step time vs peak held activations")
+        if not args.json:
+            print(f"wrote {path}")
     return 0
 
 
 def _read_schedule(path: Path):
-    """The schedule in file ``path``; ValueError if an index is larger than a complete schedule of its
-    size can use (indices size the simulator's tables: 99999999999999999999 must not reach them)."""
+    """The schedule in file ``path`` (today's text form, or torch's CSV for a ``.csv``); ValueError if an
+    index is larger than a complete schedule of its size can use (indices size the simulator's tables:
+    99999999999999999999 must not reach them)."""
     import re
 
     from modelpar.schedules.schedule import Schedule
 
     text = path.read_text()
+    csv = path.suffix.lower() == ".csv"
     body = [line.split("#", 1)[0] for line in text.splitlines()]
-    actions = sum(len(line.split(":", 1)[-1].replace(",", " ").split()) for line in body)
+    cells = [cell for line in body for cell in (line.split(",") if csv else line.split(":", 1)[-1].replace(",", " ").split())]
+    actions = sum(1 for cell in cells if cell.strip())
     biggest = max((int(n) for n in re.findall(r"\d+", "\n".join(body))), default=0)
     if biggest > actions + len(body):
         raise ValueError(f"--from {str(path)!r}: index {biggest} is larger than a schedule of {actions} actions can "
                          "use (stages and microbatches are numbered 0, 1, ..., each one present)")
+    if csv:
+        from modelpar.schedules.torch_csv import from_csv
+
+        return from_csv(text, name=path.stem).validate()
     return Schedule.from_text(text, name=path.stem)
 
 

@@ -10,7 +10,8 @@ and unlike Megatron's hand-written warm-up / steady / cool-down loops::
             → run; the last stage computes the loss
     B s m : g = loss (s = last) | stage s+1's gradient (same device) | the receive → backward
     I s m : as B, but only the input gradient; the weight part is kept as a closure
-    W s m : run that closure
+            (fused: the whole backward, when its W comes right after — torch's _merge_bw)
+    W s m : run that closure (absorbed after a fused I: nothing; its hooks still run, about no time)
 
 Stages on the same device hand tensors over in memory. Action hooks wrap each compute action
 (``PipelineRunner.register_action_hook``).
@@ -120,9 +121,9 @@ class _Step:
                     cm = hook(a, p.final)
                     if cm is not None:
                         around.enter_context(cm)
-                start, y, end = self.timed(stage, a, x)
+                start, y, end = self.timed(stage, a, x, p)
         else:
-            start, y, end = self.timed(stage, a, x)
+            start, y, end = self.timed(stage, a, x, p)
         self.marks.append((a, start, end))
         if p.sink == "loss":
             self.rec.losses[a.microbatch] = y
@@ -134,20 +135,22 @@ class _Step:
         self.rec.peak_held = max(self.rec.peak_held, sum(st.held_graphs for st in held))
         self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held for st in held))
 
-    def timed(self, stage: LocalStage, a: Action, x: Any) -> tuple[Any, Any, Any]:
+    def timed(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> tuple[Any, Any, Any]:
         """(start mark, result, end mark) of one action."""
         timer = self.ctx.timer
         start = timer.mark()
-        y = self.call(stage, a, x)
+        y = self.call(stage, a, x, p)
         return start, y, timer.mark()
 
-    def call(self, stage: LocalStage, a: Action, x: Any) -> Any:
+    def call(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> Any:
         """A forward's output (the loss on the last stage), or a backward's input gradient."""
         m = a.microbatch
         if a.kind is Kind.F:
             target = self.targets[m] if stage.is_last else None  # type: ignore[index]
             return stage.forward(m, x, target, self.scale[m], self.for_backward)
-        if a.kind is Kind.B:
+        if p.absorbed:  # the fused I just before did this W's work
+            return None
+        if a.kind is Kind.B or p.fused:
             return stage.backward(m, x)
         if a.kind is Kind.I:
             return stage.backward_input(m, x)

@@ -17,6 +17,7 @@ import torch
 
 from modelpar.pipeline.shapes import TensorSpec
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import SPECS, describe_message, inputs_of
 from modelpar.schedules.lower import Op, Transfer
 from modelpar.schedules.schedule import Schedule
 
@@ -41,52 +42,57 @@ class Planned:
     sink: str = ""  # COMPUTE: "loss", "local", "send" or ""
     buffer: torch.Tensor | None = None  # RECV: filled by every step
     final: bool = False  # COMPUTE: the stage's last weight-gradient action of the step
-
-
-def _describe(key: Key) -> str:
-    kind, stage, microbatch = key
-    if kind == "F":
-        return f"the activation of microbatch {microbatch} from stage {stage}"
-    return f"the gradient of microbatch {microbatch} from stage {stage}"
+    fused: bool = False  # COMPUTE, an I: runs the whole backward (its W comes right after and is absorbed)
+    absorbed: bool = False  # COMPUTE, a W: its work was done by the fused I just before it
 
 
 def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[tuple[int, int], TensorSpec],
-               rows: Sequence[int], buffer_device: torch.device) -> list[Planned]:
-    """The plan of device ``me``'s ``program``; ``specs[stage, rows]`` is what stage sends for that many rows."""
+               rows: Sequence[int], buffer_device: torch.device, merge_backward: bool = False) -> list[Planned]:
+    """The plan of device ``me``'s ``program``; ``specs[stage, rows]`` is what stage sends for that many rows.
+
+    ``merge_backward``: an I immediately followed by its own W (nothing between them in the
+    program, so no send waits on the I alone) runs as one full backward, as torch's ``_merge_bw``
+    does — one autograd call instead of two; the W is kept in the plan, absorbed, so the measured
+    timeline still has the schedule's actions (the I taking the whole backward, the W about no
+    time) and action hooks see every action (a stage's last-backward hook around the absorbed W:
+    its gradients are then all final, so data-parallel buckets start at its end).
+    """
     dev, last = schedule.stage_to_device, schedule.num_stages - 1
-    weight_kind = Kind.W if schedule.split_backward else Kind.B
     final = {}
     for i, op in enumerate(program):
-        if isinstance(op, Action) and op.kind is weight_kind:
+        if isinstance(op, Action) and SPECS[op.kind].weight_grads:
             final[op.stage] = i
     plan: list[Planned] = []
     for i, op in enumerate(program):
         if isinstance(op, Transfer):
             key = op.message
-            what = f"{op} ({_describe(key)})"
+            what = f"{op} ({describe_message(key)})"
             peer = dev[op.peer_stage]
             if op.is_send:
                 plan.append(Planned(op, SEND, str(op), what, peer, key))
             else:
-                spec = specs[key[1] if key[0] == "F" else op.stage, rows[op.microbatch]]
+                # what crosses a boundary has the shape of the lower stage's output (activation or its gradient)
+                spec = specs[min(key[1], op.stage), rows[op.microbatch]]
                 buffer = torch.empty(spec[0], dtype=spec[1], device=buffer_device)
                 plan.append(Planned(op, RECV, str(op), what, peer, key, buffer=buffer))
             continue
         s, m = op.stage, op.microbatch
         p = Planned(op, COMPUTE, str(op), final=final.get(s) == i)
-        if op.kind is Kind.F:
-            p.key = ("F", s, m)
-            p.sink = "loss" if s == last else "local" if dev[s + 1] == me else "send"
-            if s == 0:
-                p.source = "input"
-            else:
-                p.source_key = ("F", s - 1, m)
-                p.source = "local" if dev[s - 1] == me else "recv"
-        elif op.kind is not Kind.W:  # B or I
-            p.key = ("B", s, m)
-            p.sink = "" if s == 0 else "local" if dev[s - 1] == me else "send"
-            if s < last:
-                p.source_key = ("B", s + 1, m)
-                p.source = "local" if dev[s + 1] == me else "recv"
+        if merge_backward and op.kind is Kind.I and i + 1 < len(program) and program[i + 1] == Action(s, Kind.W, m):
+            p.fused = True
+        elif plan and plan[-1].fused and op.kind is Kind.W:
+            p.absorbed = True  # keeps ``final``: a stage's last-backward hook runs around it, after the work
+        for v in SPECS[op.kind].produces:  # what leaves the stage (at most one value does)
+            if v.consumer:
+                t = s + v.consumer
+                p.key = (v.message, s, m)
+                p.sink = v.boundary_out if not 0 <= t <= last else "local" if dev[t] == me else "send"
+        for v, t in inputs_of(op.kind, s):  # what comes from another stage (at most one value does)
+            if v.consumer:
+                if not 0 <= t <= last:
+                    p.source = v.boundary_in
+                else:
+                    p.source_key = (v.message, t, m)
+                    p.source = "local" if dev[t] == me else "recv"
         plan.append(p)
     return plan

@@ -66,12 +66,14 @@ class PipelineRunner:
         *,
         timeout: float = 60.0,
         check_messages: bool | None = None,
+        merge_backward: bool = True,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a modelpar Schedule, got {type(schedule).__name__}")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable (output, target) -> scalar, got {loss_fn!r}")
         self.timeout = check_number("timeout", timeout, 0.0, strict=True)
+        self.merge_backward = bool(merge_backward)  # an I right before its own W runs as one full backward
         self.programs = lower(schedule)  # validates; a schedule that would hang fails here, on every rank
         self.schedule = schedule
         self.group = group.get_group() if hasattr(group, "get_group") else group  # a 1-D DeviceMesh
@@ -255,7 +257,8 @@ class PipelineRunner:
             assert self._batch is not None
             rows = microbatch_sizes(self._batch[0][0][0], schedule.num_microbatches)
             buffer_device = self.p2p.buffer_device if self.p2p is not None else torch.device("cpu")
-            self._plans[mode] = build_plan(program, schedule, self.group_rank, self._specs, rows, buffer_device)
+            self._plans[mode] = build_plan(program, schedule, self.group_rank, self._specs, rows, buffer_device,
+                                           merge_backward=self.merge_backward)
         return self._plans[mode]
 
     def _fail(self, err: BaseException) -> None:

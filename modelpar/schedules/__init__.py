@@ -9,14 +9,17 @@ from modelpar.schedules.generators import (
     get_schedule,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     naive,
     one_f_one_b,
     zb_h1,
 )
+from modelpar.schedules.greedy import greedy
 from modelpar.schedules.lower import Comm, Op, Transfer, lower, parse_op, rendezvous
-from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map
+from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
 from modelpar.schedules.validate import DeadlockError, validate_schedule
+from modelpar.schedules.zero_bubble import dualpipe_v, v_half, v_min, zb_h2, zb_v
 
 __all__ = [
     "SCHEDULES",
@@ -29,12 +32,15 @@ __all__ = [
     "Transfer",
     "clock_cycles",
     "contiguous_map",
+    "dualpipe_v",
     "execute",
     "forward_only",
     "get_schedule",
     "gpipe",
+    "greedy",
     "interleaved_1f1b",
     "loop_map",
+    "looped_bfs",
     "lower",
     "naive",
     "on_one_device",
@@ -42,6 +48,11 @@ __all__ = [
     "parse_op",
     "rendezvous",
     "schedule_table",
+    "v_half",
+    "v_map",
+    "v_min",
     "validate_schedule",
     "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]

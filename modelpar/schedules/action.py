@@ -6,23 +6,14 @@ Text form as in torch.distributed.pipelining: ``0F3`` is stage 0, forward, micro
 from __future__ import annotations
 
 import re
-from enum import Enum
 from typing import NamedTuple
 
+from modelpar.schedules.kinds import KINDS, Kind
 
-class Kind(str, Enum):
-    """What an action computes."""
+__all__ = ["Action", "B", "F", "I", "Kind", "W"]
 
-    F = "F"  # forward
-    B = "B"  # full backward: input gradient and weight gradient together
-    I = "I"
-    W = "W"  # backward for the weight gradient only (split backward), deferred in zero-bubble
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_ACTION_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_LETTERS = "|".join(k.value for k in KINDS)
+_ACTION_RE = re.compile(rf"^(\d+)({_LETTERS})(\d+)$")
 
 
 class Action(NamedTuple):
@@ -45,9 +36,7 @@ class Action(NamedTuple):
         """Parse the short form ``<stage><F|B|I|W><microbatch>``, e.g. ``2B5``."""
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise ValueError(
-                f"action must look like <stage><F|B|I|W><microbatch> (e.g. 0F3), got {text!r}"
-            )
+            raise ValueError(f"action must look like <stage><{_LETTERS}><microbatch> (e.g. 0F3), got {text!r}")
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
 
 

@@ -1,28 +1,40 @@
 """Run a schedule as K blocking processes: each device does its actions in order, waiting for deps.
 
-This one linear-time pass is both the deadlock check (``validate``) and the timing engine
-(``modelpar.simulate``): an action starts at max(device free, each dependency's end + transfer
-time when the dependency crosses devices). A device blocked on an unfinished action parks on it
-and is woken when that action ends, so every action is looked at a bounded number of times.
+This one linear-time pass is the deadlock check (``validate``), the timing engine
+(``modelpar.simulate``) and the order lowering appends actions in (``lower``): an action starts
+at max(device free, each dependency's end + transfer time when the dependency crosses devices).
+A device blocked on an unfinished action parks on it and is woken when that action ends, so
+every action is looked at a bounded number of times.
 
-Actions are identified by an integer key ``block(kind) * S * M + stage * M + microbatch`` so
-that the bookkeeping is flat lists instead of dicts (half a million actions in well under 1 s).
+What an action waits for comes from ``kinds.SPECS``, resolved once per (kind, stage) into the
+integer keys of its producers: an action's key is ``block(kind) * S * M + stage * M +
+microbatch``, so the bookkeeping is flat lists instead of dicts (half a million actions in
+well under 1 s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-from modelpar.schedules.action import Kind
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import inputs_of, producers
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["execute"]
-
-_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+__all__ = ["Run", "execute", "run_blocking"]
 
 
 class _Invalid(Exception):
     """Internal: the fast pass found a problem; ``validate.diagnose`` explains it."""
+
+
+class Run(NamedTuple):
+    """What the blocking execution did: times per device, the order actions ran in, where devices stopped."""
+
+    starts: list[list[float]]
+    ends: list[list[float]]
+    order: list[Action]  # one valid interleaving (only when asked for)
+    stuck: dict[int, tuple[int, Action]]  # device -> (position it stopped at, the dependency it waits for)
 
 
 def execute(
@@ -38,35 +50,60 @@ def execute(
     offending action when the schedule is incomplete, out of order or deadlocks.
     """
     try:
-        return _run(schedule, durations, transfer_in)
+        run = _run(schedule, durations, transfer_in, trace=False)
     except _Invalid:
+        run = None
+    if run is None or run.stuck or not _complete(schedule):
         from modelpar.schedules.validate import diagnose
 
         raise diagnose(schedule) from None
+    return run.starts, run.ends
 
 
-def _run(
-    schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None, transfer_in: Sequence[float] | None
-) -> tuple[list[list[float]], list[list[float]]]:
+def run_blocking(schedule: Schedule) -> Run:
+    """The blocking execution with unit times, recording the order and where devices stop.
+
+    For a schedule whose actions are each on their stage's device, of one style, and not
+    repeated (``validate`` checks those first); a deadlock shows in ``stuck``.
+    """
+    return _run(schedule, None, None, trace=True)
+
+
+def _complete(schedule: Schedule) -> bool:
+    expected = schedule.num_stages * schedule.num_microbatches * len(schedule.style)
+    return sum(len(acts) for acts in schedule.actions) == expected
+
+
+def _run(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None,
+         transfer_in: Sequence[float] | None, trace: bool) -> Run:
     S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
-    split = schedule.split_backward
     dev = schedule.stage_to_device
+    style = schedule.style
+    block = {k: i for i, k in enumerate(style)}
+    made = producers(style)
     ones = [1.0] * S
-    dur = {k: list((durations or {}).get(k, ones)) for k in (_F, _B, _I, _W)}
     xin = list(transfer_in) if transfer_in is not None else [0.0] * S
-    grad = _I if split else _B
-    SM = S * M
-    off_g, off_w = SM, 2 * SM  # F block, then B-or-I block (a schedule has one), then W
-    last = S - 1
-    fin: list[float | None] = [None] * (3 * SM)
-    waiting: list[list[int] | None] = [None] * (3 * SM)
+    # per kind, per stage: (own key offset, duration, ((producer key offset, transfer time), ...))
+    spec: dict[Kind, list[tuple[int, float, tuple[tuple[int, float], ...]]]] = {}
+    for k in style:
+        times = list((durations or {}).get(k, ones))
+        rows = []
+        for s in range(S):
+            ins = tuple(
+                (block[made[v]] * S * M + p * M, xin[max(p, s)] if p != s else 0.0)
+                for v, p in inputs_of(k, s) if 0 <= p < S
+            )
+            rows.append((block[k] * S * M + s * M, times[s], ins))
+        spec[k] = rows
+    fin: list[float | None] = [None] * (len(style) * S * M)
+    waiting: list[list[int] | None] = [None] * len(fin)
     starts: list[list[float]] = [[] for _ in range(D)]
     ends: list[list[float]] = [[] for _ in range(D)]
+    order: list[Action] = []
     ptr = [0] * D
     clock = [0.0] * D
+    blocked_on: dict[int, int] = {}
     ready = list(range(D - 1, -1, -1))
-    done_devices = 0
-    dur_f, dur_g, dur_w = dur[_F], dur[grad], dur[_W]
     while ready:
         d = ready.pop()
         acts = schedule.actions[d]
@@ -75,76 +112,50 @@ def _run(
         st, en = starts[d].append, ends[d].append
         i = n
         for j in range(ptr[d], n):
-            s, k, m = acts[j]  # an Action is a (stage, kind, microbatch) named tuple
-            if not 0 <= s < S or m < 0 or dev[s] != d:
+            a = acts[j]
+            s, k, m = a  # an Action is a (stage, kind, microbatch) named tuple
+            if not 0 <= s < S or m < 0 or dev[s] != d or k not in spec:
                 raise _Invalid
-            base = s * M + m
+            own, took, ins = spec[k][s]
             r = t
-            if k is _F:
-                key = base
-                if s:
-                    f = fin[base - M]
-                    if f is None:
-                        i = j
-                        _park(waiting, base - M, d)
-                        break
-                    f += xin[s]
-                    if f > r:
-                        r = f
-                took = dur_f[s]
-            elif k is grad:
-                key = off_g + base
-                f = fin[base]
+            need = -1
+            for off, x in ins:
+                f = fin[off + m]
                 if f is None:
-                    i = j
-                    _park(waiting, base, d)
+                    need = off + m
                     break
+                f += x
                 if f > r:
                     r = f
-                if s < last:
-                    f = fin[key + M]
-                    if f is None:
-                        i = j
-                        _park(waiting, key + M, d)
-                        break
-                    f += xin[s + 1]
-                    if f > r:
-                        r = f
-                took = dur_g[s]
-            elif k is _W:
-                key = off_w + base
-                f = fin[off_g + base]
-                if f is None:
-                    i = j
-                    _park(waiting, off_g + base, d)
-                    break
-                if f > r:
-                    r = f
-                took = dur_w[s]
-            else:  # B in a split schedule
-                raise _Invalid
+            if need >= 0:
+                i = j
+                w = waiting[need]
+                if w is None:
+                    waiting[need] = [d]
+                else:
+                    w.append(d)
+                blocked_on[d] = need
+                break
+            key = own + m
             if fin[key] is not None:  # duplicate
                 raise _Invalid
             t = r + took
             fin[key] = t
             st(r)
             en(t)
+            if trace:
+                order.append(a)
             woken = waiting[key]
             if woken is not None:
                 ready.extend(woken)
                 waiting[key] = None
         ptr[d], clock[d] = i, t
-        if i == n:
-            done_devices += 1
-    expected = SM * (1 if schedule.forward_only else 3 if split else 2)
-    if done_devices != D or sum(len(acts) for acts in schedule.actions) != expected:
-        raise _Invalid  # deadlock, or something missing
-    return starts, ends
+    stuck = {d: (ptr[d], _action(blocked_on[d], style, S, M)) for d in range(D) if ptr[d] < len(schedule.actions[d])}
+    return Run(starts, ends, order, stuck)
 
 
-def _park(waiting: list[list[int] | None], key: int, device: int) -> None:
-    w = waiting[key]
-    if w is None:
-        waiting[key] = [device]
-    else:
-        w.append(device)
+def _action(key: int, style: tuple[Kind, ...], stages: int, microbatches: int) -> Action:
+    """The action with integer key ``key`` (the inverse of ``block * S * M + stage * M + microbatch``)."""
+    b, rest = divmod(key, stages * microbatches)
+    s, m = divmod(rest, microbatches)
+    return Action(s, style[b], m)

@@ -1,22 +1,31 @@
-"""Schedule generators: naive, GPipe, 1F1B, interleaved 1F1B and ZB-H1, as plain action lists.
+"""Schedule generators and their registry: naive, GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1
+here; ZB-H2, ZB-V, V-Half, V-Min and DualPipe-V in ``zero_bubble``.
 
-Each returns a ``Schedule`` with K devices (stage s on device s, except interleaved: device d
-holds stages d, d + K, ...). Orders follow the papers; nothing about timing lives here, the
-simulator derives it. Reference: lecture §1.2 (naive), §2.3 (GPipe), §4.1 (1F1B), §4.2
-(interleaved); Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1 (ZB-H1).
+Each returns a ``Schedule`` with K devices (stage s on device s, except interleaved and Looped
+BFS: device d holds stages d, d + K, ...; and the V shapes: d and 2K − 1 − d). Orders follow
+the papers; nothing about timing lives here, the simulator derives it. Reference: lecture §1.2
+(naive), §2.3 (GPipe), §4.1 (1F1B), §4.2 (interleaved); Qi et al. 2024, "Zero Bubble Pipeline
+Parallelism", §3.1 (ZB-H1); Lamy-Poirier 2022, "Breadth-First Pipeline Parallelism" (Looped BFS).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from modelpar._validate import check_choice, check_divisible, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map
+from modelpar.schedules.zero_bubble import dualpipe_v, v_half, v_min, zb_h2, zb_v
 
 __all__ = [
+    "CHUNKED",
     "SCHEDULES",
+    "V_SHAPED",
+    "check_chunks",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "looped_bfs",
     "naive",
     "one_f_one_b",
     "zb_h1",
@@ -128,19 +137,54 @@ def zb_h1(*, stages: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_device), "zb-h1")
 
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
-
-
-def get_schedule(name: str, *, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    """Build schedule ``name`` (one of ``SCHEDULES``) for K stages and M microbatches.
-
-    ``chunks`` (v) is used by "interleaved" only; the other schedules require chunks=1.
-    """
-    check_choice("schedule", name, SCHEDULES)
+def looped_bfs(*, stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each device
+    runs all M forwards of its first chunk, then of the next, ..., then the backwards in reverse
+    (last chunk first, last microbatch first). GPipe's order, chunk by chunk: memory M per device."""
+    k, m = _counts(stages, microbatches)
     v = check_int("chunks", chunks, minimum=1)
-    if name == "interleaved":
-        return interleaved_1f1b(stages=stages, microbatches=microbatches, chunks=v)
-    if v != 1:
-        raise ValueError(f"chunks must be 1 for schedule {name!r} (only 'interleaved' uses chunks), got {v}")
-    build = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[name]
-    return build(stages=stages, microbatches=microbatches)
+    per_device = []
+    for d in range(k):
+        mine = range(d, k * v, k)
+        acts = [Action(s, _F, j) for s in mine for j in range(m)]
+        acts += [Action(s, _B, j) for s in reversed(mine) for j in reversed(range(m))]
+        per_device.append(acts)
+    return Schedule(loop_map(k, v), _frozen(per_device), "looped-bfs")
+
+
+_BUILD: dict[str, Callable[..., Schedule]] = {
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
+    "looped-bfs": looped_bfs, "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v, "v-half": v_half,
+    "v-min": v_min, "dualpipe-v": dualpipe_v,
+}
+SCHEDULES = tuple(_BUILD)
+CHUNKED = ("interleaved", "looped-bfs")  # any chunks v per device (loop placement)
+V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipe-v")  # two chunks per device, placed as a V
+
+
+def check_chunks(name: str, chunks: int | None) -> int:
+    """The chunks v schedule ``name`` runs with: ``chunks`` for CHUNKED ones (default 1), 2 for V
+    shapes (None or 2), 1 for the others (None or 1); ValueError otherwise."""
+    check_choice("schedule", name, SCHEDULES)
+    fixed = None if name in CHUNKED else 2 if name in V_SHAPED else 1
+    if chunks is None:
+        return fixed or 1
+    v = check_int("chunks", chunks, minimum=1)
+    if fixed == 1 and v != 1:
+        raise ValueError(f"chunks must be 1 for schedule {name!r} (only {', '.join(map(repr, CHUNKED))} use "
+                         f"chunks), got {v}")
+    if fixed == 2 and v != 2:
+        raise ValueError(f"chunks must be 2 for schedule {name!r} (a V: two stages per device), got {v}")
+    return v
+
+
+def get_schedule(name: str, *, stages: int, microbatches: int, chunks: int | None = None) -> Schedule:
+    """Build schedule ``name`` (one of ``SCHEDULES``) for K devices and M microbatches.
+
+    ``chunks`` (v): any for "interleaved" and "looped-bfs" (default 1), 2 for the V shapes
+    (default 2), 1 for the others (``check_chunks``).
+    """
+    v = check_chunks(name, chunks)
+    if name in CHUNKED:
+        return _BUILD[name](stages=stages, microbatches=microbatches, chunks=v)
+    return _BUILD[name](stages=stages, microbatches=microbatches)

@@ -36,8 +36,10 @@ from enum import Enum
 from typing import NamedTuple
 
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.execute import run_blocking
+from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
 from modelpar.schedules.schedule import Schedule
-from modelpar.schedules.validate import DeadlockError, blocking_run
+from modelpar.schedules.validate import DeadlockError, deadlock_chain
 
 __all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
 
@@ -55,6 +57,7 @@ class Comm(str, Enum):
 
 
 _SENDS = (Comm.SEND_F, Comm.SEND_B)
+_VALUE = {v.message: v for v in VALUES if v.message}  # "F" -> the activation, "B" -> the input gradient
 
 
 class Transfer(NamedTuple):
@@ -74,26 +77,26 @@ class Transfer(NamedTuple):
     @property
     def peer_stage(self) -> int:
         """The stage at the other end: s + 1 for SEND_F and RECV_B, s - 1 for RECV_F and SEND_B."""
-        return self.stage + (1 if self.kind in (Comm.SEND_F, Comm.RECV_B) else -1)
+        step = _VALUE[self.kind.value[-1]].consumer
+        return self.stage + (step if self.is_send else -step)
 
     @property
     def message(self) -> tuple[str, int, int]:
         """What travels, the same at both ends: (F or B, the producing stage, microbatch)."""
-        forward = self.kind in (Comm.SEND_F, Comm.RECV_F)
         producer = self.stage if self.is_send else self.peer_stage
-        return ("F" if forward else "B", producer, self.microbatch)
+        return (self.kind.value[-1], producer, self.microbatch)
 
 
 Op = Action | Transfer
-_OP_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_OP_NAMES = "|".join([c.value for c in Comm] + [k.value for k in KINDS])
+_OP_RE = re.compile(rf"^(\d+)({_OP_NAMES})(\d+)$")
 
 
 def parse_op(text: str) -> Op:
     """Parse ``0F3``, ``0SEND_F3``, ``1RECV_B2`` ... into an Action or a Transfer."""
     match = _OP_RE.match(text.strip())
     if match is None:
-        raise ValueError(f"operation must look like <stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B><microbatch>, "
-                         f"got {text!r}")
+        raise ValueError(f"operation must look like <stage><{_OP_NAMES}><microbatch>, got {text!r}")
     stage, kind, mb = int(match[1]), match[2], int(match[3])
     return Action(stage, Kind(kind), mb) if len(kind) == 1 else Transfer(stage, Comm(kind), mb)
 
@@ -115,11 +118,12 @@ def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
 def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
     """For each other device that needs ``a``'s output: (that device, our SEND, its RECV)."""
     dev, s, m = schedule.stage_to_device, a.stage, a.microbatch
-    if a.kind is Kind.F and s + 1 < len(dev) and dev[s + 1] != dev[s]:
-        return [(dev[s + 1], Transfer(s, Comm.SEND_F, m), Transfer(s + 1, Comm.RECV_F, m))]
-    if a.kind in (Kind.B, Kind.I) and s > 0 and dev[s - 1] != dev[s]:
-        return [(dev[s - 1], Transfer(s, Comm.SEND_B, m), Transfer(s - 1, Comm.RECV_B, m))]
-    return []
+    out = []
+    for v in SPECS[a.kind].produces:
+        t = s + v.consumer
+        if v.message and 0 <= t < len(dev) and dev[t] != dev[s]:
+            out.append((dev[t], Transfer(s, Comm("SEND_" + v.message), m), Transfer(t, Comm("RECV_" + v.message), m)))
+    return out
 
 
 def _programs(schedule: Schedule) -> list[list[Op]]:
@@ -127,7 +131,7 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
     the receivers at the same moment."""
     programs: list[list[Op]] = [[] for _ in range(schedule.num_devices)]
     dev = schedule.stage_to_device
-    for a in blocking_run(schedule)[0]:
+    for a in run_blocking(schedule).order:
         d = dev[a.stage]
         programs[d].append(a)
         for peer, send, recv in _consumers(schedule, a):
@@ -154,27 +158,18 @@ def _hoist_receives(program: list[Op]) -> tuple[Op, ...]:
     return tuple(program[i] for _, _, i in sorted(keys))
 
 
-def _recv_for(action: Action) -> Transfer:
-    """The RECV through which ``action`` gets its input from another device."""
-    return Transfer(action.stage, Comm.RECV_F if action.kind is Kind.F else Comm.RECV_B, action.microbatch)
-
-
-def _send_for(dep: Action) -> Transfer:
-    return Transfer(dep.stage, Comm.SEND_F if dep.kind is Kind.F else Comm.SEND_B, dep.microbatch)
+def _remote_input(action: Action, dep: Action) -> str:
+    """The letter of the message through which ``action`` gets ``dep``'s output from another stage."""
+    return next(v.message for v, p in inputs_of(action.kind, action.stage) if p == dep.stage and v.message)
 
 
 def _hang_message(schedule: Schedule) -> str:
     """Name the operations a deadlocking schedule would wait on forever, as a chain of devices."""
-    _, stuck = blocking_run(schedule)
-    chain, d, seen = [], min(stuck), set()
-    while d in stuck and d not in seen:
-        seen.add(d)
-        position, dep = stuck[d]
-        a = schedule.actions[d][position]
-        owner = schedule.device_of(dep.stage)
-        chain.append(f"device {d} waits at {_recv_for(a)} (the input of {a}), but device {owner} "
-                     f"never reaches {_send_for(dep)}")
-        d = owner
+    chain = []
+    for d, _, a, dep, owner in deadlock_chain(schedule):
+        x = _remote_input(a, dep)
+        chain.append(f"device {d} waits at {Transfer(a.stage, Comm('RECV_' + x), a.microbatch)} (the input of {a}), "
+                     f"but device {owner} never reaches {Transfer(dep.stage, Comm('SEND_' + x), dep.microbatch)}")
     label = f" {schedule.name!r}" if schedule.name else ""
     return (f"cannot lower schedule{label}: it would hang: " + "; ".join(chain)
             + " (a cycle: none of these operations can ever complete)")
@@ -198,8 +193,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int],
     per_pair = channel == "pair"
     dev = tuple(stage_to_device)
     last = len(dev) - 1
-    split = any(isinstance(op, Action) and op.kind in (Kind.I, Kind.W) for p in programs for op in p)
-    grad = Kind.I if split else Kind.B
+    made = producers(style_of({op.kind for p in programs for op in p if isinstance(op, Action)}) or STYLES[-1])
     n = len(programs)
     ptr = [0] * n
     done: set[object] = set()  # computed actions, and messages received (by their ``message``)
@@ -208,20 +202,12 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int],
     ready = list(range(n - 1, -1, -1))
 
     def needs(op: Op, d: int) -> list[Action | tuple[str, int, int]]:
+        """A send needs its producer; a compute action its inputs: local actions, or messages received."""
         s, m = op.stage, op.microbatch
         if isinstance(op, Transfer):
-            if not op.is_send:
-                return []
-            return [Action(s, Kind.F if op.kind is Comm.SEND_F else grad, m)]
-        if op.kind is Kind.F:
-            if s == 0:
-                return []
-            return [Action(s - 1, Kind.F, m) if dev[s - 1] == d else ("F", s - 1, m)]
-        if op.kind is Kind.W:
-            return [Action(s, Kind.I, m)]
-        if s == last:
-            return [Action(s, Kind.F, m)]
-        return [Action(s, Kind.F, m), Action(s + 1, grad, m) if dev[s + 1] == d else ("B", s + 1, m)]
+            return [Action(s, made[_VALUE[op.message[0]]], m)] if op.is_send else []
+        return [Action(p, made[v], m) if dev[p] == d else (v.message, p, m)
+                for v, p in inputs_of(op.kind, s) if 0 <= p <= last]
 
     def queue(d: int, peer: int) -> deque[tuple[Transfer, int]]:
         return queues.setdefault((d, peer) if per_pair else (d, -1), deque())
@@ -272,7 +258,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int],
         if ptr[d] < len(programs[d]):
             op = programs[d][ptr[d]]
             missing = next(x for x in needs(op, d) if x not in done)
-            what = str(missing) if isinstance(missing, Action) else _describe(missing)
+            what = str(missing) if isinstance(missing, Action) else describe_message(missing)
             return f"device {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
     for (d, _), q in sorted(queues.items()):
         if q:
@@ -280,9 +266,3 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int],
             return (f"device {d}'s {op} (position {i}) is never matched: device {dev[op.peer_stage]} posts "
                     f"nothing more to it")
     return None
-
-
-def _describe(message: tuple[str, int, int]) -> str:
-    kind, stage, microbatch = message
-    what = "activation" if kind == "F" else "gradient"
-    return f"the {what} of microbatch {microbatch} from stage {stage}"

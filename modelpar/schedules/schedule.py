@@ -13,6 +13,7 @@ from functools import cached_property
 
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import STYLES, inputs_of, producers, style_of
 
 
 def contiguous_map(num_devices: int) -> tuple[int, ...]:
@@ -25,6 +26,12 @@ def loop_map(num_devices: int, chunks: int) -> tuple[int, ...]:
     k = check_int("num_devices", num_devices, minimum=1)
     v = check_int("chunks", chunks, minimum=1)
     return tuple(s % k for s in range(k * v))
+
+
+def v_map(num_devices: int) -> tuple[int, ...]:
+    """The V placement of ZB-V and DualPipe-V: 2K stages, device d holds d and 2K − 1 − d."""
+    k = check_int("num_devices", num_devices, minimum=1)
+    return tuple(range(k)) + tuple(range(k - 1, -1, -1))
 
 
 @dataclass(frozen=True, eq=True)
@@ -66,16 +73,27 @@ class Schedule:
         return 1 + max((a.microbatch for acts in self.actions for a in acts), default=-1)
 
     @cached_property
+    def style(self) -> tuple[Kind, ...]:
+        """The kinds this schedule uses (``modelpar.schedules.kinds.STYLES``): (F,), (F, B) or (F, I, W).
+
+        A schedule that mixes kinds of no single style (B with I) gets the largest; validation
+        then names the action that does not belong.
+        """
+        return style_of({a.kind for acts in self.actions for a in acts}) or STYLES[-1]
+
+    @cached_property
     def forward_only(self) -> bool:
         """True when the schedule has no backward at all (evaluation): each (stage, microbatch) gets F."""
-        f = Kind.F
-        return all(a.kind is f for acts in self.actions for a in acts)
+        return self.style == STYLES[0]
 
     @cached_property
     def split_backward(self) -> bool:
         """True when the backward is split into I (input gradient) and W (weight gradient)."""
-        i, w = Kind.I, Kind.W  # identity tests: ``in (I, W)`` compares enums by value, 5x slower
-        return any(a.kind is i or a.kind is w for acts in self.actions for a in acts)
+        return Kind.W in self.style
+
+    @cached_property
+    def _producer(self) -> dict:
+        return producers(self.style)
 
     def device_of(self, stage: int) -> int:
         return self.stage_to_device[stage]
@@ -86,17 +104,12 @@ class Schedule:
 
     # --- dependencies ------------------------------------------------------------------------
     def dependencies(self, action: Action) -> list[Action]:
-        """Actions that must finish before ``action`` can start (same device or across)."""
-        s, m, last = action.stage, action.microbatch, self.num_stages - 1
-        if action.kind is Kind.F:
-            return [Action(s - 1, Kind.F, m)] if s > 0 else []
-        if action.kind is Kind.W:
-            return [Action(s, Kind.I, m)]
-        grad_kind = Kind.I if self.split_backward else Kind.B
-        deps = [Action(s, Kind.F, m)]
-        if s < last:
-            deps.append(Action(s + 1, grad_kind, m))
-        return deps
+        """Actions that must finish before ``action`` can start (same device or across).
+
+        The producers of what ``action`` consumes (``kinds.SPECS``), within the model's stages.
+        """
+        m, last, made = action.microbatch, self.num_stages - 1, self._producer
+        return [Action(s, made[v], m) for v, s in inputs_of(action.kind, action.stage) if 0 <= s <= last]
 
     def is_transfer(self, producer: Action, consumer: Action) -> bool:
         """True when ``consumer`` depends on ``producer`` across devices (a send/recv)."""

@@ -7,10 +7,11 @@ offending action: wrong device, mixed B with I/W, duplicate, missing, out of ord
 
 from __future__ import annotations
 
-from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.action import Action
+from modelpar.schedules.kinds import SPECS
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["DeadlockError", "diagnose", "validate_schedule"]
+__all__ = ["DeadlockError", "deadlock_chain", "diagnose", "validate_schedule"]
 
 
 class DeadlockError(ValueError):
@@ -56,15 +57,17 @@ def _placement(schedule: Schedule) -> str:
 
 
 def _kinds(schedule: Schedule) -> str:
-    if not schedule.split_backward:
-        return ""
-    example = next(a for acts in schedule.actions for a in acts if a.kind in (Kind.I, Kind.W))
+    """Every action of the schedule's style (``kinds.STYLES``): a split backward is split everywhere."""
+    style = schedule.style
+    others = style[1:]  # what the schedule uses beyond the forward
+    example = next((a for acts in schedule.actions for a in acts if a.kind in others), None)
     for d, acts in enumerate(schedule.actions):
         for p, a in enumerate(acts):
-            if a.kind is Kind.B:
+            if a.kind not in style:
+                names = " and ".join(k.value for k in others)
                 return (
-                    f"action {a} (device {d}, position {p}) is a full backward B, but the schedule "
-                    f"splits the backward into I and W (e.g. {example}); use I and W everywhere"
+                    f"action {a} (device {d}, position {p}) is {SPECS[a.kind].describe}, but the schedule "
+                    f"splits the backward into {names} (e.g. {example}); use {names} everywhere"
                 )
     return ""
 
@@ -85,8 +88,7 @@ def _duplicates(schedule: Schedule) -> str:
 
 def _missing(schedule: Schedule) -> str:
     present = set(_where(schedule))
-    kinds = ((Kind.F,) if schedule.forward_only else (Kind.F, Kind.I, Kind.W) if schedule.split_backward
-             else (Kind.F, Kind.B))
+    kinds = schedule.style
     names = ", ".join(k.value for k in kinds)
     for s in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):
@@ -115,47 +117,29 @@ def _local_order(schedule: Schedule) -> str:
     return ""
 
 
-def blocking_run(schedule: Schedule) -> tuple[list[Action], dict[int, tuple[int, Action]]]:
-    """Run the devices as blocking processes (linear: a blocked device parks on what it needs).
+def deadlock_chain(schedule: Schedule) -> list[tuple[int, int, Action, Action, int]]:
+    """The devices of a deadlocking schedule that wait on each other, from the lowest stuck one.
 
-    Returns the actions in the order they ran (one valid interleaving), and for each device that
-    could not finish, (the position it stopped at, the dependency it waits for).
+    Each link: (device, the position it stopped at, the action there, the dependency it waits
+    for, the device that owes it); the chain follows owners until it closes. Empty if none is stuck.
     """
-    done: set[Action] = set()
-    order: list[Action] = []
-    ptr = [0] * schedule.num_devices
-    parked: dict[Action, list[int]] = {}
-    blocked_on: dict[int, Action] = {}
-    ready = list(range(schedule.num_devices - 1, -1, -1))
-    while ready:
-        d = ready.pop()
-        acts = schedule.actions[d]
-        while ptr[d] < len(acts):
-            a = acts[ptr[d]]
-            need = next((dep for dep in schedule.dependencies(a) if dep not in done), None)
-            if need is not None:
-                parked.setdefault(need, []).append(d)
-                blocked_on[d] = need
-                break
-            blocked_on.pop(d, None)
-            done.add(a)
-            order.append(a)
-            ready.extend(parked.pop(a, ()))
-            ptr[d] += 1
-    stuck = {d: (ptr[d], blocked_on[d]) for d in range(schedule.num_devices) if ptr[d] < len(schedule.actions[d])}
-    return order, stuck
+    from modelpar.schedules.execute import run_blocking
 
-
-def _deadlock(schedule: Schedule) -> str:
-    _, stuck = blocking_run(schedule)
-    if not stuck:
-        return ""
-    chain, d, seen = [], min(stuck), set()
-    while d not in seen:
+    stuck = run_blocking(schedule).stuck
+    chain: list[tuple[int, int, Action, Action, int]] = []
+    d, seen = min(stuck, default=-1), set()
+    while d in stuck and d not in seen:
         seen.add(d)
         position, need = stuck[d]
         owner = schedule.device_of(need.stage)
-        chain.append(f"device {d} waits at {schedule.actions[d][position]} (position {position}) for {need} "
-                     f"on device {owner}")
+        chain.append((d, position, schedule.actions[d][position], need, owner))
         d = owner
-    return "deadlock: " + "; ".join(chain) + " (a cycle: no device can move)"
+    return chain
+
+
+def _deadlock(schedule: Schedule) -> str:
+    chain = deadlock_chain(schedule)
+    if not chain:
+        return ""
+    return "deadlock: " + "; ".join(f"device {d} waits at {a} (position {p}) for {need} on device {owner}"
+                                    for d, p, a, need, owner in chain) + " (a cycle: no device can move)"

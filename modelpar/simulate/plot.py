@@ -137,3 +137,41 @@ def _kind_name(kind: Kind) -> str:
         Kind.I: "I input-grad backward",
         Kind.W: "W weight-grad backward",
     }[kind]
+
+
+def plot_pareto(named: Sequence[Timeline], synthesised: Sequence[Timeline], front: Sequence[Timeline],
+                path: str | Path, title: str = "") -> Path:
+    """Step time against peak held activations: one labelled point per named schedule, the
+    synthesised ones as squares, the frontier of all as a step line; save to ``path`` (.png or .svg)."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise ValueError(f"plot path must end in .png or .svg, got {str(path)!r}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for t in named:
+        x, y = max(t.peak_activations), t.step_time
+        ax.scatter([x], [y], color="#1f77b4", zorder=3)
+        ax.annotate(label(t.name, t.chunks), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    if front:
+        pts = sorted((max(t.peak_activations), t.step_time) for t in front)
+        ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="#888888", zorder=2,
+                label="frontier: the fastest within each memory")
+    if synthesised:
+        pts = sorted((max(t.peak_activations), t.step_time) for t in synthesised)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="#d62728", marker="s", s=22, zorder=4,
+                   label="auto (synthesised for these costs)")
+    ax.legend(loc="upper right", frameon=False)
+    unit = (named or synthesised)[0].unit_name
+    ax.set_xlabel("peak held activations per device (microbatches of one stage)")
+    ax.set_ylabel(f"step time ({unit})")
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modelpar.schedules.generators import get_schedule
+from modelpar.schedules.generators import CHUNKED, check_chunks, get_schedule
 from modelpar.simulate.costs import Costs
 from modelpar.simulate.simulator import simulate
 from modelpar.simulate.timeline import FORWARD, Timeline
 
-__all__ = ["headline", "label", "metrics_table", "sweep", "sweep_table"]
+__all__ = ["headline", "label", "metrics_table", "pareto_table", "sweep", "sweep_table"]
 
 
 def label(name: str, chunks: int = 1) -> str:
-    """``interleaved (v=2)`` for interleaved schedules, the plain name otherwise."""
-    return f"{name} (v={chunks})" if name == "interleaved" else name
+    """``interleaved (v=2)`` for schedules with a choice of chunks, the plain name otherwise."""
+    return f"{name} (v={chunks})" if name in CHUNKED else name
 
 
 def headline(timeline: Timeline) -> str:
@@ -47,10 +47,19 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
     return _format(rows)
 
 
+def pareto_table(timelines: Sequence[Timeline], front: Sequence[Timeline]) -> str:
+    """One row per timeline, by peak: name, peak held (max over devices), step, bubble; * on the frontier."""
+    rows = [("", "schedule", "peak held", "step", "bubble")]
+    for t in sorted(timelines, key=lambda t: (max(t.peak_activations), t.step_time)):
+        rows.append(("*" if any(t is f for f in front) else "", label(t.name or "schedule", t.chunks),
+                     f"{max(t.peak_activations):g}", f"{t.step_time:.4g}", f"{t.bubble:.1%}"))
+    return _format(rows)
+
+
 def _specs(schedules: Sequence[str | tuple[str, int]], chunks: int) -> list[tuple[str, int]]:
-    """Names to (name, v): a bare "interleaved" gets ``chunks``, the others v = 1."""
+    """Names to (name, v): a bare "interleaved" or "looped-bfs" gets ``chunks``, the others their own."""
     return [
-        s if isinstance(s, tuple) else (s, chunks if s == "interleaved" else 1) for s in schedules
+        s if isinstance(s, tuple) else (s, check_chunks(s, chunks if s in CHUNKED else None)) for s in schedules
     ]
 
 
@@ -61,11 +70,12 @@ def sweep(
     costs: Costs,
     chunks: int = 2,
 ) -> dict[tuple[str, int, int], float | None]:
-    """Bubble (idle / total) at each (name, v, M); None where M is not a multiple of K (interleaved)."""
+    """Bubble (idle / total) at each (name, v, M); None where the schedule does not take that M
+    (interleaved: a multiple of K; dualpipe-v: at least 2K)."""
     out: dict[tuple[str, int, int], float | None] = {}
     for name, v in _specs(schedules, chunks):
         for m in microbatches:
-            if name == "interleaved" and v > 1 and m % stages:
+            if (name == "interleaved" and v > 1 and m % stages) or (name == "dualpipe-v" and m < 2 * stages):
                 out[name, v, m] = None
             else:
                 out[name, v, m] = simulate(get_schedule(name, stages=stages, microbatches=m, chunks=v), costs).bubble

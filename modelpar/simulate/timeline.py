@@ -24,7 +24,8 @@ from functools import cached_property
 from typing import NamedTuple
 
 from modelpar._validate import check_choice, check_int
-from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.action import Action
+from modelpar.schedules.memory import peak_held
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["FORWARD", "SECONDS_PER_UNIT", "TIME_UNITS", "CommSpan", "Event", "Timeline"]
@@ -220,28 +221,12 @@ class Timeline:
     @cached_property
     def peak_activations(self) -> list[float]:
         """Per device: the most microbatch × whole-stage activations held (F until B or I)."""
-        return self._peaks(release=(Kind.B, Kind.I))
+        return peak_held(self.actions, self.chunks)
 
     @cached_property
     def peak_until_w(self) -> list[float]:
         """As ``peak_activations`` but a split backward frees the activations only after W."""
-        return self._peaks(release=(Kind.B, Kind.W))
-
-    def _peaks(self, release: tuple[Kind, Kind]) -> list[float]:
-        w = 1 / self.chunks
-        f, r0, r1 = Kind.F, *release
-        peaks = []
-        for acts in self.actions:
-            held = peak = 0
-            for _, k, _ in acts:  # Action is a (stage, kind, microbatch) named tuple
-                if k is f:
-                    held += 1
-                    if held > peak:
-                        peak = held
-                elif k is r0 or k is r1:
-                    held -= 1
-            peaks.append(peak * w)
-        return peaks
+        return peak_held(self.actions, self.chunks, until_w=True)
 
     @cached_property
     def transfers(self) -> int:

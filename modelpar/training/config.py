@@ -25,12 +25,13 @@ from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
+from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_CHOICES = tuple(n for n in SCHEDULES if n != "naive")  # naive (M = 1, 1/K use) is for the simulator
 ZERO_CHOICES = (0, 1, 2, 3)  # ZeRO stages (docs/numerics.md)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 _RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
@@ -56,9 +57,12 @@ class TrainConfig:
     tp: int = option(2, section="parallelism", help="t: tensor-parallel ranks (consecutive ranks, inside a machine)")
     pp: int = option(2, section="parallelism", help="p: pipeline stages (devices along the pipeline)")
     dp: int = option(1, section="parallelism", help="d: data-parallel replicas")
-    schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved or zb-h1")
-    chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank; >= 2 with the interleaved "
-                                                      "schedule (on the command line its default is 2), else 1")
+    schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, "
+                                                            "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min or "
+                                                            "dualpipe-v (docs/schedules.md)")
+    chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank: >= 2 with interleaved and "
+                                                      "looped-bfs, 2 with the V shapes zb-v, v-half, v-min and "
+                                                      "dualpipe-v (on the command line these default to 2), else 1")
     stage_layers: tuple[int, ...] | None = option(
         None, section="schedule", parse=parse_split, metavar="N,N,...",
         help="layers of each of the p·v (virtual) stages in pipeline order, e.g. 5,6,6,5; none: L/(p·v) each, the "
@@ -178,11 +182,13 @@ class TrainConfig:
             raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
                              f"{self.dp}; use zero 0 on one replica")
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
-        if self.schedule == "interleaved":
+        if self.schedule in CHUNKED:
             check_int("chunks", self.chunks, minimum=2)
+        elif self.schedule in V_SHAPED:
+            check_chunks(self.schedule, self.chunks)
         elif self.chunks != 1:
-            raise ValueError(f"chunks must be 1 unless the schedule is interleaved, got {self.chunks!r} with "
-                             f"schedule {self.schedule!r}")
+            raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "
+                             f"{self.chunks!r} with schedule {self.schedule!r}")
         v = self.chunks
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
@@ -208,6 +214,8 @@ class TrainConfig:
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule == "interleaved":
             check_divisible("microbatches", self.microbatches, "pp", self.pp)
+        if self.schedule == "dualpipe-v":
+            check_int("microbatches", self.microbatches, minimum=2 * self.pp)
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.action import Action
+from modelpar.schedules.kinds import SPECS
 from modelpar.schedules.schedule import Schedule
 from modelpar.tensor_parallel import param_layout, sync_tensor_parallel_grads
 from modelpar.training.buckets import Bucket, build_buckets
@@ -42,7 +43,7 @@ __all__ = ["GradSync", "finish_order"]
 
 def finish_order(schedule: Schedule, device: int) -> list[int]:
     """The stages of pipeline ``device`` in the order their last backward (B, or W when split) runs."""
-    last = {a.stage: i for i, a in enumerate(schedule.actions[device]) if a.kind in (Kind.B, Kind.W)}
+    last = {a.stage: i for i, a in enumerate(schedule.actions[device]) if SPECS[a.kind].weight_grads}
     return sorted(schedule.stages_on(device), key=lambda s: last.get(s, -1))
 
 

@@ -1,0 +1,152 @@
+"""A list scheduler for split-backward schedules: each device, whenever it is free, runs what is ready.
+
+The zero-bubble papers' heuristic (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.2;
+"Pipeline Parallelism with Controllable Memory", §4) in its plainest form. Time runs on the
+given costs; a device that comes free picks, among the actions whose inputs have arrived:
+
+1. an input-gradient backward I (on the critical path), the oldest microbatch first;
+2. a forward F, the oldest microbatch first — but a microbatch enters the device's lowest stage
+   (its first visit there) only while the device holds at most ``limit`` − 1 microbatches'
+   activations (a chunk counting 1/v, from F until I): room for all of the new one's chunks;
+3. a deferred weight-gradient backward W (oldest first), to fill what would be a bubble.
+
+Forwards and backwards of a stage go in microbatch order. Later chunks of microbatches already
+in never wait, so the peak can pass ``limit`` by a few chunks: callers that promise a memory
+bound measure the result (``search``). Only first visits wait, so nothing deadlocks: the
+microbatches a full device holds have passed its first stage and never wait for memory again
+before their backward (by induction from the last device of the first chunk). Any placement
+whose first chunk is stages 0..K−1 on devices 0..K−1 works: contiguous, loop or V.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from modelpar._validate import check_int
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["greedy"]
+
+_F, _I, _W = Kind.F, Kind.I, Kind.W
+
+
+def greedy(stage_to_device: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
+           durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
+           name: str = "greedy") -> Schedule:
+    """The schedule the list scheduler above builds for ``stage_to_device`` and M microbatches.
+
+    ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
+    the costs it plans with, as in ``execute``.
+    """
+    dev = tuple(stage_to_device)
+    S, M = len(dev), check_int("microbatches", microbatches, minimum=1)
+    D = 1 + max(dev)
+    caps = [float(x) for x in limit] if isinstance(limit, Sequence) else [float(limit)] * D
+    if len(caps) != D or not all(x > 0 for x in caps):
+        raise ValueError(f"limit must be > 0, one number or one per device ({D}), got {limit!r}")
+    ones = [1.0] * S
+    took = {k: list((durations or {}).get(k, ones)) for k in (_F, _I, _W)}
+    xin = list(transfer_in) if transfer_in is not None else [0.0] * S
+    last = S - 1
+    mine = [sorted((s for s in range(S) if dev[s] == d), reverse=True) for d in range(D)]  # highest first
+    end_f: list[list[float | None]] = [[None] * M for _ in range(S)]
+    end_i: list[list[float | None]] = [[None] * M for _ in range(S)]
+    next_f, next_i = [0] * S, [0] * S
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(D)]
+    lists: list[list[Action]] = [[] for _ in range(D)]
+    left = [3 * M * len(mine[d]) for d in range(D)]
+    clock = [0.0] * D
+    asleep: dict[int, float] = {}  # device -> the time it found nothing to do
+    heap = [(0.0, d) for d in range(D) if left[d]]
+    held = [0.0] * D  # activations held (F until I), a chunk counting 1/v
+    w = D / S
+    while heap:
+        t, d = heapq.heappop(heap)
+        if t != clock[d] or not left[d]:
+            continue  # a stale entry
+        asleep.pop(d, None)
+        room = held[d] == 0 or held[d] + 1 <= caps[d] + 1e-9
+        choice, later = _pick(t, mine[d], M, last, room, end_f, end_i, next_f, next_i, pending_w[d], xin)
+        if choice is None:
+            asleep[d] = t
+            clock[d] = later
+            if later < float("inf"):
+                heapq.heappush(heap, (later, d))
+            continue
+        kind, s, m, start = choice
+        stop = start + took[kind][s]
+        lists[d].append(Action(s, kind, m))
+        left[d] -= 1
+        if kind is _F:
+            end_f[s][m] = stop
+            next_f[s] += 1
+            held[d] += w
+        elif kind is _I:
+            end_i[s][m] = stop
+            next_i[s] += 1
+            held[d] -= w
+            pending_w[d].append((s, m))
+        else:
+            pending_w[d].popleft()
+        clock[d] = stop
+        if left[d]:
+            heapq.heappush(heap, (stop, d))
+        for e, since in asleep.items():  # what just ended may have made a sleeper's input ready
+            wake = max(since, stop)
+            if wake < clock[e]:
+                clock[e] = wake
+                heapq.heappush(heap, (wake, e))
+    if any(left):
+        stuck = next(d for d in range(D) if left[d])
+        raise ValueError(f"stage_to_device {dev} leaves device {stuck} unable to finish: its first chunk "
+                         f"must be stages 0..{D - 1} on devices 0..{D - 1}")
+    return Schedule(dev, tuple(map(tuple, lists)), name)
+
+
+def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
+    """(kind, stage, microbatch, start) of what a device runs at ``t``; else (None, when to look again).
+
+    ``stages``: the device's, highest first; ``room``: whether its lowest may take a new microbatch.
+    Among ready I's (then F's) the oldest microbatch goes first, the higher stage on a tie."""
+    later = float("inf")
+    best = None
+    for s in stages:  # I first
+        m = next_i[s]
+        if m < M and end_f[s][m] is not None:
+            ready = end_f[s][m]
+            if s < last:
+                g = end_i[s + 1][m]
+                if g is None:
+                    continue
+                ready = max(ready, g + xin[s + 1])
+            if ready <= t:
+                if best is None or m < best[2]:
+                    best = (_I, s, m, t)
+            else:
+                later = min(later, ready)
+    if best is not None:
+        return best, later
+    for s in stages:  # then F
+        m = next_f[s]
+        if m >= M or (s == stages[-1] and not room):
+            continue
+        ready = 0.0
+        if s > 0:
+            a = end_f[s - 1][m]
+            if a is None:
+                continue
+            ready = a + xin[s]
+        if ready <= t:
+            if best is None or m < best[2]:
+                best = (_F, s, m, t)
+        else:
+            later = min(later, ready)
+    if best is not None:
+        return best, later
+    if pending:
+        s, m = pending[0]
+        return (_W, s, m, t), later
+    return None, later

@@ -1,0 +1,84 @@
+"""torch.distributed.pipelining's schedule CSV: write a schedule for torch, read one from it (pure Python).
+
+torch's ``_PipelineScheduleRuntime._load_csv`` (and torchtitan's ``pipeline_parallel_schedule_csv``)
+read one row per rank, one cell per action in ``_Action``'s text: ``0F3`` (stage 0, forward,
+microbatch 3), ``1I2`` / ``1W2`` (split backward), ``2B0`` (full backward); with
+``format="compute_comms"`` also the sends and receives (``0SEND_F3``, ``1RECV_F3``, ...), which
+our lowered programs already are. Our text form is torch's, so a cell is ``str(op)``.
+
+Reading also takes what torch's own schedules write: empty cells (idle steps), overlapped pairs
+``(0F3;7B1)OVERLAP_F_B`` (run one after the other), and the data-parallel / FSDP actions
+``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` (no part of the pipeline order: dropped). Sends and
+receives are dropped too — ``lower`` derives them. A full backward B in a schedule that also
+splits backwards (DualPipe-V) becomes I then W, the one style our schedules use.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+
+from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import SPECS
+from modelpar.schedules.lower import lower
+from modelpar.schedules.schedule import Schedule
+
+__all__ = ["FORMATS", "from_csv", "to_csv"]
+
+FORMATS = ("compute_only", "compute_comms")
+_CELL = re.compile(r"^(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)$")
+_DROPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+def to_csv(schedule: Schedule, comm: bool = False) -> str:
+    """One row per device: its actions (``compute_only``) or its lowered program (``compute_comms``).
+
+    ``compute_comms`` is what torch's own lowering writes: the program, and ``<stage>REDUCE_GRAD``
+    after each stage's last weight-gradient action (B or W) and its sends — where torch scales the gradients
+    by 1/M and would reduce them over data parallelism; without it torch leaves them M times larger.
+    """
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for ops in lower(schedule) if comm else schedule.validate().actions:
+        cells = [str(op) for op in ops]
+        if comm:
+            last = {op.stage: i for i, op in enumerate(ops) if isinstance(op, Action) and SPECS[op.kind].weight_grads}
+            for stage, i in sorted(last.items(), key=lambda x: -x[1]):
+                while i + 1 < len(ops) and "SEND" in cells[i + 1]:  # after the action's own sends, as torch
+                    i += 1
+                cells.insert(i + 1, f"{stage}REDUCE_GRAD")
+        writer.writerow(cells)
+    return out.getvalue()
+
+
+def from_csv(text: str, name: str = "") -> Schedule:
+    """The schedule a torch schedule CSV describes (row r = device r); ValueError naming the first bad cell."""
+    per_device: list[list[Action]] = []
+    for r, row in enumerate(csv.reader(io.StringIO(text))):
+        acts: list[Action] = []
+        for c, cell in enumerate(row):
+            acts.extend(_cell(cell.strip(), r, c))
+        per_device.append(acts)
+    while per_device and not per_device[-1]:
+        per_device.pop()
+    if any(a.kind in (Kind.I, Kind.W) for acts in per_device for a in acts):
+        per_device = [[x for a in acts for x in ((Action(a.stage, Kind.I, a.microbatch),
+                                                   Action(a.stage, Kind.W, a.microbatch))
+                                                  if a.kind is Kind.B else (a,))] for acts in per_device]
+    return Schedule.from_actions(per_device, name=name)
+
+
+def _cell(cell: str, row: int, column: int) -> list[Action]:
+    if not cell:
+        return []
+    if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
+        return [a for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for a in _cell(sub.strip(), row, column)]
+    match = _CELL.match(cell)
+    if match is None or (match[2] in "FIBW" and not match[3]):
+        raise ValueError(f"CSV row {row} (device {row}), column {column}: {cell!r} is not an action of torch's "
+                         f"schedule CSV (<stage><F|I|B|W><microbatch>, a SEND/RECV, UNSHARD, RESHARD, "
+                         f"REDUCE_GRAD or (a;b)OVERLAP_F_B)")
+    if match[2] in _DROPPED:
+        return []
+    return [Action(int(match[1]), Kind(match[2]), int(match[3]))]

@@ -1,0 +1,133 @@
+"""``--schedule auto``: the fastest schedule whose held activations fit a per-device limit (pure Python).
+
+Given each stage's forward, input-backward and weight-backward times (T_F, T_I, T_W: measured or
+from the cost model), the transfer time and a limit on held activations per device (in
+microbatches' worth of one whole stage), ``synthesize`` simulates candidates and keeps the one
+with the smallest step time whose peak fits. The candidates: every named schedule of the family
+(so the result is never worse than the best of them under the same limit), and — planned with
+the given costs, as the zero-bubble paper's automatic scheduler is (Qi et al. 2024a §3.2) — the
+list scheduler (``schedules.greedy``) on the contiguous, V and loop (v = 2) placements at
+admission limits 1, 1.5, …, 2K, and the repeated compact block (``schedules.periodic``) on each
+placement. ``pareto`` keeps, of all of them, those no other beats on both step and peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from modelpar._validate import check_int, check_number
+from modelpar.schedules.action import Kind
+from modelpar.schedules.execute import execute
+from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
+from modelpar.schedules.greedy import greedy
+from modelpar.schedules.memory import peak_held
+from modelpar.schedules.periodic import periodic
+from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
+from modelpar.simulate.timeline import Timeline
+
+__all__ = ["StageCosts", "candidates", "pareto", "synthesize"]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """T_F, T_I, T_W of each of the K whole stages (model order), and one transfer's time.
+
+    A schedule with v chunks per device cuts each whole stage into v virtual stages: virtual
+    stage s takes 1/v of whole stage ⌊s / v⌋'s times.
+    """
+
+    forward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    transfer: float = 0.0
+
+    def __post_init__(self) -> None:
+        lists = {"forward": self.forward, "input_grad": self.input_grad, "weight_grad": self.weight_grad}
+        for name, xs in lists.items():
+            object.__setattr__(self, name, tuple(check_number(f"{name}[{i}]", x) for i, x in enumerate(xs)))
+        if not len(self.forward) == len(self.input_grad) == len(self.weight_grad) >= 1:
+            raise ValueError(f"forward, input_grad and weight_grad need one time per stage each, got "
+                             f"{len(self.forward)}, {len(self.input_grad)} and {len(self.weight_grad)}")
+        check_number("transfer", self.transfer)
+
+    @classmethod
+    def uniform(cls, stages: int, forward: float = 1.0, input_grad: float = 1.0, weight_grad: float = 1.0,
+                transfer: float = 0.0) -> StageCosts:
+        k = check_int("stages", stages, minimum=1)
+        return cls((forward,) * k, (input_grad,) * k, (weight_grad,) * k, transfer)
+
+    @property
+    def stages(self) -> int:
+        return len(self.forward)
+
+    def durations(self, schedule: Schedule) -> dict[Kind, list[float]]:
+        """Time of each kind on each virtual stage of ``schedule`` (B = I + W)."""
+        n, k = schedule.num_stages, self.stages
+        if n % k:
+            raise ValueError(f"a schedule of {n} stages cannot cut {k} stages' costs evenly")
+        v = n // k
+        per = {Kind.F: self.forward, Kind.I: self.input_grad, Kind.W: self.weight_grad,
+               Kind.B: tuple(i + w for i, w in zip(self.input_grad, self.weight_grad))}
+        return {kind: [xs[s // v] / v for s in range(n)] for kind, xs in per.items()}
+
+    def transfer_in(self, schedule: Schedule) -> list[float]:
+        dev = schedule.stage_to_device
+        return [0.0] + [self.transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]
+
+    def timeline(self, schedule: Schedule) -> Timeline:
+        """Simulate ``schedule`` under these costs."""
+        starts, ends = execute(schedule, self.durations(schedule), self.transfer_in(schedule))
+        return Timeline(schedule.actions, starts, ends, schedule)
+
+
+def candidates(stages: int, microbatches: int, costs: StageCosts) -> Iterator[Schedule]:
+    """The named family at (K, M) where it applies, then the list scheduler and repeated blocks."""
+    k, m = check_int("stages", stages, minimum=1), check_int("microbatches", microbatches, minimum=1)
+    for name in SCHEDULES:
+        if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
+            continue
+        yield get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+    for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
+        probe = Schedule(placement, tuple(() for _ in range(k)))
+        durations, transfer_in = costs.durations(probe), costs.transfer_in(probe)
+        yield periodic(placement, m, name="auto")
+        for x in range(2, 4 * k + 1):
+            yield greedy(placement, m, x / 2, durations=durations, transfer_in=transfer_in, name="auto")
+
+
+def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float | None = None,
+               ) -> tuple[Schedule, Timeline]:
+    """The fastest candidate whose peak held activations per device are ≤ ``limit`` (None: any).
+
+    ValueError naming the smallest limit that works when none fits. The result is named "auto"
+    when a synthesised candidate wins, else keeps the winning schedule's name.
+    """
+    if costs.stages != stages:
+        raise ValueError(f"costs must give {stages} stages' times (one per stage), got {costs.stages}")
+    if limit is not None:
+        check_number("limit", limit, strict=True)
+    best: tuple[float, Schedule, Timeline] | None = None
+    smallest = float("inf")
+    for s in candidates(stages, microbatches, costs):
+        peak = max(peak_held(s.actions, s.chunks))
+        smallest = min(smallest, peak)
+        if limit is not None and peak > limit + 1e-9:
+            continue
+        tl = costs.timeline(s)
+        if best is None or tl.step_time < best[0] - 1e-12:
+            best = (tl.step_time, s, tl)
+    if best is None:
+        raise ValueError(f"memory limit must be >= {smallest:g} microbatches' activations per device (the least "
+                         f"any schedule for K = {stages}, M = {microbatches} holds), got {limit:g}")
+    return best[1], best[2]
+
+
+def pareto(timelines: Sequence[Timeline]) -> list[Timeline]:
+    """The timelines no other beats on both step time and peak held activations, by increasing peak."""
+    points = sorted(timelines, key=lambda t: (max(t.peak_activations), t.step_time))
+    front: list[Timeline] = []
+    for t in points:
+        if not front or t.step_time < front[-1].step_time - 1e-12:
+            front.append(t)
+    return front
