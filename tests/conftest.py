@@ -16,7 +16,8 @@ from modelpar.pipeline.runner import CHECK_MESSAGES_ENV
 
 os.environ.setdefault(CHECK_MESSAGES_ENV, "1")
 
-# No per-example time limit anywhere: an example's time says how busy the machine is, not whether the code is right.
+# No per-example deadline: on a crowded machine hypothesis's 200 ms fails a correct test (seen: 589 ms for
+# an example of test_microbatch_sizes_match_tensor_split); pytest-timeout bounds each test instead.
 settings.register_profile("modelpar", deadline=None)
 settings.load_profile("modelpar")
 
