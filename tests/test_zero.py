@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from test_train import BASE, BF16_TOL, LLAMA, TINY, TOL, V2, _case_id, _train, _try_train, ref
+from test_train import BASE, BF16_EPS, LLAMA, TINY, TOL, V2, _case_id, _gap, _train, _try_train, ref
 
 from modelpar.checkpoint import latest_checkpoint, read_full_tensors
 from modelpar.cli import build_parser
@@ -166,13 +166,17 @@ def _train_bf16(cfg):
     return r.losses, r.all_gather_bytes, r.reduce_scatter_bytes
 
 
+@pytest.mark.numerics
 def test_zero3_bf16_gathers_bf16_and_tracks_fp32(c2, tmp_path):
     cfg = dataclasses.replace(BASE, dp=2, zero=3, precision="fp32", steps=20, warmup=5, lr=3e-3, clip=1.0,
                               bucket_mb=ZBUCKET)
     fp32, gathered32, scattered32 = c2.run(_train_bf16, cfg)[0]
+    nudged = c2.run(_train_bf16, dataclasses.replace(cfg, lr=cfg.lr * (1 + BF16_EPS)))[0][0]
     bf16, gathered16, scattered16 = c2.run(_train_bf16, dataclasses.replace(cfg, precision="bf16",
                                                                             checkpoint_dir=str(tmp_path)))[0]
-    assert max(abs(a - b) for a, b in zip(fp32, bf16)) < BF16_TOL and bf16 != fp32  # measured: 0.0013 nats
+    # the bound is the run's own sensitivity (test_train's bf16 test says why): fp32 against fp32 with every
+    # update off by bf16's relative spacing; measured bf16 gap 0.0013 nats on AVX2
+    assert 0 < _gap(fp32, bf16) < _gap(fp32, nudged)
     assert gathered16 == gathered32 / 2 and scattered16 == scattered32  # bf16 parameters, fp32 gradients
     saved = read_full_tensors(latest_checkpoint(tmp_path), prefix="")
     assert {t.dtype for name, t in saved.items() if name != "rng"} == {torch.float32}  # the master ranges
