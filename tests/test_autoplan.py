@@ -28,7 +28,7 @@ def test_every_planned_layout_is_one_the_trainer_accepts_and_they_are_ranked():
     assert cfg.dims.world_size == 4 and cfg.check(4) is cfg
     assert pred.step_time_s == predict_local(local_run(cfg), CPU_DEFAULT).step_time_s
     assert "predicted step" in line and f"t={cfg.tp} p={cfg.pp} d={cfg.dp}" in line
-    plan = plan_local(local_run(CFG), 4, CPU_DEFAULT, 1e12)
+    plan = plan_local(local_run(CFG), 4, CPU_DEFAULT, 1e12, CAPABILITIES)
     times = [p.step_time_s for _, p in plan.ranked]
     every = list(layouts(TINY.spec(), 4, 8, CAPABILITIES, local_run(CFG)))
     assert times == sorted(times) and plan.tried == len(plan.ranked) == len(every)

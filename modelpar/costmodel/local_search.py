@@ -17,6 +17,7 @@ from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ModelSpec
+from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
 
 __all__ = ["Capabilities", "LocalPlan", "plan_local"]
 
@@ -52,11 +53,11 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
             for schedule in caps.schedules:
                 if p == 1 and schedule != "1f1b":
                     continue  # one stage: every schedule is the same loop
-                for v in (caps.chunks if schedule == "interleaved" else (1,)):
+                for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
                     if model.layers % (p * v):
                         continue
                     for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
-                        if schedule == "interleaved" and m % p:
+                        if not _builds(schedule, p, m, v):
                             continue
                         for rc in caps.recompute:
                             for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
@@ -64,6 +65,15 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
                                     yield replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
                                                   microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
                                                   zero=zero)
+
+
+def _builds(schedule: str, p: int, m: int, v: int) -> bool:
+    """Whether the generator makes ``schedule`` for (p, m, v) (interleaved needs p | m, DualPipe-V m >= 2p, ...)."""
+    try:
+        get_schedule(schedule, stages=p, microbatches=m, chunks=v)
+    except ValueError:
+        return False
+    return True
 
 
 def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: float, caps: Capabilities = Capabilities(),

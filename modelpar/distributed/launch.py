@@ -130,13 +130,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         device = rank_device(backend, rank)  # one machine: the local rank is the rank
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), device_id=device)
+    except KeyboardInterrupt:  # a Ctrl-C while joining: the launcher got it too and says what it means
+        return
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
         return
     try:
         while (task := _next_task(tasks)) is not None:
-            fn, args, kwargs = pickle.loads(task)
-            try:
+            try:  # unpickling imports the task's modules: a Ctrl-C may land there too, reported like one in fn
+                fn, args, kwargs = pickle.loads(task)
                 results.put((rank, "ok", fn(*args, **kwargs)))
             except BaseException as exc:
                 results.put((rank, "error", _describe(exc)))

@@ -257,7 +257,7 @@ def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
     p = 1: m = 1. There is no pipeline to fill, and more micro-batches only add per-micro-batch
     overhead (15% at (1, 1, 1) on the 25.5 M GPT, issue 21 §6); gradient accumulation to save
     activation memory is then a choice, ``--microbatches``. p > 1: the smallest m >= p (every
-    stage busy at once) whose bubble, (p − 1)/(v·m) of the ideal compute (Megatron's, zb-h1 taken
+    stage busy at once; 2p for DualPipe-V) whose bubble, (p − 1)/(v·m) of the ideal compute (Megatron's, zb-h1 taken
     as 1F1B), is at most ``BUBBLE_TARGET``: m = 4(p − 1) without interleaving (4 at p = 2, the
     bubble 20% of the step), a multiple of p with it. m must divide the per-replica batch: the
     smallest divisor from there up, else the largest below (capped by the batch).
@@ -268,7 +268,8 @@ def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
     if p == 1:
         return 1, "p = 1: no pipeline to fill"
     step = p if cfg.schedule == "interleaved" else 1  # interleaving needs m divisible by p
-    want = next(m for m in itertools.count(p) if bubble_over_ideal_compute(p, m, v) <= BUBBLE_TARGET)
+    least = 2 * p if cfg.schedule == "dualpipe-v" else p  # DualPipe-V pairs microbatches from both ends: m >= 2p
+    want = next(m for m in itertools.count(least) if bubble_over_ideal_compute(p, m, v) <= BUBBLE_TARGET)
     rows = batch // dp
     fits = [m for m in range(step, rows + 1, step) if rows % m == 0]
     larger = [m for m in fits if m >= want]
