@@ -110,7 +110,7 @@ def test_a_fresh_run_into_an_earlier_runs_directory_is_refused_unless_overwrite(
     assert names(ckpt) == ["step_00000003"] and read_meta(ckpt / "step_00000003")["config"]["seed"] == 1
 
     code, err, summary = train(capsys, tmp_path, cache, "--checkpoint-dir", str(ckpt), "--resume", out="third")
-    assert code == 0 and summary["start_step"] == 3 and summary["config"]["optimisation"]["seed"] == 1, err  # the new run continues
+    assert code == 0 and summary["start_step"] == 3 and summary["config"]["optimisation"]["seed"] == 1, err  # continued
 
 
 def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays(capsys, tmp_path, cache):
