@@ -9,20 +9,16 @@ half a ping-pong). Every rank takes part in every measurement (group creation is
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
+from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.calibrate.compute import timed
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
 __all__ = ["fit_line", "measure_collectives"]
 
 _SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the whole tensor (fp32)
-# the single-tensor collectives under their current names where torch has them (as modelpar.training.dp_comm)
-_reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -49,9 +45,9 @@ def _time_op(op: str, group: object, g: int, nbytes: int, device: torch.device, 
         return allreduce_bytes(nbytes, g), timed(lambda: dist.all_reduce(full, group=group), device, reps=reps)
     if op == "all_gather":
         shard = torch.ones(n // g, device=device)
-        return allgather_bytes(nbytes, g), timed(lambda: _all_gather(full, shard, group=group), device, reps=reps)
+        return allgather_bytes(nbytes, g), timed(lambda: all_gather_single(full, shard, group=group), device, reps=reps)
     shard = torch.ones(n // g, device=device)
-    return allgather_bytes(nbytes, g), timed(lambda: _reduce_scatter(shard, full, group=group), device, reps=reps)
+    return allgather_bytes(nbytes, g), timed(lambda: reduce_scatter_single(shard, full, group=group), device, reps=reps)
 
 
 def _ping_pong(nbytes: int, device: torch.device, reps: int) -> float:
