@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from modelpar.bench import mlp_model
-from modelpar.bench.pipeline import MLPBench, summarize
+from modelpar.bench.pipeline import MLPBench, summarize, torch_schedule_step
 from modelpar.distributed import LocalCluster
 from modelpar.pipeline import PipelineRunner, split_stages
 
@@ -64,14 +64,7 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
     first, last = rank == schedule.device_of(0), rank == schedule.device_of(s_count - 1)
 
     def torch_step() -> None:
-        if first and last:
-            tsched.step(x, target=y)
-        elif first:
-            tsched.step(x)
-        elif last:
-            tsched.step(target=y)
-        else:
-            tsched.step()
+        torch_schedule_step(tsched, first, last, x, y)
 
     times: dict[str, list[float]] = {"ours": [], "torch": []}
     timelines, grad_diff = [], 0.0

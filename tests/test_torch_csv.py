@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from modelpar.bench.pipeline import torch_schedule_step
 from modelpar.distributed import LocalCluster
 from modelpar.pipeline import PipelineRunner, split_stages
 from modelpar.schedules import SCHEDULES, DeadlockError, get_schedule
@@ -101,15 +102,7 @@ def _batch(rows=8):
 
 
 def _torch_step(tsched, schedule, rank, x, y):
-    first, last = rank == schedule.device_of(0), rank == schedule.device_of(schedule.num_stages - 1)
-    if first and last:
-        tsched.step(x, target=y)
-    elif first:
-        tsched.step(x)
-    elif last:
-        tsched.step(target=y)
-    else:
-        tsched.step()
+    torch_schedule_step(tsched, rank == schedule.device_of(0), rank == schedule.device_of(schedule.num_stages - 1), x, y)
 
 
 def _grad_diff(a, b):

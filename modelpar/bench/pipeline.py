@@ -20,7 +20,7 @@ from modelpar.schedules.generators import SCHEDULES, get_schedule
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["MLPBench", "bench_rank", "summarize"]
+__all__ = ["MLPBench", "bench_rank", "summarize", "torch_schedule_step"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +138,16 @@ def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
         "measured": median,
         "simulated": predicted,
     }
+
+
+def torch_schedule_step(schedule: Any, first: bool, last: bool, x: Any, y: Any) -> None:
+    """One step of a ``torch.distributed.pipelining`` schedule on this rank: the rank holding the first
+    stage feeds the inputs, the one holding the last stage the targets (both, when one rank holds both)."""
+    if first and last:
+        schedule.step(x, target=y)
+    elif first:
+        schedule.step(x)
+    elif last:
+        schedule.step(target=y)
+    else:
+        schedule.step()
