@@ -121,6 +121,7 @@ def test_kill_9_of_the_agent_ends_every_worker_and_nothing_is_written_after(tmp_
     proc = torchrun(tmp_path, "e", steps=2000)  # minutes of training left
     workers = workers_when_saved(proc, tmp_path / "e")
     proc.kill()  # the workers have no agent left: they die with it (exit_with_parent)
+    proc.wait(timeout=60)  # the agent is gone: its exit sent the workers SIGKILL, so none can start another write
     saved = sorted(p.name for p in (tmp_path / "e").iterdir())
     finish(proc, workers)  # the agent and every worker are gone: nothing can write after this
     assert sorted(p.name for p in (tmp_path / "e").iterdir()) == saved

@@ -116,21 +116,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
 
     threading.Thread(target=exit_when_closed, args=(lifeline,), name="modelpar-lifeline", daemon=True).start()
     name_process(f"modelpar-rank{rank}")  # in ps and top: which rank is which (a kill names its rank)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores these (and so did
-    for sig in SCHEDULER_SIGNALS:                              # this rank until now): back to Python's defaults
-        signal.signal(sig, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *SCHEDULER_SIGNALS))  # held while the forkserver was born
-
-    if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    try:
+    try:  # from here on a Ctrl-C may land at any line: the launcher got it too and says what it means
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the forkserver ignores these (and so did
+        for sig in SCHEDULER_SIGNALS:                              # this rank until now): back to Python's defaults
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, *SCHEDULER_SIGNALS))  # held while forkserver was born
+        if "OMP_NUM_THREADS" not in os.environ:  # N ranks share the cores: no oversubscription
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         device = rank_device(backend, rank)  # one machine: the local rank is the rank
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), device_id=device)
-    except KeyboardInterrupt:  # a Ctrl-C while joining: the launcher got it too and says what it means
+    except KeyboardInterrupt:
         return
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
