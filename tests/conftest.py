@@ -16,6 +16,12 @@ from modelpar.pipeline.runner import CHECK_MESSAGES_ENV
 
 os.environ.setdefault(CHECK_MESSAGES_ENV, "1")
 
+# One compute thread per process (this one, and through the environment every process it starts that does
+# not set its own): the suite's tensors are tiny, and two OpenMP threads on a shared core wait on each other
+# at every op (docs/testing.md: a generation test took 79.5 s with two threads and 10.1 s with one, under load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # No per-example deadline: on a crowded machine hypothesis's 200 ms fails a correct test (seen: 589 ms for
 # an example of test_microbatch_sizes_match_tensor_split); pytest-timeout bounds each test instead.
 settings.register_profile("modelpar", deadline=None)

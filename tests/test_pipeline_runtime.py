@@ -20,8 +20,6 @@ from modelpar.schedules import Schedule, get_schedule, lower
 from modelpar.simulate import simulate
 from modelpar.simulate.ascii import ascii_chart
 
-pytestmark = pytest.mark.numerics  # float64 against one process at 1e-12
-
 TOL = 1e-12
 ROWS = 10  # not a multiple of most M: the last microbatches are smaller
 WIDTHS = [5, 7, 6, 4, 8, 5, 6, 7, 3]  # 8 Linear+Tanh units whose widths change at every boundary

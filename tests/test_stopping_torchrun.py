@@ -1,7 +1,7 @@
-"""Stopping under `torchrun --nproc-per-node 4` on gloo: a signal to one worker or to the agent, and restarts.
+"""Stopping under `torchrun --nproc-per-node 2` on gloo: a signal to one worker or to the agent, and restarts.
 
-Slow (each torchrun starts four Python processes with torch): marked ``torchrun`` and left out of the
-default run; `python -m pytest -m torchrun` runs them (one to two minutes on two cores).
+Slow (each torchrun starts three Python processes with torch): marked ``torchrun``, so that
+`python -m pytest -m torchrun` runs them alone; the default run includes them.
 """
 
 import json
@@ -21,7 +21,7 @@ from modelpar.training.stopping import EXIT_PREEMPTED
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600),  # a torchrun and its restart: minutes when loaded
               pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")]
 
-FLAGS = ["--backend", "gloo", "--tp", "2", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
+FLAGS = ["--backend", "gloo", "--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
          "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--precision", "fp64", "--warmup", "1",
          "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress"]
 
@@ -41,8 +41,8 @@ def _no_run_left():
 
 
 def torchrun(tmp_path: Path, name: str, *options: str, steps: int = 12) -> subprocess.Popen:
-    """`torchrun --nproc-per-node 4 [options] -m modelpar train ... --resume`, in a session of its own."""
-    cmd = ["torchrun", "--nproc-per-node", "4", *options, "-m", "modelpar", "train", *FLAGS, "--steps", str(steps),
+    """`torchrun --nproc-per-node 2 [options] -m modelpar train ... --resume`, in a session of its own."""
+    cmd = ["torchrun", "--nproc-per-node", "2", *options, "-m", "modelpar", "train", *FLAGS, "--steps", str(steps),
            "--checkpoint-dir", str(tmp_path / name), "--resume", "--out", str(tmp_path / f"{name}-out")]
     _started.append(subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -51,10 +51,10 @@ def torchrun(tmp_path: Path, name: str, *options: str, steps: int = 12) -> subpr
 
 
 def workers_when_saved(proc: subprocess.Popen, ckpt: Path) -> list[int]:
-    """The agent's four workers, once the first checkpoint is complete."""
+    """The agent's two workers, once the first checkpoint is complete."""
     wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
     pids = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
-    assert len(pids) == 4
+    assert len(pids) == 2
     return pids
 
 
@@ -86,7 +86,7 @@ def preempted_line(err: str, ckpt: Path) -> int:
 def test_sigterm_to_one_worker_saves_on_all_and_a_restart_resumes_bitwise(tmp_path):
     proc = torchrun(tmp_path, "a", "--max-restarts", "1")
     workers = workers_when_saved(proc, tmp_path / "a")
-    os.kill(workers[2], signal.SIGTERM)  # one worker: all agree, save, exit 75; torchrun restarts them
+    os.kill(workers[1], signal.SIGTERM)  # one worker: all agree, save, exit 75; torchrun restarts them
     code, err = finish(proc, workers)
     assert code == 0 and f"failed (exitcode: {EXIT_PREEMPTED})" in err  # then restarted
     step = preempted_line(err, tmp_path / "a")
