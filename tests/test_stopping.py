@@ -153,11 +153,12 @@ def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(clu
 
 
 def _group_timeouts(cfg):
+    from modelpar._compat import group_timeout
     from modelpar.training.setup import setup_rank
 
     rs = setup_rank(cfg, cfg.timeout)
     groups = {"pp": rs.pp_group, "embed": rs.embed_group, "world": dist.group.WORLD}
-    return {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
+    return {name: group_timeout(g) for name, g in groups.items()}  # read from each group's own backend
 
 
 def test_every_group_of_the_run_has_the_run_timeout(cluster):
