@@ -158,6 +158,8 @@ def plot_pareto(named: Sequence[Timeline], synthesised: Sequence[Timeline], fron
         ax.annotate(label(t.name, t.chunks), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     if front:
         pts = sorted((max(t.peak_activations), t.step_time) for t in front)
+        right = max(max(t.peak_activations) for t in (*named, *synthesised, *front))
+        pts.append((right, pts[-1][1]))  # more memory buys nothing faster: the frontier runs on to the last point
         ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="#888888", zorder=2,
                 label="frontier: the fastest within each memory")
     if synthesised:
