@@ -1,5 +1,6 @@
-"""Predicted vs measured: every rank's parameter, gradient and AdamW bytes are the cost model's exactly,
-its held activations within 10% (here: exact), and the summary and metrics.jsonl carry both.
+"""Predicted vs measured: every rank's parameter, gradient and AdamW bytes (ZeRO 0–3) and its data-parallel
+bytes sent under ZeRO are the cost model's exactly, its held activations within 10% (here: exact), and the
+summary and metrics.jsonl carry both.
 
 One LocalCluster of 4 gloo ranks for the module; the runs are one or two steps of a tiny model.
 """
@@ -11,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from modelpar.costmodel.local import predict_local
+from modelpar.costmodel.local import dp_bytes_step, predict_local
 from modelpar.costmodel.local_memory import activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
 from modelpar.training import TrainConfig, train
-from modelpar.training.prediction import compare, local_run, predict
+from modelpar.training.prediction import compare, held_parameter_bytes, local_run, predict
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)
@@ -34,6 +35,9 @@ CASES = [
     dict(tp=2, dp=2, model=LLAMA, recompute="full"),  # one key/value head, replicated on both tp ranks
     dict(pp=2, schedule="interleaved", chunks=2, dp=2, microbatches=2),
     dict(pp=2, schedule="zb-h1", tp=2, precision="fp32"),
+    dict(pp=2, dp=2, zero=2, bucket_mb=0.04),  # ZeRO-2: gradient ranges, several buckets
+    dict(dp=4, zero=3, bucket_mb=0.02, steps=2),  # ZeRO-3: parameter ranges too (step 1 also gathers for the
+    dict(tp=2, dp=2, zero=3, precision="bf16", reshard_after_forward=False, steps=2),  # activation count); bf16
 ]
 
 
@@ -46,8 +50,8 @@ def c4():
 def _measured(cfg):
     torch.set_num_threads(1)
     r = train(cfg)
-    return (dist.get_rank(), r.parameters_here, r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes, r.peak_held,
-            r.activation_bytes)
+    return (dist.get_rank(), held_parameter_bytes(cfg, r), r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes,
+            r.peak_held, r.activation_bytes, r.dp_bytes_sent)
 
 
 def _case_id(case):
@@ -61,12 +65,13 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
         cfg = dataclasses.replace(cfg, batch_size=8)
     run = local_run(cfg.check(4))
     schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
-    item = cfg.param_dtype.itemsize
-    for rank, params, grads, state, saved, held, act in c4.run(_measured, cfg):
+    for rank, params, grads, state, saved, held, act, sent in c4.run(_measured, cfg):
         where = cfg.dims.coordinates(rank)
         stages = schedule.stages_on(where["pp"])
         want = state_bytes(run, stages, where["dp"])
-        assert (params * item, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        assert (params, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        if cfg.zero:  # the data-parallel bytes the cost model prices are the ones this rank sent
+            assert sent == dp_bytes_step(run, stages), rank
         assert sorted(saved) == stages
         for s in stages:  # what autograd keeps per microbatch, counted: within 10% (the formula is exact here)
             assert saved[s] == pytest.approx(activation_bytes(run, s), rel=0.1)

@@ -79,11 +79,12 @@ def _run_rank(cfg: TrainConfig) -> tuple[Any, ...]:
 
     from modelpar.training import train
     from modelpar.training.launch import rank_threads
+    from modelpar.training.prediction import held_parameter_bytes
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
     r = train(cfg)
     times = r.step_times[1:] or r.step_times
-    return (statistics.median(times), r.bubble_measured, r.parameters_here * cfg.param_dtype.itemsize,
+    return (statistics.median(times), r.bubble_measured, held_parameter_bytes(cfg, r),
             r.gradient_bytes, r.optimizer_state_bytes, r.activation_bytes)
 
 
