@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.calibrate.comm import SIZES, fit_line
+from modelpar.calibrate.compute import sync
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
 __all__ = ["BUSY_OPS", "measure_busy"]
@@ -78,11 +79,13 @@ def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]
                         took = time.perf_counter() - buf[0].item()
                     else:
                         x @ x
+                        sync(device)  # a GPU's GEMM is done before the stamp
                         buf[0] = time.perf_counter()
                         _wait(dist.isend(buf, peer))
                         took = 0.0
                 else:
                     x @ x
+                    sync(device)
                     t0 = time.perf_counter()
                     _collective(op, pairs[mine], full, shard)
                     took = (time.perf_counter() - t0) / 2  # the mean of the two ranks' (summed below)

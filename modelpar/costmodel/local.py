@@ -2,7 +2,8 @@
 
 Each action of the run's own schedule is priced from the profile (``profiles.py``) — a layer's
 GEMMs at their shapes (forward; input and weight gradient in the backward), attention at the
-measured attention throughput, element-wise work as the bytes the layer keeps streamed twice,
+measured attention throughput, element-wise work as the bytes the layer would keep without recomputation
+streamed twice (written in the forward, read in the backward; a recomputed forward writes them again),
 the per-op dispatch latency, the tensor-parallel collectives (2 forward, 2 backward per layer;
 sequence parallelism: all-gather + reduce-scatter) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
@@ -23,7 +24,7 @@ cores (``core_share``): compute measured with fewer processes slows by ranks / m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
@@ -145,7 +146,9 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     tokens = run.micro_batch * m.seq
     share = core_share(run, hw)
     latency = (hw.op_latency(ranks) or 0.0) * share
-    stream = activation_bytes(run, stage) * 2 / hw.elementwise_bytes_per_s(ranks) * share  # written, then read back
+    # the forward's element-wise traffic: what it writes whether or not it is kept (recomputation drops it after)
+    kept = activation_bytes(replace(run, recompute="none"), stage)
+    stream = kept * 2 / hw.elementwise_bytes_per_s(ranks) * share  # written, then read back
     fwd = dgrad = wgrad = 0.0
     layers = m.layers // run.stages
     for mm, n, k in layer_gemms(m, tokens, t):
@@ -177,7 +180,7 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
         backward += 2 * head + 8 * latency
         weight += head
     forward += stream / 2
-    backward += stream / 2
+    backward += stream / 2 * (2 if run.recompute == "full" else 1)  # full: the recomputed forward writes them again
     return forward, backward, weight
 
 
@@ -216,15 +219,13 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     busiest = max(range(run.p), key=lambda r: per_rank[r])
     grads = state["gradients"]
     dp = 0.0
-    if run.d > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
+    if run.d > 1 and run.zero == 1:  # each bucket reduce-scattered, then gathered after the update
+        dp = sum(dp_stage[s][0] + dp_stage[s][2] for s in stages)
+    elif run.d > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
         dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
     elif run.d > 1:
-        if run.zero:
-            dp = _collective(hw, "reduce_scatter", run.d, allgather_bytes(grads, run.d)) + \
-                _collective(hw, "all_gather", run.d, allgather_bytes(grads, run.d))
-        else:
-            dp = _collective(hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
-        if run.overlap and not run.zero:  # reduced during the last backward; what outlasts it is exposed
+        dp = _comm(run, hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
+        if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
     latency = hw.op_latency(ranks) or 0.0
     share = core_share(run, hw)
