@@ -7,17 +7,19 @@ One LocalCluster of 4 gloo ranks for the module; the runs are one or two steps o
 
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from modelpar.costmodel.local import dp_bytes_step, predict_local
+from modelpar.costmodel.local import dp_bytes_step, predict_local, tp_collectives, tp_grad_sync
 from modelpar.costmodel.local_memory import activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
+from modelpar.tensor_parallel.accounting import comm_log
 from modelpar.training import TrainConfig, train
 from modelpar.training.prediction import compare, held_parameter_bytes, local_run, predict
 
@@ -79,6 +81,29 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
             pred = predict_local(run, CPU_DEFAULT)
             assert pred.peak_held == held and pred.memory["activations"] == pytest.approx(act, rel=0.1)
             assert {k: pred.memory[k] for k in ("parameters", "gradients", "optimizer")} == want
+
+
+def _collectives(cfg):
+    torch.set_num_threads(1)
+    with comm_log() as log:
+        train(cfg)
+    return dist.get_rank(), Counter((r.kind, r.phase, r.nbytes) for r in log.records if r.kind != "shape_check")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_collectives_are_the_priced_ones(c4, sp):
+    """One step's tensor-parallel collectives on each rank (two runs, 2 steps minus 1) are what the cost model
+    prices: per layer, the embedding's and the head's, the cross entropy's."""
+    cfg = dataclasses.replace(BASE, tp=2, pp=2, precision="fp32", sequence_parallel=sp, microbatches=2)
+    one, two = (dict(c4.run(_collectives, dataclasses.replace(cfg, steps=n))) for n in (1, 2))
+    run = local_run(cfg.check(4))
+    for rank in range(4):
+        stage = cfg.dims.coordinates(rank)["pp"]
+        per_layer, ends = tp_collectives(run, stage)
+        want = Counter({k: n * cfg.microbatches for k, n in Counter(per_layer * (TINY.layers // 2) + ends).items()})
+        if tp_grad_sync(run, stage):  # the partial gradients' sum, once per step
+            want[("all_reduce", "backward", tp_grad_sync(run, stage))] += 1
+        assert two[rank] - one[rank] == want, rank
 
 
 def test_prediction_arithmetic():

@@ -5,7 +5,9 @@ GEMMs at their shapes (forward; input and weight gradient in the backward), atte
 measured attention throughput, element-wise work as the bytes the layer would keep without recomputation
 streamed twice (written in the forward, read in the backward; a recomputed forward writes them again),
 the per-op dispatch latency, the tensor-parallel collectives (2 forward, 2 backward per layer;
-sequence parallelism: all-gather + reduce-scatter) — and the schedule is timed by the simulator
+sequence parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the
+vocabulary-parallel cross entropy's 3 small all-reduces: what the runtime issues, counted with
+``tensor_parallel.accounting`` in tests/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (what the last backward cannot hide), the
 gradient norm, and AdamW over this rank's state. Nothing is fitted: every number is the
@@ -42,7 +44,8 @@ from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "core_share", "dp_bytes_step", "dp_traffic", "predict_local"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "core_share", "dp_bytes_step", "dp_traffic", "predict_local",
+           "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -138,11 +141,53 @@ def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, fl
             sum(_comm(run, hw, "all_gather", run.d, x) for x in after))
 
 
+def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+    """The tensor-parallel collectives one microbatch of ``stage`` issues, (op, "forward"/"backward", bytes of
+    the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input), as
+    ``tensor_parallel.accounting`` records them: per layer, and once at the stage's ends (no recomputation).
+
+    Per layer: g after attention and after the MLP (all-reduce forward), f before them (all-reduce backward);
+    with sequence parallelism f̄ / ḡ (all-gather / reduce-scatter of the sequence, each way). The
+    vocabulary-parallel embedding's g (ḡ), the head's f (f̄), and the cross entropy's 3 all-reduces of one
+    fp32 (or wider) value per token: the maximum, the target logit, the sum of exponentials.
+    """
+    m, t = run.model, run.t
+    if t == 1:
+        return [], []
+    e = COMPUTE_BYTES[run.precision]
+    tokens = run.micro_batch * m.seq
+    act = float(tokens * m.hidden * e)
+    if run.sequence_parallel:
+        f = [("all_gather", "forward", act), ("reduce_scatter", "backward", act)]
+        g = [("reduce_scatter", "forward", act), ("all_gather", "backward", act)]
+    else:
+        f, g = [("all_reduce", "backward", act)], [("all_reduce", "forward", act)]
+    ends: list[tuple[str, str, float]] = []
+    if stage == 0:
+        ends += g
+    if stage == run.stages - 1:
+        ends += f + [("all_reduce", "forward", float(tokens * max(4, e)))] * 3
+    return 2 * (f + g), ends
+
+
+def tp_grad_sync(run: LocalRun, stage: int) -> float:
+    """Bytes of ``stage``'s gradients summed over the tensor-parallel group (one all-reduce of the replicated
+    parameters that saw a shard: under sequence parallelism the norms, row biases and positions; replicated
+    key/value heads): once per step, or after every backward under ZeRO-2/3. 0 when there are none."""
+    if run.t == 1:
+        return 0.0
+    return float(sum(x.numel for x in stage_tensors(run, stage) if x.partial and not x.tied) * run.param_bytes)
+
+
+def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> float:
+    sent = allreduce_bytes(nbytes, run.t) if op == "all_reduce" else allgather_bytes(nbytes, run.t)
+    return _comm(run, hw, op, run.t, sent)
+
+
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
     m, t = run.model, run.t
     ranks = min(run.world, hw.devices_per_node)
-    e = COMPUTE_BYTES[run.precision]
     tokens = run.micro_batch * m.seq
     share = core_share(run, hw)
     latency = (hw.op_latency(ranks) or 0.0) * share
@@ -158,22 +203,23 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     attention_flops = 4.0 * run.micro_batch * m.seq * m.seq * m.hidden / t
     attention = 3 * attention_flops / ((hw.attention_tflops(_dtype(run), ranks) or hw.peak_tflops[hw.dtype]) * 1e12)
     attention *= share
-    tp = 0.0
-    if t > 1:
-        act = tokens * m.hidden * e
-        if run.sequence_parallel:
-            tp = _comm(run, hw, "all_gather", t, allgather_bytes(act, t)) + \
-                _comm(run, hw, "reduce_scatter", t, allgather_bytes(act, t))
-        else:
-            tp = _comm(run, hw, "all_reduce", t, allreduce_bytes(act, t))
-        tp *= 2  # per direction: after attention and after the MLP (g), before them in the backward (f)
-    f_layer = fwd + attention / 3 + tp + _OPS_FORWARD * latency
-    b_layer = dgrad + wgrad + 2 * attention / 3 + tp + 2 * _OPS_FORWARD * latency
+    per_layer, ends = tp_collectives(run, stage)
+    seconds = {"forward": 0.0, "backward": 0.0}
+    for op, phase, nbytes in per_layer:
+        seconds[phase] += _tp_time(run, hw, op, nbytes)
+    tp_f, tp_b = seconds["forward"], seconds["backward"]
+    f_layer = fwd + attention / 3 + tp_f + _OPS_FORWARD * latency
+    b_layer = dgrad + wgrad + 2 * attention / 3 + tp_b + 2 * _OPS_FORWARD * latency
     if run.recompute == "full":
         b_layer += f_layer
     elif run.recompute == "selective":
         b_layer += attention / 3
     forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
+    for op, phase, nbytes in ends:  # the embedding's, the head's and the cross entropy's
+        if phase == "forward":
+            forward += _tp_time(run, hw, op, nbytes)
+        else:
+            backward += _tp_time(run, hw, op, nbytes)
     if stage == run.stages - 1:  # the head's logits GEMM, its two backward GEMMs, the cross entropy
         head = _matmul(run, hw, tokens, m.vocab // t, m.hidden)
         forward += head + 4 * latency
@@ -191,9 +237,12 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
                  Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
     dp_stage = [_dp_times(run, hw, s) for s in range(run.stages)]
+    tp_sync = [_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) if tp_grad_sync(run, s) else 0.0
+               for s in range(run.stages)]
     if run.zero >= 2:  # every backward (W when split) reduce-scatters; ZeRO-3 gathers before F, B and I
         again = run.zero == 3 and run.reshard
         for s, (scatter, gather, _) in enumerate(dp_stage):
+            scatter += tp_sync[s]  # the tensor-parallel sum runs first, on each backward's full buffer
             durations[Kind.F][s] += gather if again else 0.0
             durations[Kind.B][s] += scatter + (gather if again else 0.0)
             durations[Kind.I][s] += gather if again else 0.0
@@ -227,6 +276,8 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
         dp = _comm(run, hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
         if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
+    if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
+        dp += sum(tp_sync[s] for s in stages)
     latency = hw.op_latency(ranks) or 0.0
     share = core_share(run, hw)
     norm = grads / hw.elementwise_bytes_per_s(ranks) * share
