@@ -20,7 +20,7 @@ CFG = TrainConfig(model=TINY, batch_size=8, microbatches=2, steps=2, eval_every=
 
 def test_capabilities_are_the_trainers():
     assert CAPABILITIES.schedules == SCHEDULE_CHOICES
-    assert CAPABILITIES.zero == tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO) == (0, 1)
+    assert CAPABILITIES.zero == tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO) == (0, 1, 2, 3)
 
 
 def test_every_planned_layout_is_one_the_trainer_accepts_and_they_are_ranked():

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from modelpar.calibrate import build_profile, default_ranks
+from modelpar.calibrate.busy import BUSY_OPS
 from modelpar.calibrate.comm import fit_line
 from modelpar.calibrate.compute import gemm_shapes
 from modelpar.cli import main
@@ -51,6 +52,8 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == {"1", "2"}
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
+    assert set(p.busy) == set(BUSY_OPS) and all(set(table) == {"2"} for table in p.busy.values())  # 2 processes
+    assert p.busy_cost("p2p", 2) is not None and p.busy_cost("p2p", 8) == p.busy_cost("p2p", 2)  # the most measured
     assert main(["plan", "--hardware", str(out), "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "64",
                  "--vocab", "256", "--gpus", "2", "--batch", "8", "--json", "--top", "1"]) == 0
 

@@ -1,24 +1,27 @@
-"""Predicted vs measured: every rank's parameter, gradient and AdamW bytes are the cost model's exactly,
-its held activations within 10% (here: exact), and the summary and metrics.jsonl carry both.
+"""Predicted vs measured: every rank's parameter, gradient and AdamW bytes (ZeRO 0–3) and its data-parallel
+bytes sent under ZeRO are the cost model's exactly, its held activations within 10% (here: exact), and the
+summary and metrics.jsonl carry both.
 
 One LocalCluster of 4 gloo ranks for the module; the runs are one or two steps of a tiny model.
 """
 
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from modelpar.costmodel.local import predict_local
+from modelpar.costmodel.local import dp_bytes_step, predict_local, tp_collectives, tp_grad_sync
 from modelpar.costmodel.local_memory import activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
+from modelpar.tensor_parallel.accounting import comm_log
 from modelpar.training import TrainConfig, train
-from modelpar.training.prediction import compare, local_run, predict
+from modelpar.training.prediction import compare, held_parameter_bytes, local_run, predict
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)
@@ -34,6 +37,9 @@ CASES = [
     dict(tp=2, dp=2, model=LLAMA, recompute="full"),  # one key/value head, replicated on both tp ranks
     dict(pp=2, schedule="interleaved", chunks=2, dp=2, microbatches=2),
     dict(pp=2, schedule="zb-h1", tp=2, precision="fp32"),
+    dict(pp=2, dp=2, zero=2, bucket_mb=0.04),  # ZeRO-2: gradient ranges, several buckets
+    dict(dp=4, zero=3, bucket_mb=0.02, steps=2),  # ZeRO-3: parameter ranges too (step 1 also gathers for the
+    dict(tp=2, dp=2, zero=3, precision="bf16", reshard_after_forward=False, steps=2),  # activation count); bf16
 ]
 
 
@@ -46,8 +52,8 @@ def c4():
 def _measured(cfg):
     torch.set_num_threads(1)
     r = train(cfg)
-    return (dist.get_rank(), r.parameters_here, r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes, r.peak_held,
-            r.activation_bytes)
+    return (dist.get_rank(), held_parameter_bytes(cfg, r), r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes,
+            r.peak_held, r.activation_bytes, r.dp_bytes_sent)
 
 
 def _case_id(case):
@@ -61,12 +67,13 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
         cfg = dataclasses.replace(cfg, batch_size=8)
     run = local_run(cfg.check(4))
     schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
-    item = cfg.param_dtype.itemsize
-    for rank, params, grads, state, saved, held, act in c4.run(_measured, cfg):
+    for rank, params, grads, state, saved, held, act, sent in c4.run(_measured, cfg):
         where = cfg.dims.coordinates(rank)
         stages = schedule.stages_on(where["pp"])
         want = state_bytes(run, stages, where["dp"])
-        assert (params * item, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        assert (params, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        if cfg.zero:  # the data-parallel bytes the cost model prices are the ones this rank sent
+            assert sent == dp_bytes_step(run, stages), rank
         assert sorted(saved) == stages
         for s in stages:  # what autograd keeps per microbatch, counted: within 10% (the formula is exact here)
             assert saved[s] == pytest.approx(activation_bytes(run, s), rel=0.1)
@@ -74,6 +81,29 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
             pred = predict_local(run, CPU_DEFAULT)
             assert pred.peak_held == held and pred.memory["activations"] == pytest.approx(act, rel=0.1)
             assert {k: pred.memory[k] for k in ("parameters", "gradients", "optimizer")} == want
+
+
+def _collectives(cfg):
+    torch.set_num_threads(1)
+    with comm_log() as log:
+        train(cfg)
+    return dist.get_rank(), Counter((r.kind, r.phase, r.nbytes) for r in log.records if r.kind != "shape_check")
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_collectives_are_the_priced_ones(c4, sp):
+    """One step's tensor-parallel collectives on each rank (two runs, 2 steps minus 1) are what the cost model
+    prices: per layer, the embedding's and the head's, the cross entropy's."""
+    cfg = dataclasses.replace(BASE, tp=2, pp=2, precision="fp32", sequence_parallel=sp, microbatches=2)
+    one, two = (dict(c4.run(_collectives, dataclasses.replace(cfg, steps=n))) for n in (1, 2))
+    run = local_run(cfg.check(4))
+    for rank in range(4):
+        stage = cfg.dims.coordinates(rank)["pp"]
+        per_layer, ends = tp_collectives(run, stage)
+        want = Counter({k: n * cfg.microbatches for k, n in Counter(per_layer * (TINY.layers // 2) + ends).items()})
+        if tp_grad_sync(run, stage):  # the partial gradients' sum, once per step
+            want[("all_reduce", "backward", tp_grad_sync(run, stage))] += 1
+        assert two[rank] - one[rank] == want, rank
 
 
 def test_prediction_arithmetic():

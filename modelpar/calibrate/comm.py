@@ -16,9 +16,9 @@ from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.calibrate.compute import timed
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
-__all__ = ["fit_line", "measure_collectives"]
+__all__ = ["SIZES", "fit_line", "measure_collectives"]
 
-_SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the whole tensor (fp32)
+SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the whole tensor (fp32)
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -79,13 +79,13 @@ def measure_collectives(device: torch.device, local_size: int, reps: int = 5) ->
         link = "intra" if g <= local_size else "inter"
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             if dist.get_rank() < g:
-                points = [_time_op(op, group, g, size, device, reps=reps) for size in _SIZES]
+                points = [_time_op(op, group, g, size, device, reps=reps) for size in SIZES]
             else:  # outside the group: nothing to time, but keep in step with the group's barriers
                 points = [(1.0, 1.0)]
-                for _ in _SIZES:
+                for _ in SIZES:
                     timed(lambda: None, device, reps=reps)
             latency, gbps = fit_line(points)
             out.setdefault(op, {}).setdefault(link, {})[str(g)] = [latency, gbps]
-    p2p = fit_line([(float(size), _ping_pong(size, device, reps=reps)) for size in _SIZES])
+    p2p = fit_line([(float(size), _ping_pong(size, device, reps=reps)) for size in SIZES])
     out["p2p"] = {"intra" if local_size >= 2 else "inter": {"2": list(p2p)}}
     return out

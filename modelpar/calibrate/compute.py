@@ -15,8 +15,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["DTYPES", "gemm_shapes", "measure_attention", "measure_elementwise", "measure_matmul", "measure_op_latency",
-           "timed"]
+__all__ = [
+    "DTYPES",
+    "gemm_shapes",
+    "measure_attention",
+    "measure_elementwise",
+    "measure_matmul",
+    "measure_op_latency",
+    "sync",
+    "timed",
+]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -29,7 +37,7 @@ def gemm_shapes(device: str) -> list[tuple[int, int, int]]:
     return [(m, n, k) for m in tokens for w in widths for k, n in ((w, w), (w, 3 * w), (w, 4 * w), (4 * w, w))]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -42,7 +50,7 @@ def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05
     Under a process group every rank starts together (a barrier), so concurrent ranks overlap.
     """
     fn()
-    _sync(device)
+    sync(device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     times: list[float] = []
@@ -50,7 +58,7 @@ def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05
     while len(times) < (reps or min_reps) or (reps is None and time.perf_counter() < end):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         if len(times) >= (reps or 200):
             break

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from modelpar.calibrate.busy import BUSY_OPS, measure_busy
 from modelpar.calibrate.comm import measure_collectives
 from modelpar.calibrate.compute import (
     gemm_shapes,
@@ -58,8 +59,10 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
         "elementwise_gbps": measure_elementwise(device, budget_s),
         "op_latency_s": measure_op_latency(device, budget_s),
     }
-    if collectives and dist.is_initialized() and dist.get_world_size() > 1:
-        out["collectives"] = measure_collectives(device, local_size)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out["busy"] = measure_busy(device)
+        if collectives:
+            out["collectives"] = measure_collectives(device, local_size)
     return out
 
 
@@ -132,4 +135,6 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         elementwise_gbps={str(n): m["elementwise_gbps"] for n, m in found.items()},
         op_latency_s={str(n): m["op_latency_s"] for n, m in found.items()},
         collectives=collectives,
+        busy={op: {str(n): m["busy"][op] for n, m in found.items() if "busy" in m} for op in BUSY_OPS
+              if any("busy" in m for m in found.values())},
     )

@@ -1,8 +1,8 @@
 """``modelpar plan --validate-local``: short runs on this machine, each beside the cost model's prediction.
 
 Every split (t, p, d) of each process count × schedules × microbatch counts × recomputation × two
-model sizes runs a few steps in one ``LocalCluster`` per process count (each rank with the threads
-``modelpar train`` gives it); the median step after the first, the bubble and rank 0's bytes are
+model sizes (and ZeRO-1/2/3 where d > 1) runs a few steps in one ``LocalCluster`` per process count
+(each rank with the threads ``modelpar train`` gives it); the median step after the first, the bubble and rank 0's bytes are
 set against ``training.prediction.predict`` on the given hardware profile. Reported: per
 configuration, predicted vs measured with the error; the mean absolute percentage error (MAPE)
 over the configurations with at most one rank per core and, separately, the rest; and, per model
@@ -57,7 +57,8 @@ def _splits(world: int) -> Iterator[tuple[int, int, int]]:
 
 def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> list[LocalCase]:
     """The configurations: the whole grid for process counts up to ``full_grid_up_to`` (default: the cores),
-    a smaller one (1F1B, m = 4, no recomputation, the larger model) above it."""
+    with ZeRO-1, 2 and 3 where d > 1 (the larger model, 1F1B, m = 4, no recomputation), and a smaller one
+    (1F1B, m = 4, no recomputation, the larger model) above it."""
     out = []
     limit = cores if full_grid_up_to is None else full_grid_up_to
     for world in ranks:
@@ -71,6 +72,10 @@ def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> l
                             cfg = dataclasses.replace(BASE, model=model, tp=t, pp=p, dp=d, schedule=schedule,
                                                       microbatches=m, recompute=recompute)
                             out.append(LocalCase(name, cfg.check(world), world > cores))
+            if full and d > 1:  # the ZeRO stages the planner prices, on the larger model
+                for zero in (1, 2, 3):
+                    cfg = dataclasses.replace(BASE, model=MODELS["h128"], tp=t, pp=p, dp=d, microbatches=4, zero=zero)
+                    out.append(LocalCase("h128", cfg.check(world), world > cores))
     return out
 
 
@@ -79,11 +84,12 @@ def _run_rank(cfg: TrainConfig) -> tuple[Any, ...]:
 
     from modelpar.training import train
     from modelpar.training.launch import rank_threads
+    from modelpar.training.prediction import held_parameter_bytes
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
     r = train(cfg)
     times = r.step_times[1:] or r.step_times
-    return (statistics.median(times), r.bubble_measured, r.parameters_here * cfg.param_dtype.itemsize,
+    return (statistics.median(times), r.bubble_measured, held_parameter_bytes(cfg, r),
             r.gradient_bytes, r.optimizer_state_bytes, r.activation_bytes)
 
 

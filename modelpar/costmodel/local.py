@@ -2,20 +2,40 @@
 
 Each action of the run's own schedule is priced from the profile (``profiles.py``) — a layer's
 GEMMs at their shapes (forward; input and weight gradient in the backward), attention at the
-measured attention throughput, element-wise work as the bytes the layer keeps streamed twice,
+measured attention throughput, element-wise work as the bytes the layer would keep without recomputation
+streamed twice (written in the forward, read in the backward; a recomputed forward writes them again),
 the per-op dispatch latency, the tensor-parallel collectives (2 forward, 2 backward per layer;
-sequence parallelism: all-gather + reduce-scatter) — and the schedule is timed by the simulator
+sequence parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the
+vocabulary-parallel cross entropy's 3 small all-reduces: what the runtime issues, counted with
+``tensor_parallel.accounting`` in tests/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (what the last backward cannot hide), the
 gradient norm, and AdamW over this rank's state. Nothing is fitted: every number is the
 profile's or counted. Memory is ``local_memory``'s exact per-rank figures.
+
+Messages and pair collectives are priced as the trainer issues them where the profile has it
+(``HardwareProfile.busy``: right after compute, every rank busy — a blocked receiver's wake-up and
+a partner's late arrival included), else by the idle fits. ZeRO-2 and 3 (``dp_traffic``, bucket by
+bucket as ``training.zero_grads``/``zero_params`` issue them): every backward reduce-scatters its
+stage's buckets, ZeRO-3 all-gathers them before every forward and backward (once per step without
+resharding), ZeRO-1 and 2 all-gather the parameters after the step; each collective is priced
+exposed, in the action that issues it (gloo reduces on the cores that compute). More ranks than
+cores (``core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
-from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalRun, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import (
+    COMPUTE_BYTES,
+    LocalRun,
+    activation_bytes,
+    stage_buckets,
+    stage_tensors,
+    state_bytes,
+)
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
@@ -24,10 +44,11 @@ from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "core_share", "dp_bytes_step", "dp_traffic", "predict_local",
+           "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
-PRICED_ZERO = (0, 1)  # ZeRO stages whose step this model prices (2 and 3 reduce or gather every microbatch)
+PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
 _OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
 
 
@@ -57,11 +78,20 @@ def _dtype(run: LocalRun) -> str:
     return {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
 
 
+def core_share(run: LocalRun, hw: HardwareProfile) -> float:
+    """How much slower compute runs than the profile's table for this run: ranks / max(measured, cores) when
+    a CPU run has more processes than both (the table measured with fewer; the cores are split further), else 1."""
+    if hw.device != "cpu" or not hw.cores:
+        return 1.0
+    measured = int(hw.ranks_measured(run.world))
+    return max(1.0, run.world / max(measured, hw.cores))
+
+
 def _matmul(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int) -> float:
     """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count."""
     ranks = min(run.world, hw.devices_per_node)
     tflops = hw.matmul_tflops(m, n, k, _dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
-    return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12)
+    return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12) * core_share(run, hw)
 
 
 def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
@@ -71,14 +101,99 @@ def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> floa
     return nbytes / (hw.intra_node_gbps * 1e9)
 
 
+def _comm(run: LocalRun, hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
+    """Seconds of ``op`` over ``group`` ranks in the run: a pair's as training issues it when measured
+    (``HardwareProfile.busy`` at the run's process count), else the idle fit."""
+    cost = hw.busy_cost(op, run.world) if group == 2 else None
+    return cost.time(nbytes) if cost is not None else _collective(hw, op, group, nbytes)
+
+
+def dp_traffic(run: LocalRun, stage: int) -> tuple[list[float], list[float], list[float]]:
+    """Bytes one rank sends per bucket of ``stage`` in a data-parallel reduce-scatter of its gradients, an
+    all-gather of its parameters for compute (ZeRO-3: in the compute dtype), and the all-gather after the
+    step (ZeRO-1/2: the updated parameters): (d − 1) shards of the bucket padded to a multiple of d."""
+    d, w = run.d, run.param_bytes
+    if d == 1 or not run.zero:
+        return [], [], []
+    shards = [math.ceil(n / d) * (d - 1) for n in stage_buckets(run, stage)]
+    gather = COMPUTE_BYTES[run.precision] if run.zero == 3 else 0
+    return [x * w for x in shards], [x * gather for x in shards], [x * w for x in shards if run.zero < 3]
+
+
+def dp_bytes_step(run: LocalRun, stages: list[int]) -> float:
+    """Data-parallel bytes the rank holding ``stages`` sends in a step under ZeRO ≥ 1 (what the trainer counts,
+    ``TrainResult.dp_bytes_sent``): per microbatch, ZeRO-2/3's reduce-scatters and ZeRO-3's gathers (two per
+    microbatch when resharding, else one per step); once, ZeRO-1's reduce-scatter and ZeRO-1/2's gather."""
+    m = run.microbatches
+    total = 0.0
+    for s in stages:
+        scatter, gather, after = (sum(x) for x in dp_traffic(run, s))
+        total += after + scatter * (m if run.zero >= 2 else 1)
+        total += gather * (2 * m if run.reshard else 1)
+    return total
+
+
+def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
+    """Seconds of ``stage``'s reduce-scatters, compute gathers and after-step gathers (one per bucket each)."""
+    scatter, gather, after = dp_traffic(run, stage)
+    return (sum(_comm(run, hw, "reduce_scatter", run.d, x) for x in scatter),
+            sum(_comm(run, hw, "all_gather", run.d, x) for x in gather),
+            sum(_comm(run, hw, "all_gather", run.d, x) for x in after))
+
+
+def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+    """The tensor-parallel collectives one microbatch of ``stage`` issues, (op, "forward"/"backward", bytes of
+    the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input), as
+    ``tensor_parallel.accounting`` records them: per layer, and once at the stage's ends (no recomputation).
+
+    Per layer: g after attention and after the MLP (all-reduce forward), f before them (all-reduce backward);
+    with sequence parallelism f̄ / ḡ (all-gather / reduce-scatter of the sequence, each way). The
+    vocabulary-parallel embedding's g (ḡ), the head's f (f̄), and the cross entropy's 3 all-reduces of one
+    fp32 (or wider) value per token: the maximum, the target logit, the sum of exponentials.
+    """
+    m, t = run.model, run.t
+    if t == 1:
+        return [], []
+    e = COMPUTE_BYTES[run.precision]
+    tokens = run.micro_batch * m.seq
+    act = float(tokens * m.hidden * e)
+    if run.sequence_parallel:
+        f = [("all_gather", "forward", act), ("reduce_scatter", "backward", act)]
+        g = [("reduce_scatter", "forward", act), ("all_gather", "backward", act)]
+    else:
+        f, g = [("all_reduce", "backward", act)], [("all_reduce", "forward", act)]
+    ends: list[tuple[str, str, float]] = []
+    if stage == 0:
+        ends += g
+    if stage == run.stages - 1:
+        ends += f + [("all_reduce", "forward", float(tokens * max(4, e)))] * 3
+    return 2 * (f + g), ends
+
+
+def tp_grad_sync(run: LocalRun, stage: int) -> float:
+    """Bytes of ``stage``'s gradients summed over the tensor-parallel group (one all-reduce of the replicated
+    parameters that saw a shard: under sequence parallelism the norms, row biases and positions; replicated
+    key/value heads): once per step, or after every backward under ZeRO-2/3. 0 when there are none."""
+    if run.t == 1:
+        return 0.0
+    return float(sum(x.numel for x in stage_tensors(run, stage) if x.partial and not x.tied) * run.param_bytes)
+
+
+def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> float:
+    sent = allreduce_bytes(nbytes, run.t) if op == "all_reduce" else allgather_bytes(nbytes, run.t)
+    return _comm(run, hw, op, run.t, sent)
+
+
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
     m, t = run.model, run.t
     ranks = min(run.world, hw.devices_per_node)
-    e = COMPUTE_BYTES[run.precision]
     tokens = run.micro_batch * m.seq
-    latency = hw.op_latency(ranks) or 0.0
-    stream = activation_bytes(run, stage) * 2 / hw.elementwise_bytes_per_s(ranks)  # written, then read back
+    share = core_share(run, hw)
+    latency = (hw.op_latency(ranks) or 0.0) * share
+    # the forward's element-wise traffic: what it writes whether or not it is kept (recomputation drops it after)
+    kept = activation_bytes(replace(run, recompute="none"), stage)
+    stream = kept * 2 / hw.elementwise_bytes_per_s(ranks) * share  # written, then read back
     fwd = dgrad = wgrad = 0.0
     layers = m.layers // run.stages
     for mm, n, k in layer_gemms(m, tokens, t):
@@ -87,29 +202,31 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
         wgrad += _matmul(run, hw, k, n, mm)
     attention_flops = 4.0 * run.micro_batch * m.seq * m.seq * m.hidden / t
     attention = 3 * attention_flops / ((hw.attention_tflops(_dtype(run), ranks) or hw.peak_tflops[hw.dtype]) * 1e12)
-    tp = 0.0
-    if t > 1:
-        act = tokens * m.hidden * e
-        if run.sequence_parallel:
-            tp = _collective(hw, "all_gather", t, allgather_bytes(act, t)) + \
-                _collective(hw, "reduce_scatter", t, allgather_bytes(act, t))
-        else:
-            tp = _collective(hw, "all_reduce", t, allreduce_bytes(act, t))
-        tp *= 2  # per direction: after attention and after the MLP (g), before them in the backward (f)
-    f_layer = fwd + attention / 3 + tp + _OPS_FORWARD * latency
-    b_layer = dgrad + wgrad + 2 * attention / 3 + tp + 2 * _OPS_FORWARD * latency
+    attention *= share
+    per_layer, ends = tp_collectives(run, stage)
+    seconds = {"forward": 0.0, "backward": 0.0}
+    for op, phase, nbytes in per_layer:
+        seconds[phase] += _tp_time(run, hw, op, nbytes)
+    tp_f, tp_b = seconds["forward"], seconds["backward"]
+    f_layer = fwd + attention / 3 + tp_f + _OPS_FORWARD * latency
+    b_layer = dgrad + wgrad + 2 * attention / 3 + tp_b + 2 * _OPS_FORWARD * latency
     if run.recompute == "full":
         b_layer += f_layer
     elif run.recompute == "selective":
         b_layer += attention / 3
     forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
+    for op, phase, nbytes in ends:  # the embedding's, the head's and the cross entropy's
+        if phase == "forward":
+            forward += _tp_time(run, hw, op, nbytes)
+        else:
+            backward += _tp_time(run, hw, op, nbytes)
     if stage == run.stages - 1:  # the head's logits GEMM, its two backward GEMMs, the cross entropy
         head = _matmul(run, hw, tokens, m.vocab // t, m.hidden)
         forward += head + 4 * latency
         backward += 2 * head + 8 * latency
         weight += head
     forward += stream / 2
-    backward += stream / 2
+    backward += stream / 2 * (2 if run.recompute == "full" else 1)  # full: the recomputed forward writes them again
     return forward, backward, weight
 
 
@@ -119,9 +236,20 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
                  Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
+    dp_stage = [_dp_times(run, hw, s) for s in range(run.stages)]
+    tp_sync = [_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) if tp_grad_sync(run, s) else 0.0
+               for s in range(run.stages)]
+    if run.zero >= 2:  # every backward (W when split) reduce-scatters; ZeRO-3 gathers before F, B and I
+        again = run.zero == 3 and run.reshard
+        for s, (scatter, gather, _) in enumerate(dp_stage):
+            scatter += tp_sync[s]  # the tensor-parallel sum runs first, on each backward's full buffer
+            durations[Kind.F][s] += gather if again else 0.0
+            durations[Kind.B][s] += scatter + (gather if again else 0.0)
+            durations[Kind.I][s] += gather if again else 0.0
+            durations[Kind.W][s] += scatter
     act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
     act /= run.t if run.sequence_parallel and run.t > 1 else 1
-    hop = _collective(hw, "p2p", 2, act) if run.p > 1 else 0.0
+    hop = _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
     transfer = [0.0] + [hop if schedule.stage_to_device[s] != schedule.stage_to_device[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)
@@ -140,18 +268,22 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     busiest = max(range(run.p), key=lambda r: per_rank[r])
     grads = state["gradients"]
     dp = 0.0
-    if run.d > 1:
-        if run.zero:
-            dp = _collective(hw, "reduce_scatter", run.d, allgather_bytes(grads, run.d)) + \
-                _collective(hw, "all_gather", run.d, allgather_bytes(grads, run.d))
-        else:
-            dp = _collective(hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
-        if run.overlap and not run.zero:  # reduced during the last backward; what outlasts it is exposed
+    if run.d > 1 and run.zero == 1:  # each bucket reduce-scattered, then gathered after the update
+        dp = sum(dp_stage[s][0] + dp_stage[s][2] for s in stages)
+    elif run.d > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
+        dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
+    elif run.d > 1:
+        dp = _comm(run, hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
+        if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
+    if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
+        dp += sum(tp_sync[s] for s in stages)
     latency = hw.op_latency(ranks) or 0.0
-    norm = grads / hw.elementwise_bytes_per_s(ranks) + (_collective(hw, "all_reduce", run.world, 8) if run.world > 1 else 0)
-    adamw = 7 * state["optimizer"] / 2 / hw.elementwise_bytes_per_s(ranks)  # read g, w, m, v; write w, m, v
-    optimizer = norm + adamw + _OPS_STEP * latency
+    share = core_share(run, hw)
+    norm = grads / hw.elementwise_bytes_per_s(ranks) * share
+    norm += _comm(run, hw, "all_reduce", run.world, 8) if run.world > 1 else 0.0
+    adamw = 7 * state["optimizer"] / 2 / hw.elementwise_bytes_per_s(ranks) * share  # read g, w, m, v; write w, m, v
+    optimizer = norm + adamw + _OPS_STEP * latency * share
     held = round(timeline.peak_activations[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     step = pipeline + dp + optimizer

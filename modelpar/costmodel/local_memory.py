@@ -62,6 +62,7 @@ class LocalRun:
     precision: str = "fp32"
     bucket_elements: int = 1 << 22
     overlap: bool = True  # data-parallel reduction during the backward
+    reshard: bool = True  # ZeRO-3: gather again for every forward and backward (``reshard_after_forward``)
 
     @property
     def stages(self) -> int:
@@ -159,17 +160,22 @@ def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str,
     """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank``.
 
     Gradient buffers are padded to a multiple of d under ZeRO (each rank owns an equal range of
-    every bucket); the AdamW moments cover the parameters of this rank's ranges only (no padding).
+    every bucket; ZeRO-2 and 3 keep only that range); the AdamW moments cover the parameters of this
+    rank's ranges only (no padding); ZeRO-3 keeps its range of every bucket's parameters, padding
+    included (``ShardedGradSync.parameter_bytes``), the rest only while gathered (``dp_traffic``'s
+    collectives; those transient buffers are not counted here).
     """
     w = run.param_bytes
     shards = run.d if run.zero else 1
     params = grads = state = 0.0
     for s in stages:
-        params += sum(x.numel for x in stage_tensors(run, s)) * w
+        if run.zero < 3:
+            params += sum(x.numel for x in stage_tensors(run, s)) * w
         for n in stage_buckets(run, s):
             size = math.ceil(n / shards) * shards
             per = size // shards
             grads += (per if run.zero >= 2 else size) * w
+            params += per * w if run.zero >= 3 else 0  # ZeRO-3 keeps its range of each bucket (the fp32 master)
             owned = n if not run.zero else max(0, min(per, n - dp_rank * per))
             state += owned * optimizer_state_bytes_per_param(w)
     return {"parameters": params, "gradients": grads, "optimizer": state}

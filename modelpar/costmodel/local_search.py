@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from modelpar.costmodel.local import LocalPrediction, predict_local
-from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.local_memory import LocalRun, stage_tensors
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ModelSpec
@@ -24,10 +24,10 @@ __all__ = ["Capabilities", "LocalPlan", "plan_local"]
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the trainer runs today; extend an entry when it learns more (ZeRO-2/3, uneven stages, ...)."""
+    """What the trainer runs today; extend an entry when it learns more (uneven stages, ...)."""
 
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
-    zero: tuple[int, ...] = (0, 1)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = PLANNED_RECOMPUTE
     sequence_parallel: bool = True
     chunks: tuple[int, ...] = (2, 4)  # v tried with the interleaved schedule
@@ -62,9 +62,20 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
                         for rc in caps.recompute:
                             for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
                                 for zero in (z for z in caps.zero if z == 0 or d > 1):
-                                    yield replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
+                                    run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
                                                   microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
                                                   zero=zero)
+                                    if _shards_fit(run):
+                                        yield run
+
+
+def _shards_fit(run: LocalRun) -> bool:
+    """Under ZeRO-2/3 a bucket must hold one data-parallel shard of the largest parameter (the trainer refuses
+    the run otherwise: ``training.zero_grads.check_bucket_size``)."""
+    if run.zero < 2:
+        return True
+    largest = max(x.numel for s in range(run.stages) for x in stage_tensors(run, s))
+    return -(-largest // run.d) <= run.bucket_elements
 
 
 def _builds(schedule: str, p: int, m: int, v: int) -> bool:

@@ -8,6 +8,9 @@ link bandwidths, no measured points. The cost model reads measured numbers where
 them and the named assumptions (``assumptions.py``) where it has not, so a table profile predicts
 exactly what the named GPU did before.
 
+``busy`` holds a pair's message and collectives as training issues them (right after compute, with
+every process of the node busy: a blocked receiver's wake-up, the partner's late arrival, waiting
+for a core when ranks outnumber cores; ``calibrate/busy.py``), keyed by the process count.
 Compute tables are keyed by ``ranks``: how many training processes share the node while measuring
 (a CPU's cores are split between them, as ``modelpar train`` splits its threads), so a profile
 prices a 4-rank run on 2 cores from a 4-rank measurement. Collective costs are
@@ -70,6 +73,8 @@ class HardwareProfile:
     op_latency_s: dict[str, float] = field(default_factory=dict)  # str(ranks) -> seconds per dispatched op
     collectives: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     #              op -> link -> str(group size) -> [latency_s, GB/s]
+    busy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    #       op -> str(ranks) -> [latency_s, GB/s]: a pair's message / collective right after compute, every rank busy
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "gpu"))
@@ -100,6 +105,15 @@ class HardwareProfile:
                         raise ValueError(f"collectives[{op}][{link}][{n}] must be [latency_s, GB/s], got {cost!r}")
                     check_number(f"collectives[{op}][{link}][{n}] latency_s", cost[0])
                     check_number(f"collectives[{op}][{link}][{n}] GB/s", cost[1], strict=True)
+
+        for op, per_ranks in self.busy.items():
+            check_choice("busy op", op, COLLECTIVES)
+            for count, fit in per_ranks.items():
+                _ranks(f"busy[{op}] ranks", count)
+                if len(fit) != 2:
+                    raise ValueError(f"busy[{op}][{count}] must be [latency_s, GB/s], got {fit!r}")
+                check_number(f"busy[{op}][{count}] latency_s", fit[0])
+                check_number(f"busy[{op}][{count}] GB/s", fit[1], strict=True)
 
     @property
     def measured(self) -> bool:
@@ -154,6 +168,15 @@ class HardwareProfile:
             return None
         near = min(sizes, key=lambda n: (abs(math.log(int(n) / group)), -int(n)))
         latency, gbps = sizes[near]
+        return CollectiveCost(latency, gbps)
+
+    def busy_cost(self, op: str, ranks: int) -> CollectiveCost | None:
+        """``op`` over a pair as the trainer issues it (after compute, every one of ``ranks`` processes busy;
+        ``calibrate.busy``), from the table of the most processes at or below ``ranks``; None if not measured."""
+        table = self.busy.get(op)
+        if not table:
+            return None
+        latency, gbps = table[self.ranks_measured(ranks, table)]
         return CollectiveCost(latency, gbps)
 
     def to_json(self) -> dict[str, Any]:

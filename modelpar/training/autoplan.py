@@ -2,7 +2,7 @@
 
 The candidates are ``costmodel.local_search``'s, restricted to what the trainer runs and the local
 cost model prices: the trainer's schedule list, its ZeRO stages that ``costmodel.local`` prices
-(``PRICED_ZERO``: 0 and 1; the per-microbatch traffic of ZeRO-2/3 is not modelled there yet), and
+(``PRICED_ZERO``: 0–3, ZeRO-2/3's per-microbatch collectives included), and
 ``TrainConfig.check`` must accept each one. Each is
 priced on the run's hardware profile (``--hardware``, else the nominal CPU); the fastest whose
 most loaded rank fits ``memory_limit_gb`` (default: the device's memory, a CPU host's shared by

@@ -24,7 +24,7 @@ from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "local_run", "predict", "saved_bytes", "summary_rows"]
+__all__ = ["compare", "held_parameter_bytes", "local_run", "predict", "saved_bytes", "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalRun:
@@ -32,7 +32,13 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
-                    cfg.overlap_grad_reduce and cfg.dp > 1)
+                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.reshard_after_forward)
+
+
+def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
+    """The parameter bytes a rank keeps between steps, as the cost model counts them: all of its parameters,
+    or under ZeRO-3 its range of every bucket (``TrainResult.parameter_bytes``, padding included)."""
+    return result.parameter_bytes if cfg.zero == 3 else result.parameters_here * cfg.param_dtype.itemsize
 
 
 def profile_of(cfg: TrainConfig) -> HardwareProfile:
@@ -64,7 +70,7 @@ def _inputs(cfg: TrainConfig, stage: int, tp: int, device: torch.device) -> torc
 def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp: int,
                 device: torch.device) -> dict[int, int]:
     """Bytes autograd keeps for one microbatch of each stage here (a collective over the tensor-parallel group)."""
-    owned = {p.untyped_storage().data_ptr() for m in stages.values() for p in m.parameters()}
+    params = [p for m in stages.values() for p in m.parameters()]
     last = cfg.pp * cfg.chunks - 1
     out = {}
     for stage, module in sorted(stages.items()):
@@ -72,6 +78,7 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
 
         def pack(x: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
             storage = x.untyped_storage()
+            owned = {p.untyped_storage().data_ptr() for p in params}  # now: ZeRO-3 gathers into new storage
             if storage.data_ptr() not in owned:
                 seen[storage.data_ptr()] = storage.nbytes()
             return x
@@ -106,9 +113,8 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
 
     profile = profile_of(cfg)
     times = result.step_times[1:] or result.step_times
-    item = cfg.param_dtype.itemsize
     measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
-                "parameters_bytes": result.parameters_here * item, "gradients_bytes": result.gradient_bytes,
+                "parameters_bytes": held_parameter_bytes(cfg, result), "gradients_bytes": result.gradient_bytes,
                 "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
     rows = compare(predict(cfg, profile), measured)
     record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,

@@ -1,0 +1,103 @@
+"""Messages and pair collectives as the trainer issues them: right after compute, on ranks that are all busy.
+
+The ping-pong and idle collectives of ``comm.py`` miss what a training step pays on every
+message: a pipeline receiver posts its receive early and blocks; the sender computes, then sends;
+the receiver must be woken (docs/performance.md: 0.5–0.8 ms on average on a 2-core VM, against a
+0.06–0.1 ms ping-pong), and with more ranks than cores it must wait for a core too. A tensor-
+parallel pair computes, then all-reduces, and pays the other rank's late arrival.
+
+Here the ranks form pairs (0, 1), (2, 3), … and every pair runs the pattern at once, so a 4-rank
+measurement on 2 cores is what 4 training ranks sharing 2 cores get:
+
+* ``p2p``: the receiver posts ``irecv`` and waits; the sender computes one GEMM, stamps
+  ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for every process of the host) into the
+  message and sends it; the delay is the receiver's clock when its wait returns minus the stamp.
+* ``all_reduce``, ``all_gather``, ``reduce_scatter`` over the pair: both compute the same GEMM,
+  then call the collective; its seconds on each rank, averaged over both.
+
+Each is the mean over repetitions (a slow wake-up on the critical path costs its full length, so
+the mean, not the median) at the sizes of ``comm.py``, fitted as ``latency + bytes/bandwidth``
+(bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes alongside.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from modelpar._compat import all_gather_single, reduce_scatter_single
+from modelpar.calibrate.comm import SIZES, fit_line
+from modelpar.calibrate.compute import sync
+from modelpar.formulas import allgather_bytes, allreduce_bytes
+
+__all__ = ["BUSY_OPS", "measure_busy"]
+
+BUSY_OPS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
+_WORK = 384  # the GEMM each rank runs before a message: 384³·2 ≈ 0.11 GFLOP, about 1 ms on one CPU core
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _collective(op: str, group: object, full: torch.Tensor, shard: torch.Tensor) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(full, group=group)
+    elif op == "all_gather":
+        all_gather_single(full, shard, group=group)
+    else:
+        reduce_scatter_single(shard, full, group=group)
+
+
+def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]:
+    """op -> [latency_s, GB/s] of ``BUSY_OPS`` over a pair while every pair runs the same (module docstring)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
+    mine = rank // 2 if rank < 2 * len(pairs) else None
+    peer = rank ^ 1
+    x = torch.randn(_WORK, _WORK, device=device)
+    seconds = torch.zeros(len(BUSY_OPS), len(SIZES), dtype=torch.float64)
+    for j, size in enumerate(SIZES):
+        for i, op in enumerate(BUSY_OPS):
+            if op == "p2p":
+                buf = torch.zeros(size // 8, dtype=torch.float64, device=device)
+            else:
+                full = torch.ones(size // 8, dtype=torch.float64, device=device)
+                shard = torch.ones(full.numel() // 2, dtype=torch.float64, device=device)
+            total = 0.0
+            for rep in range(reps + 1):  # the first is a warm-up
+                dist.barrier()
+                if mine is None:
+                    x @ x
+                    continue
+                if op == "p2p":
+                    if rank % 2:
+                        _wait(dist.irecv(buf, peer))
+                        took = time.perf_counter() - buf[0].item()
+                    else:
+                        x @ x
+                        sync(device)  # a GPU's GEMM is done before the stamp
+                        buf[0] = time.perf_counter()
+                        _wait(dist.isend(buf, peer))
+                        took = 0.0
+                else:
+                    x @ x
+                    sync(device)
+                    t0 = time.perf_counter()
+                    _collective(op, pairs[mine], full, shard)
+                    took = (time.perf_counter() - t0) / 2  # the mean of the two ranks' (summed below)
+                if rep > 0:
+                    total += took
+            seconds[i, j] = total / reps
+    dist.all_reduce(seconds)  # per pair: the receiver's delay, the mean of the two ranks' collective
+    return _fit(seconds / max(1, len(pairs)))  # the mean over the pairs (each ran the same)
+
+
+def _fit(seconds: torch.Tensor) -> dict[str, list[float]]:
+    sent = {"p2p": lambda n: n, "all_reduce": lambda n: allreduce_bytes(n, 2), "all_gather": lambda n: allgather_bytes(n, 2),
+            "reduce_scatter": lambda n: allgather_bytes(n, 2)}  # SIZES are whole float64 pairs
+    return {op: list(fit_line([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(SIZES)]))
+            for i, op in enumerate(BUSY_OPS)}

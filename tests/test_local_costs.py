@@ -1,0 +1,101 @@
+"""The local cost model's structure (pure Python, hand-checked): ZeRO-2/3's collectives, the busy pair fits,
+core sharing. The trainer's own bytes are checked against the same functions in test_prediction."""
+
+import dataclasses
+
+import pytest
+
+from modelpar.costmodel.local import _comm, core_share, dp_bytes_step, dp_traffic, predict_local
+from modelpar.costmodel.local_memory import LocalRun, stage_tensors, state_bytes
+from modelpar.costmodel.local_search import Capabilities, layouts
+from modelpar.costmodel.presets import CPU_DEFAULT
+from modelpar.costmodel.profiles import HardwareProfile
+from modelpar.costmodel.zero import dp_bytes_sent
+from modelpar.model import ModelConfig
+
+TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16).spec()
+RUN = LocalRun(TINY, d=4, microbatches=2, batch=16, precision="fp64")  # one stage, one bucket
+LATENCY, GBPS = 1e-4, 1.0  # CPU_DEFAULT's fit of every collective
+
+
+def _time(nbytes: float) -> float:
+    return LATENCY + nbytes / (GBPS * 1e9)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_one_bucket_sends_what_the_zero_formulas_say(zero, reshard, d):
+    """One bucket holding every parameter is the flat buffer costmodel.zero pads once: equal bytes."""
+    run = dataclasses.replace(RUN, zero=zero, reshard=reshard, d=d)
+    params = sum(x.numel for x in stage_tensors(run, 0))
+    assert dp_bytes_step(run, [0]) == dp_bytes_sent(params, d, zero, 8, 8, run.microbatches, reshard)
+
+
+def test_zero3_gathers_in_the_compute_dtype_and_keeps_ranges():
+    run = dataclasses.replace(RUN, zero=3, precision="bf16", d=4)
+    params = sum(x.numel for x in stage_tensors(run, 0))
+    shard = -(-params // 4)
+    scatter, gather, after = dp_traffic(run, 0)
+    assert (scatter, gather, after) == ([3 * shard * 4], [3 * shard * 2], [])  # fp32 gradients, bf16 gathers
+    assert state_bytes(run, [0])["parameters"] == shard * 4  # the fp32 master range
+    assert dp_traffic(dataclasses.replace(run, zero=0), 0) == ([], [], [])
+
+
+def test_zero_collectives_priced_where_the_trainer_issues_them():
+    """p = 1: the pipeline is m·(F + B); ZeRO-2 adds a reduce-scatter to each B and gathers after the step,
+    ZeRO-3 also gathers before each F and B (or once per step, kept)."""
+    base = dataclasses.replace(RUN, zero=1, precision="fp32")
+    params = sum(x.numel for x in stage_tensors(base, 0))
+    ring = 3 * -(-params // 4) * 4  # bytes one rank sends in a reduce-scatter or all-gather (fp32)
+    one = predict_local(base, CPU_DEFAULT)
+    two = predict_local(dataclasses.replace(base, zero=2), CPU_DEFAULT)
+    three = predict_local(dataclasses.replace(base, zero=3), CPU_DEFAULT)
+    kept = predict_local(dataclasses.replace(base, zero=3, reshard=False), CPU_DEFAULT)
+    m = base.microbatches
+    assert two.time["pipeline"] - one.time["pipeline"] == pytest.approx(m * _time(ring), rel=1e-9)
+    assert two.time["dp"] == pytest.approx(_time(ring)) and one.time["dp"] == pytest.approx(2 * _time(ring))
+    assert three.time["pipeline"] - one.time["pipeline"] == pytest.approx(3 * m * _time(ring), rel=1e-9)
+    assert three.time["dp"] == 0.0 and kept.time["dp"] == pytest.approx(_time(ring))
+    assert kept.time["pipeline"] == pytest.approx(two.time["pipeline"], rel=1e-12)
+
+
+def test_planner_offers_zero_2_and_3_when_a_bucket_holds_a_shard():
+    caps = Capabilities(schedules=("1f1b",), recompute=("none",), sequence_parallel=False)
+    zeros = {r.zero for r in layouts(TINY, 4, 16, caps, RUN) if r.d == 4}
+    assert zeros == {0, 1, 2, 3}
+    small = dataclasses.replace(RUN, bucket_elements=100)  # below one shard of the 256 × 32 embedding over 4
+    assert {r.zero for r in layouts(TINY, 4, 16, caps, small) if r.d == 4} == {0, 1}
+
+
+def _profile(**changes) -> HardwareProfile:
+    return dataclasses.replace(CPU_DEFAULT, cores=2, elementwise_gbps={"1": 5.0, "4": 2.0}, **changes)
+
+
+def test_core_share():
+    hw = _profile()
+    at = lambda world: core_share(dataclasses.replace(RUN, d=world), hw)  # noqa: E731
+    assert (at(1), at(2), at(4), at(8), at(16)) == (1.0, 1.0, 1.0, 2.0, 4.0)  # measured up to 4 on 2 cores
+    assert core_share(dataclasses.replace(RUN, d=8), dataclasses.replace(hw, cores=0)) == 1.0  # unknown cores
+    slow = predict_local(dataclasses.replace(RUN, d=8, batch=32), hw)
+    fast = predict_local(dataclasses.replace(RUN, d=8, batch=32), dataclasses.replace(hw, cores=8))
+    assert slow.time["pipeline"] > fast.time["pipeline"]
+
+
+def test_busy_pair_fit_prices_pair_messages():
+    hw = _profile(busy={"p2p": {"2": [1e-3, 0.5]}, "all_reduce": {"4": [2e-3, 0.5]}})
+    run = dataclasses.replace(RUN, d=1, p=2)
+    assert _comm(run, hw, "p2p", 2, 1e6) == pytest.approx(1e-3 + 1e6 / 0.5e9)
+    assert _comm(dataclasses.replace(run, p=4), hw, "p2p", 2, 1e6) == pytest.approx(1e-3 + 1e6 / 0.5e9)
+    assert _comm(run, hw, "all_reduce", 2, 1e6) == pytest.approx(2e-3 + 1e6 / 0.5e9)  # the fewest measured
+    assert _comm(run, hw, "all_gather", 2, 1e6) == pytest.approx(_time(1e6))  # not measured busy: the idle fit
+    assert _comm(dataclasses.replace(run, p=4), hw, "all_reduce", 4, 1e6) == pytest.approx(_time(1e6))  # pairs only
+    assert predict_local(run, hw).step_time_s > predict_local(run, _profile()).step_time_s
+
+
+@pytest.mark.parametrize("busy, message", [({"bcast": {"2": [0.0, 1.0]}}, "busy op must be one of"),
+                                           ({"p2p": {"2": [0.0]}}, "must be [latency_s, GB/s]"),
+                                           ({"p2p": {"x": [0.0, 1.0]}}, "busy[p2p] ranks must be a whole number")])
+def test_bad_busy_table(busy, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _profile(busy=busy)
