@@ -20,8 +20,10 @@ from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.tensor_parallel.context_parallel import (
     ContextParallel,
+    attend_chunks,
     block_attention,
     check_context_split,
+    chunks_of,
     context_attention,
     merge,
     zigzag_index,
@@ -67,7 +69,7 @@ def test_merge_equals_a_direct_softmax():
     blocks = [torch.tensor([3, 0, 9, 15]), torch.tensor([1, 2, 4, 5, 6]), torch.tensor([7, 8, 10, 11, 12, 13, 14])]
     out = lse = None
     for pos_k in blocks:  # any order, any sizes: the merge is associative and commutative
-        o, m = block_attention(q, k[:, :, pos_k], v[:, :, pos_k], pos_q, pos_k, 8 ** -0.5)
+        o, m = block_attention(q, k[:, :, pos_k], v[:, :, pos_k], 8 ** -0.5, pos_q[:, None] >= pos_k[None, :])
         out, lse = (o, m) if out is None else merge(out, lse, o, m)
     scores = (q @ k.transpose(-2, -1)) * 8 ** -0.5
     scores = scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
@@ -84,15 +86,17 @@ def test_every_ranks_share_equals_sdpa_on_the_whole_sequence(cp):
         out = lse = None
         for i in range(cp):  # the ring's order: own block first, then rank r-1's, ...
             src = parts[(r - i) % cp]
-            o, m = block_attention(q[:, :, parts[r]], k[:, :, src].repeat_interleave(2, 1),
-                                   v[:, :, src].repeat_interleave(2, 1), parts[r], src, 8 ** -0.5)
+            o, m = attend_chunks(q[:, :, parts[r]], k[:, :, src].repeat_interleave(2, 1),
+                                 v[:, :, src].repeat_interleave(2, 1), chunks_of(r, cp), chunks_of((r - i) % cp, cp),
+                                 8 ** -0.5)
             out, lse = (o, m) if out is None else merge(out, lse, o, m)
         assert torch.allclose(out, full[:, :, parts[r]], rtol=0, atol=1e-14)
 
 
-def test_the_ring_on_one_rank_is_sdpa_forward_and_backward():
+@pytest.mark.parametrize("comm", ["ring", "allgather"])
+def test_the_core_on_one_rank_is_sdpa_forward_and_backward(comm):
     q, k, v = (t.requires_grad_() for t in _qkv())
-    out = context_attention(q, k, v, ContextParallel(None, "ring"))
+    out = context_attention(q, k, v, ContextParallel(None, comm))
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     grad = torch.randn_like(out)
     mine, theirs = (torch.autograd.grad(o, (q, k, v), grad) for o in (out, ref))

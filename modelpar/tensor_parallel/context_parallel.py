@@ -25,25 +25,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd import Function
 
 from modelpar._validate import check_choice, check_int
+from modelpar.costmodel.specs import CP_COMMS, check_context_split
 from modelpar.tensor_parallel._comm import all_gather, group_rank, group_size, reduce_scatter
 
-__all__ = ["CP_COMMS", "ContextParallel", "block_attention", "check_context_split", "context_attention", "merge",
-           "zigzag_index"]
+__all__ = ["CP_COMMS", "ContextParallel", "attend_chunks", "block_attention", "check_context_split", "chunks_of",
+           "context_attention", "merge", "zigzag_index"]
 
-CP_COMMS = ("ring", "allgather")
 _SEQ = 2  # the sequence dimension of q, k, v: [b, heads, s, d]
-
-
-def check_context_split(seq_len: int, cp: int) -> None:
-    """ValueError unless ``seq_len`` splits into 2·cp equal chunks (the load-balanced split; no padding)."""
-    check_int("cp", cp, minimum=1)
-    if cp > 1 and seq_len % (2 * cp):
-        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 * cp ({2 * cp}): context parallelism "
-                         f"splits every sequence into 2·cp equal chunks (no padding)")
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.Tensor:
@@ -78,17 +69,19 @@ class ContextParallel:
         """Positions of this rank's ``local_len`` tokens in the whole sequence."""
         return zigzag_index(local_len * self.size, self.size, self.rank, device)
 
-    def all_positions(self, local_len: int, device: Any = None) -> torch.Tensor:
-        """[cp, local_len]: the positions every rank holds, by cp rank."""
-        return torch.stack([zigzag_index(local_len * self.size, self.size, r, device) for r in range(self.size)])
+
+def chunks_of(rank: int, cp: int) -> tuple[int, ...]:
+    """The chunks (of 2·cp; of 1 at cp = 1) cp rank ``rank`` holds, in its order: (r, 2·cp − 1 − r)."""
+    return (0,) if cp == 1 else (rank, 2 * cp - 1 - rank)
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos_q: torch.Tensor, pos_k: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of queries at ``pos_q`` to one key/value block at ``pos_k`` (same heads):
-    (output normalised within the block, log-sum-exp of the block's scores, −inf where a row sees none)."""
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q to one key/value block (same heads), keys masked where ``allowed`` [nq, nk] is False:
+    (output normalised within the block, log-sum-exp of its scores; −inf for a row that sees no key)."""
     scores = (q @ k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(pos_q[:, None] < pos_k[None, :], float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     return probs @ v, lse
@@ -105,6 +98,48 @@ def merge(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with −inf (rows that see no key) replaced by 0, so exp(−inf − it) is 0, not nan."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _pairs(q_chunks: tuple[int, ...], k_chunks: tuple[int, ...], c: int) -> list[tuple[slice, slice, bool]]:
+    """(query rows, key rows, diagonal) of every chunk pair with something to attend: a query chunk sees
+    the earlier chunks whole, its own causally, the later ones not at all (skipped: no work)."""
+    return [(slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), i == j)
+            for a, i in enumerate(q_chunks) for b, j in enumerate(k_chunks) if i >= j]
+
+
+def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_chunks: tuple[int, ...],
+                  k_chunks: tuple[int, ...], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q (chunks ``q_chunks``) to k, v (chunks ``k_chunks``; heads repeated already):
+    (output, log-sum-exp), merged over the visible chunk pairs; rows that see nothing: 0 and −inf."""
+    c = q.shape[_SEQ] // len(q_chunks)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    for rows, cols, diagonal in _pairs(q_chunks, k_chunks, c):
+        o, m = block_attention(q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, tril if diagonal else None)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], o, m)
+    return out, lse
+
+
+def _chunk_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+                 lse: torch.Tensor, q_chunks: tuple[int, ...], k_chunks: tuple[int, ...],
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (q, k, v; k and v in repeated heads) of attention to one block, given the final softmax's
+    ``lse`` and delta = rowsum(dO ∘ O) (FlashAttention-2's backward, Dao 2023, Alg. 2)."""
+    c = q.shape[_SEQ] // len(q_chunks)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    for rows, cols, diagonal in _pairs(q_chunks, k_chunks, c):
+        qa, kb, vb, do = q[:, :, rows], k[:, :, cols], v[:, :, cols], dout[:, :, rows]
+        scores = (qa @ kb.transpose(-2, -1)) * scale
+        if diagonal:
+            scores = scores.masked_fill(~tril, float("-inf"))
+        probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1))  # this block's entries of the final softmax
+        dv[:, :, cols] += probs.transpose(-2, -1) @ do
+        ds = probs * (do @ vb.transpose(-2, -1) - delta[:, :, rows])
+        dq[:, :, rows] += (ds @ kb) * scale
+        dk[:, :, cols] += (ds.transpose(-2, -1) @ qa) * scale
+    return dq, dk, dv
 
 
 def _repeat(kv: torch.Tensor, rep: int) -> torch.Tensor:
@@ -142,28 +177,28 @@ class _RingAttention(Function):
     """Ring attention forward and backward over the cp group (autograd sees one op)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                group: Any, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, scale: float) -> torch.Tensor:
         ring, rep = _Ring(group), q.shape[1] // k.shape[1]
+        mine = chunks_of(ring.rank, ring.size)
         kv = torch.stack((k, v)).contiguous()
         out = lse = None
         for i in range(ring.size):
             works, incoming = ring.shift(kv) if i < ring.size - 1 else ([], kv)
-            src = (ring.rank - i) % ring.size
-            o, m = block_attention(q, _repeat(kv[0], rep), _repeat(kv[1], rep), positions[ring.rank],
-                                   positions[src], scale)
+            src = chunks_of((ring.rank - i) % ring.size, ring.size)
+            o, m = attend_chunks(q, _repeat(kv[0], rep), _repeat(kv[1], rep), mine, src, scale)
             out, lse = (o, m) if out is None or lse is None else merge(out, lse, o, m)
             _wait(works)
             kv = incoming
         assert out is not None and lse is not None
-        ctx.save_for_backward(q, k, v, out, lse, positions)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse, positions = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         ring, scale, rep = _Ring(ctx.group), ctx.scale, q.shape[1] // k.shape[1]
+        mine = chunks_of(ring.rank, ring.size)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO ∘ O)
         dq = torch.zeros_like(q)
@@ -172,24 +207,41 @@ class _RingAttention(Function):
         grad_works: list[Any] = []
         for i in range(ring.size):
             works, incoming = ring.shift(kv) if i < ring.size - 1 else ([], kv)
-            src = (ring.rank - i) % ring.size
-            kb, vb = _repeat(kv[0], rep), _repeat(kv[1], rep)
-            scores = (q @ kb.transpose(-2, -1)) * scale
-            scores = scores.masked_fill(positions[ring.rank][:, None] < positions[src][None, :], float("-inf"))
-            probs = torch.exp(scores - lse.unsqueeze(-1))  # the final softmax's entries of this block
-            dv = probs.transpose(-2, -1) @ dout
-            ds = probs * (dout @ vb.transpose(-2, -1) - delta)
-            dq += (ds @ kb) * scale
-            dk = (ds.transpose(-2, -1) @ q) * scale
-            mine = torch.stack((_unrepeat(dk, rep), _unrepeat(dv, rep)))
+            src = chunks_of((ring.rank - i) % ring.size, ring.size)
+            dqi, dk, dv = _chunk_grads(q, _repeat(kv[0], rep), _repeat(kv[1], rep), dout, delta, lse, mine, src,
+                                       scale)
+            dq += dqi
+            block = torch.stack((_unrepeat(dk, rep), _unrepeat(dv, rep)))
             _wait(grad_works)  # the accumulated gradient of this block, from the previous rank
-            dkv = dkv + mine
+            dkv = dkv + block
             if ring.size > 1:  # on to the next rank; after cp hops each block's gradient is home
                 grad_works, dkv = ring.shift(dkv.contiguous())
             _wait(works)
             kv = incoming
         _wait(grad_works)
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq, dkv[0], dkv[1], None, None
+
+
+class _ChunkAttention(Function):
+    """Causal attention of q's chunks to k, v's (every rank's, gathered) keeping no s² tensor for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_chunks: tuple[int, ...],
+                k_chunks: tuple[int, ...], scale: float) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        out, lse = attend_chunks(q, _repeat(k, rep), _repeat(v, rep), q_chunks, k_chunks, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.scale = (q_chunks, k_chunks), scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        rep = q.shape[1] // k.shape[1]
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq, dk, dv = _chunk_grads(q, _repeat(k, rep), _repeat(v, rep), dout, delta, lse, *ctx.chunks, ctx.scale)
+        return dq, _unrepeat(dk, rep), _unrepeat(dv, rep), None, None, None
 
 
 class _GatherSequence(Function):
@@ -210,11 +262,9 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
 
     q [b, a, n, d], k and v [b, g, n, d] (g divides a): this rank's n = s/cp tokens in zig-zag order.
     """
-    n, scale = q.shape[_SEQ], q.shape[-1] ** -0.5
-    positions = cp.all_positions(n, q.device)
+    scale = q.shape[-1] ** -0.5
     if cp.comm == "ring":
-        return _RingAttention.apply(q, k, v, positions, cp.group, scale)
-    rep = q.shape[1] // k.shape[1]
-    k_all, v_all = (_repeat(_GatherSequence.apply(u.contiguous(), cp.group), rep) for u in (k, v))
-    allowed = positions[cp.rank][:, None] >= positions.flatten()[None, :]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed)
+        return _RingAttention.apply(q, k, v, cp.group, scale)
+    k_all, v_all = (_GatherSequence.apply(u.contiguous(), cp.group) for u in (k, v))
+    every = tuple(c for r in range(cp.size) for c in chunks_of(r, cp.size))  # the gathered chunks, rank by rank
+    return _ChunkAttention.apply(q, k_all, v_all, chunks_of(cp.rank, cp.size), every, scale)
