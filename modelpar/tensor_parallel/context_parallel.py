@@ -240,7 +240,8 @@ class _ChunkAttention(Function):
         rep = q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
-        dq, dk, dv = _chunk_grads(q, _repeat(k, rep), _repeat(v, rep), dout, delta, lse, *ctx.chunks, ctx.scale)
+        q_chunks, k_chunks = ctx.chunks
+        dq, dk, dv = _chunk_grads(q, _repeat(k, rep), _repeat(v, rep), dout, delta, lse, q_chunks, k_chunks, ctx.scale)
         return dq, _unrepeat(dk, rep), _unrepeat(dv, rep), None, None, None
 
 
