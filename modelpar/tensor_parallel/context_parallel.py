@@ -13,9 +13,12 @@ Attention over the whole sequence, two ways (``CP_COMMS``):
   and values, which ends back on the block's owner (``_RingAttention``). Nothing of size s² is
   kept: q, k, v, the output and the log-sum-exp, per rank 1/cp of the sequence.
 - ``allgather`` (Llama 3, §3.3.2): key/value are all-gathered over cp before attention; the
-  backward reduce-scatters their gradient. Simpler, and cheap with few key/value heads (GQA).
+  backward reduce-scatters their gradient. Simpler, and cheap with few key/value heads (GQA); it
+  keeps the gathered keys and values (s long, g heads) for the backward.
 
-Key/value heads travel unrepeated (g of them); they are repeated for the query heads here.
+Both attend chunk pair by chunk pair (``attend_chunks``): a query chunk sees earlier chunks whole,
+its own causally and later ones not at all, which are skipped. Key/value heads travel unrepeated
+(g of them); they are repeated for the query heads here.
 """
 
 from __future__ import annotations
