@@ -87,7 +87,17 @@ def test_rank_groups_hand_checked():
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert coordinates(5, 2, 2, 2) == {"pp": 1, "dp": 0, "tp": 1}
+    assert coordinates(5, 2, 2, 2) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+
+
+def test_rank_groups_with_context_parallelism_hand_checked():
+    """(pp, dp, cp, tp) = (1, 2, 2, 2): cp between dp and tp; gradients reduce over dp × cp."""
+    g = rank_groups(pp=1, dp=2, tp=2, cp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert coordinates(6, 1, 2, 2, 2) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
 
 
 @pytest.mark.parametrize("pp,dp,tp", [(1, 1, 1), (3, 1, 2), (2, 4, 1), (4, 3, 2)])

@@ -144,3 +144,17 @@ def test_a_malformed_jsonl_line_is_one_whole_sentence(capsys, tmp_path, monkeypa
     data.write_text('{"text": "hello"}\n{"text": 1,,}\n')
     err = one_line(capsys, "train", [*TINY, "--data", str(data), "--cache-dir", str(tmp_path / "cache")])
     assert err == f"data file {str(data)!r} line 2 is not JSON (Expecting property name enclosed in double quotes at column 12)"
+
+
+# --- context parallelism ----------------------------------------------------------------------------------
+def test_bad_context_parallel_settings_are_one_line_before_any_rank(capsys, monkeypatch, no_ranks):
+    assert one_line(capsys, "train", [*TINY, "--cp", "3"]) == (
+        "seq_len (16) must be divisible by 2 * cp (6): context parallelism splits every sequence into 2·cp equal "
+        "chunks (no padding)")
+    assert one_line(capsys, "train", [*TINY, "--cp", "2", "--cp-comm", "ulysses"]) == (
+        "cp_comm must be one of {ring, allgather}, got 'ulysses'")
+    assert one_line(capsys, "train", [*TINY, "--cp", "0"]) == "cp must be >= 1, got 0"
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)  # under torchrun: cp must divide the world, refused before joining it
+    assert one_line(capsys, "train", [*TINY, "--cp", "2"]) == (
+        "tp * cp * pp * dp = 1 * 2 * 1 * 1 = 2 must equal the number of processes (world size 3)")

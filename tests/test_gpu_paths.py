@@ -249,7 +249,7 @@ def test_mesh_gives_the_step_timeout_to_nccl_pipeline_groups_only():
     from modelpar.distributed.mesh import dim_settings
 
     assert dim_settings("nccl", None, 30.0, 690.0) == {"pp": ("nccl", 690.0), "dp": ("nccl", 30.0),
-                                                       "tp": ("nccl", 30.0)}
+                                                       "cp": ("nccl", 30.0), "tp": ("nccl", 30.0)}
     assert dim_settings("nccl", "gloo", 30.0, 690.0)["pp"] == ("gloo", 30.0)  # gloo: every wait is the runtime's own
     assert dim_settings("gloo", None, 30.0, 690.0)["pp"] == ("gloo", 30.0)
     assert dim_settings("gloo", None, None, None)["tp"] == ("gloo", None)

@@ -91,7 +91,7 @@ def test_plot_writes_a_png(capsys, tmp_path):
         (["--stage-layers", "12,x"], "--stage-layers must be comma-separated whole numbers, got '12,x'"),
         (["--engine", "nemo"], "unknown engine 'nemo'; known: megatron, megatron-2021, deepspeed, pytorch"),
         (["--zero", "4"], "--zero must be one of {0, 1, 2, 3}, got 4"),
-        (["--gpus", "64", "--batch", "64", "--tp", "1", "--pp", "1", "--zero", "3", "--recompute", "none"],
+        (["--gpus", "64", "--batch", "64", "--tp", "1", "--pp", "1", "--cp", "1", "--zero", "3", "--recompute", "none"],
          "GPU memory too small: the leanest layout with the pinned values of gpt3-175b on 64 GPUs"),
         (["--plot", "/nonexistent-folder/plan.png"], "--plot: folder '/nonexistent-folder' does not exist"),
         (["--plot", "plan.pdf"], "--plot must name a .png or .svg file, got 'plan.pdf'"),

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory
 
     cfg, options = build(args)
-    cfg = _planned(cfg).check()
+    cfg = _planned(cfg).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
@@ -186,7 +186,8 @@ def _run(cfg: Any, options: Any) -> int:
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
-    display = Display(console, title=f"t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=options.progress)
+    cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
+    display = Display(console, title=f"t={cfg.tp}{cp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=options.progress)
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
@@ -194,7 +195,7 @@ def _run(cfg: Any, options: Any) -> int:
     else:
         cfg = prepare_data(cfg, console, progress=options.progress).check()
         check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
-        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
+        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp},{cp}{',' if cp else ''} p={cfg.pp}, "
                       f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
                       highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
         result, first = run_local(cfg, report), True

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
-from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
 from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
@@ -25,7 +26,7 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_idea
 __all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "layer_time", "matmul_efficiency",
            "microbatch_times", "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
 
-PARTS = ("compute", "bubble", "tp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
+PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Estimate:
         """The flat record ``modelpar plan --json`` prints."""
         c = self.config
         return {
-            "t": c.t, "p": c.p, "d": c.d, "micro_batch": c.micro_batch, "v": c.v,
+            "t": c.t, "cp": c.cp, "cp_comm": c.cp_comm, "p": c.p, "d": c.d, "micro_batch": c.micro_batch, "v": c.v,
             "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "zero": c.zero,
             "device_layers": list(self.device_layers),
             "microbatches": self.microbatches, "step_time_s": self.step_time_s,
@@ -73,7 +74,13 @@ def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, ba
                  a: Assumptions = DEFAULT) -> str | None:
     """Why ``cfg`` cannot run ``model`` on ``cluster`` with global batch ``batch``, or None if it can (memory aside)."""
     if cfg.gpus != cluster.gpus:
+        if cfg.cp > 1:
+            return f"t·cp·p·d = {cfg.t}·{cfg.cp}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
         return f"t·p·d = {cfg.t}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
+    try:
+        check_context_split(model.seq, cfg.cp)
+    except ValueError as err:
+        return str(err)
     if model.heads % cfg.t or (model.kv_heads or model.heads) % cfg.t:
         return f"heads ({model.heads}, kv {model.kv_heads or model.heads}) not divisible by t = {cfg.t}"
     split = check_split(model.layers, cfg.p, cfg.v, cfg.stage_layers)
@@ -99,7 +106,7 @@ def matmul_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfi
         return a.matmul_efficiency
     if cluster.measured is not None:
         return gemm_efficiency(model, cluster, cfg)
-    tokens = cfg.micro_batch * model.seq
+    tokens = cfg.micro_batch * model.seq / cfg.cp
     width = model.hidden / cfg.t
     return (cluster.gpu.matmul_efficiency * tokens / (tokens + a.gemm_tokens_half)
             * width / (width + a.gemm_width_half))
@@ -116,14 +123,15 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
     Passes: forward, backward (2 × forward) and, with full recomputation, the forward again. Selective
     recomputation re-runs QKᵀ, softmax, its dropout and attention·V (Korthikanti §5): their FLOPs and
     the element-wise passes over the s² scores. Collectives, in all-reduces of b·s·h: ``tp_collectives``.
+    Context parallelism: the rank's s/cp tokens, each attending to all s (``modelpar.costmodel.context``).
     """
     s, h, b, t = model.seq, model.hidden, cfg.micro_batch, cfg.t
-    tokens = b * s
+    tokens = b * s / cfg.cp
     full = cfg.recompute == "full"
     passes = 3 + full
     flops = tokens * model.layer_flops_per_token / t * passes
     stream = activation_bytes_per_layer(s, b, h, model.heads, t, cfg.sequence_parallel, "none",
-                                        model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
+                                        model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff) / cfg.cp
     hbm = a.elementwise_passes * stream * passes
     if cfg.recompute == "selective":
         flops += tokens * 4 * s * h / t
@@ -156,7 +164,7 @@ def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
 def output_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
                       ) -> float:
     """The vocabulary-parallel output layer and fused cross entropy, forward and backward, one microbatch."""
-    tokens = cfg.micro_batch * model.seq
+    tokens = cfg.micro_batch * model.seq / cfg.cp
     flops = 3 * tokens * model.logits_flops_per_token / cfg.t
     fp32_logits = tokens * model.vocab / cfg.t * 4
     return flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(a.elementwise_passes * 3 * fp32_logits, cluster)
@@ -171,7 +179,7 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
     """
     if cfg.p == 1:
         return 0.0
-    act = cfg.micro_batch * model.seq * model.hidden * float(a.param_bytes)
+    act = cfg.micro_batch * model.seq / cfg.cp * model.hidden * float(a.param_bytes)
     span = cluster.gpus
     if cfg.sequence_parallel:
         return collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
@@ -190,8 +198,8 @@ def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: 
     """
     if not a.optimizer_step:
         return 0.0
-    shard = shard_elements(params, cfg.d, cfg.zero >= 1)
-    grads = shard_elements(params, cfg.d, cfg.zero >= 2)
+    shard = shard_elements(params, cfg.grad_ranks, cfg.zero >= 1)
+    grads = shard_elements(params, cfg.grad_ranks, cfg.zero >= 2)
     g, w = a.grad_bytes, a.param_bytes
     adamw = g + 2 * optimizer_state_bytes_per_param(w)
     copy = (4 + w) if w < 4 else 0  # 16-bit weights from the fp32 master copy
@@ -221,7 +229,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     ZeRO-2/3 collectives run beside that and ``dp_overlap`` of what fits under it hides. Only the
     devices that can be the busiest are evaluated: the others differ from them in nothing but rank.
     """
-    p, d = cfg.p, cfg.d
+    p, d = cfg.p, cfg.grad_ranks  # gradients are reduced over d·cp ranks
     ranks = busiest_candidates(loads)
     params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
     if a.uniform_stages or p == 1:
@@ -242,31 +250,34 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
 def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions,
                      memory: dict[str, float] | None = None) -> Estimate:
     """``estimate`` for a configuration ``check_config`` has accepted; ``memory`` its ``memory_breakdown`` if known."""
-    p, v, d, m = cfg.p, cfg.v, cfg.d, batch // (cfg.d * cfg.micro_batch)
+    p, v, m = cfg.p, cfg.v, batch // (cfg.d * cfg.micro_batch)
     eff = matmul_efficiency(model, cluster, cfg, a)
     layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
+    layer_cp = cp_layer_time(model, cluster, cfg, a, eff)
     logits = output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
     loads = device_loads(model.layers, cfg)
-    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a, layer_compute + layer_tp, logits,
-                                                            loads)
+    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a, layer_compute + layer_tp + layer_cp,
+                                                            logits, loads)
 
     # --- the pipelined microbatches (SC'21 §2.2: the busiest device sets the pace), then the step's end ---
     p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
     fill = 2 * (p - 1) * transfer  # the first activation and the last gradient cross every boundary
     pipe = m * (busiest + p2p) + (p - 1) / v * average + fill
     heaviest = max(params.values())
-    end_bytes = dp_bytes_at_step_end(heaviest, d, cfg.zero, a.grad_bytes, a.param_bytes)
+    g = cfg.grad_ranks  # d·cp ranks, t apart
+    end_bytes = dp_bytes_at_step_end(heaviest, g, cfg.zero, a.grad_bytes, a.param_bytes)
     dp_op = "all_reduce" if cfg.zero == 0 else "all_gather"
-    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * d), a, cluster, dp_op, d, cfg.t * d)
+    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * g), a, cluster, dp_op, g, cfg.t * g)
               if end_bytes else 0.0)
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 
     layers = model.layers / p
     time = {
-        "compute": m * (average - layers * layer_tp),
+        "compute": m * (average - layers * (layer_tp + layer_cp)),
         "tp": m * layers * layer_tp,
+        "cp": m * layers * layer_cp,
         "pp": m * p2p + fill,
         "dp": dp_end + m * sharded_dp,
         "optimizer": optimizer,
@@ -287,6 +298,7 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
         bubble_over_ideal_compute=bubble_over_ideal_compute(p, m, v), efficiency=eff,
         links={"tp": cluster.link_name(cfg.t) if cfg.t > 1 else "-",
                "pp": cluster.link_name(cluster.gpus) if p > 1 else "-",
-               "dp": cluster.link_name(cfg.t * d) if d > 1 else "-"},
+               "dp": cluster.link_name(cfg.t * g) if g > 1 else "-",
+               **({"cp": cluster.link_name(cfg.t * cfg.cp)} if cfg.cp > 1 else {})},
         device_layers=loads,
     )

@@ -29,7 +29,7 @@ def gemm_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig)
     profile = cluster.measured
     assert profile is not None
     flops = seconds = 0.0
-    for m, n, k in layer_gemms(model, cfg.micro_batch * model.seq, cfg.t):
+    for m, n, k in layer_gemms(model, cfg.micro_batch * model.seq // cfg.cp, cfg.t):  # a cp rank: s/cp tokens
         for shape in ((m, n, k), (m, k, n), (k, n, m)):  # forward, dgrad, wgrad
             tflops = profile.matmul_tflops(*shape, ranks=cluster.ranks_per_node) or cluster.gpu.peak_tflops
             flops += 2.0 * m * n * k

@@ -98,8 +98,10 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
     """
     s, b, h, t, sp = model.seq, cfg.micro_batch, model.hidden, cfg.t, cfg.sequence_parallel
     coeffs = (model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
-    per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, cfg.recompute, *coeffs)
-    working = activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none", *coeffs) if cfg.recompute == "full" else 0.0
+    # context parallelism: s/cp tokens per rank, each attending to all s (the s² term's share too): ÷ cp
+    per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, cfg.recompute, *coeffs) / cfg.cp
+    working = (activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none", *coeffs) / cfg.cp
+               if cfg.recompute == "full" else 0.0)
     if cfg.zero == 3:
         working += 2 * model.layer_params / t * (a.param_bytes + a.grad_bytes)
     p, v = cfg.p, cfg.v
@@ -108,7 +110,7 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
     for rank in busiest_candidates(loads):
         layers = model.layers / p if a.uniform_stages else loads[rank]
         mem = {
-            "state": training_state_bytes(device_params(model, cfg, loads[rank], rank, a.uniform_stages), cfg.d,
+            "state": training_state_bytes(device_params(model, cfg, loads[rank], rank, a.uniform_stages), cfg.grad_ranks,
                                           cfg.zero, a.param_bytes, a.grad_bytes),
             "activations": per_layer * layers * in_flight(p, v, microbatches, rank),
             "working": working,

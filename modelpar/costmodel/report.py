@@ -16,7 +16,7 @@ __all__ = ["accuracy_summary", "best_by_tp", "explain", "format_accuracy", "form
 
 def format_table(estimates: list[Estimate]) -> str:
     """One row per estimate: layout, step time, TFLOP/s per GPU, MFU, memory and the step's breakdown in %."""
-    head = (f"{'#':>3} {'t':>3} {'p':>4} {'d':>5} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
+    head = (f"{'#':>3} {'t':>3} {'cp':>3} {'p':>4} {'d':>5} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
             f"{'step s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} | "
             + " ".join(f"{k[:7]:>7}" for k in PARTS))
     lines = [head, "-" * len(head)]
@@ -24,7 +24,7 @@ def format_table(estimates: list[Estimate]) -> str:
         c = e.config
         parts = " ".join(f"{100 * e.time[k] / e.step_time_s:6.1f}%" for k in PARTS)
         lines.append(
-            f"{i:>3} {c.t:>3} {c.p:>4} {c.d:>5} {c.micro_batch:>3} {c.v:>3} {c.recompute:>9} "
+            f"{i:>3} {c.t:>3} {c.cp:>3} {c.p:>4} {c.d:>5} {c.micro_batch:>3} {c.v:>3} {c.recompute:>9} "
             f"{'on' if c.sequence_parallel else 'off':>3} {c.zero:>4} {e.step_time_s:>9.3f} {e.tflops_per_gpu:>8.1f} "
             f"{e.mfu:>6.1%} {e.memory_gb:>7.1f} {e.bubble_over_ideal_compute:>7.2%} | {parts}"
         )
@@ -37,7 +37,8 @@ def _layout(e: Estimate) -> str:
     v = f", v = {c.v} chunks per device" if c.v > 1 else ""
     rc = "no" if c.recompute == "none" else c.recompute
     zero = f", ZeRO-{c.zero}" if c.zero else ""
-    return f"t = {c.t}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}{zero}"
+    cp = f", cp = {c.cp} ({c.cp_comm})" if c.cp > 1 else ""
+    return f"t = {c.t}{cp}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}{zero}"
 
 
 def _stages(e: Estimate) -> str:

@@ -19,7 +19,7 @@ from modelpar.costmodel.engines import ENGINES, engine_assumptions
 from modelpar.costmodel.presets import GPUS, NodePreset, gpu_preset, make_cluster, model_preset, profile_node
 from modelpar.costmodel.profiles import load_profile
 from modelpar.costmodel.search import SearchResult, search
-from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec
+from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, check_context_split
 from modelpar.costmodel.stages import check_split
 from modelpar.costmodel.zero import ZERO_STAGES
 from modelpar.layer_split import parse_split
@@ -66,6 +66,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pin.add_argument("--tp", type=int)
     pin.add_argument("--pp", type=int, help="pipeline stages; need not divide the layers (the middle stages get more)")
     pin.add_argument("--dp", type=int)
+    pin.add_argument("--cp", type=int, help="context-parallel ranks (each sequence split across them; 2·cp divides s)")
+    pin.add_argument("--cp-comm", help="ring (default; overlapped with attention) or allgather")
     pin.add_argument("--micro-batch", type=int)
     pin.add_argument("--chunks", type=int, help="interleaving v, model chunks per device")
     pin.add_argument("--recompute", help="none, selective or full")
@@ -146,9 +148,14 @@ def _stage_layers(text: str, layers: int, pins: dict[str, Any]) -> tuple[int, ..
 
 def _pins(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any]:
     pins: dict[str, Any] = {}
-    for flag, key in (("tp", "t"), ("pp", "p"), ("dp", "d"), ("micro_batch", "micro_batch"), ("chunks", "v")):
+    for flag, key in (("tp", "t"), ("pp", "p"), ("dp", "d"), ("cp", "cp"), ("micro_batch", "micro_batch"),
+                      ("chunks", "v")):
         if getattr(args, flag) is not None:
             pins[key] = check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), minimum=1)
+    if "cp" in pins:
+        check_context_split(model.seq, pins["cp"])
+    if args.cp_comm is not None:
+        pins["cp_comm"] = check_choice("--cp-comm", args.cp_comm, CP_COMMS)
     if args.recompute is not None:
         pins["recompute"] = check_choice("--recompute", args.recompute, PLANNED_RECOMPUTE)
     if args.sequence_parallel is not None:

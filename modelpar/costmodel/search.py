@@ -1,10 +1,14 @@
-"""Search every 3D layout (t, p, d, micro-batch, v, recomputation, sequence parallelism, ZeRO) and rank them.
+"""Search every layout (t, cp, p, d, micro-batch, v, recomputation, sequence parallelism, ZeRO) and rank them.
 
 A layout is feasible when t divides the heads, the p·v chunks can hold the layers (evenly, or
 uneven as ``stages.split_layers`` places them), d·b divides the batch, interleaving has
 microbatches divisible by p, and the most loaded device fits in memory (Megatron SC'21 §3,
 Korthikanti §4). Feasible ones are ranked by step time; the rest are counted by the reason they were
 dropped. Memory never falls as b grows, so that loop stops at the first layout that does not fit.
+Context parallelism (cp > 1: the divisors of the GPUs left by t whose 2·cp chunks split the sequence,
+``cp_comm`` "ring" unless pinned) is searched when no layout without it fits, or when ``cp`` is
+pinned: like ZeRO's higher stages it buys memory (activations ÷ cp) with communication, so it is
+worth it for sequences whose activations do not fit otherwise (Megatron-core's advice for CP).
 """
 
 from __future__ import annotations
@@ -102,11 +106,29 @@ def search(
     sequence_parallel: bool | None = None,
     zero: int | None = None,
     stage_layers: tuple[int, ...] | None = None,
+    cp: int | None = None,
+    cp_comm: str = "ring",
 ) -> SearchResult:
     """Estimate every layout of ``model`` on ``cluster`` for global batch ``batch``; pinned arguments fix a dimension.
 
-    ``stage_layers`` pins the layers of each of the p·v chunks (and so p·v).
+    ``stage_layers`` pins the layers of each of the p·v chunks (and so p·v). ``cp`` None: cp = 1, and
+    every cp whenever no layout at cp = 1 fits.
     """
+    def run(cps: int | None) -> SearchResult:
+        return _search(model, cluster, batch, assumptions, t, p, d, micro_batch, v, recompute, sequence_parallel,
+                       zero, stage_layers, cps, cp_comm)
+
+    res = run(1 if cp is None else cp)
+    if cp is None and not res.ranked:  # nothing fits without context parallelism: split the sequences too
+        res = run(None)
+    return res
+
+
+def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Assumptions, t: int | None,
+            p: int | None, d: int | None, micro_batch: int | None, v: int | None, recompute: str | None,
+            sequence_parallel: bool | None, zero: int | None, stage_layers: tuple[int, ...] | None, cp: int | None,
+            cp_comm: str) -> SearchResult:
+    """``search`` at ``cp`` (None: every cp whose 2·cp chunks split the sequence)."""
     a, n, res = assumptions, cluster.gpus, SearchResult([])
     kv = model.kv_heads or model.heads
     recomputes = list(PLANNED_RECOMPUTE) if recompute is None else [recompute]
@@ -116,10 +138,14 @@ def search(
             continue
         sps = [False, True] if tt > 1 else [False]
         sps = sps if sequence_parallel is None else [x for x in sps if x == sequence_parallel]
-        for pp in _pinned("p", p, divisors(n // tt), res, f"the {n // tt} GPUs left by t = {tt}"):
-            dd = n // (tt * pp)
+        splits = [c for c in divisors(n // tt) if c == 1 or model.seq % (2 * c) == 0]  # 2·cp chunks of s
+        cps = _pinned("cp", cp, splits, res, f"the {n // tt} GPUs left by t = {tt} into 2·cp chunks of s = {model.seq}")
+        layouts = [(c, q) for c in cps
+                   for q in _pinned("p", p, divisors(n // (tt * c)), res, f"the {n // (tt * c)} GPUs left by t·cp = {tt * c}")]
+        for cc, pp in layouts:
+            dd = n // (tt * cc * pp)
             if d is not None and dd != d:
-                res.reject("pins", f"d = {d} but t·p = {tt * pp} leaves d = {dd} on {n} GPUs")
+                res.reject("pins", f"d = {d} but t·cp·p = {tt * cc * pp} leaves d = {dd} on {n} GPUs")
                 continue
             if pp > model.layers + 2 or (stage_layers is not None and len(stage_layers) % pp) or (
                     a.uniform_stages and model.layers % pp):  # the reference's model: equal stages only
@@ -138,7 +164,7 @@ def search(
             for rc in recomputes:
                 for sp in sps:
                     for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
-                        dims = (tt, pp, dd, b, rc, sp, stage_layers)
+                        dims = (tt, pp, dd, b, rc, sp, stage_layers, cc, cp_comm)
                         if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
                             break  # a larger micro-batch needs at least as much memory
     res.ranked.sort(key=lambda e: (e.step_time_s, e.memory_gb))
@@ -146,26 +172,27 @@ def search(
 
 
 def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, res: SearchResult,
-                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None], chunks: list[int],
+                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None, int, str], chunks: list[int],
                    zeros: list[int]) -> bool:
     """Try each chunk count v and ZeRO stage for one (t, p, d, b, recompute, sp); True if nothing fit at the first v.
 
     A ZeRO stage above the first in ``zeros`` is tried only when the one below does not fit: sharding
     more costs traffic, so it is worth it only for memory.
     """
-    tt, pp, dd, b, rc, sp, split = dims
+    tt, pp, dd, b, rc, sp, split, cc, comm = dims
     m = batch // (dd * b)
     for vv in chunks:
         if vv > 1 and m % pp:
             res.reject("interleave", f"v = {vv} needs microbatches ({m}) divisible by p = {pp}")
             continue
-        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split), batch, a)
+        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split, cc, comm),
+                              batch, a)
         if reason:  # the same for every ZeRO stage
             res.reject("layers", reason)
             continue
         fitted = False
         for zz in zeros:
-            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split)
+            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split, cc, comm)
             memory = memory_breakdown(model, cfg, m, a)
             need = sum(memory.values())
             if need <= a.memory_limit(cluster.gpu.memory_gb):
@@ -185,4 +212,5 @@ def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assump
 def _short(cfg: ParallelConfig) -> str:
     sp = " sp" if cfg.sequence_parallel else ""
     zero = f" zero{cfg.zero}" if cfg.zero else ""
-    return f"t={cfg.t} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}{zero}"
+    cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
+    return f"t={cfg.t}{cp} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}{zero}"

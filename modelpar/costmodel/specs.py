@@ -15,11 +15,20 @@ from modelpar._validate import check_choice, check_divisible, check_int, check_n
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero import ZERO_STAGES
 
-__all__ = ["PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig"]
+__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "check_context_split"]
 
 # The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
 # that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
 PLANNED_RECOMPUTE = ("none", "selective", "full")
+CP_COMMS = ("ring", "allgather")  # the trainer's --cp-comm choices (modelpar.tensor_parallel.context_parallel)
+
+
+def check_context_split(seq_len: int, cp: int) -> None:
+    """ValueError unless ``seq_len`` splits into 2·cp equal chunks (the load-balanced split; no padding)."""
+    check_int("cp", cp, minimum=1)
+    if cp > 1 and seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 * cp ({2 * cp}): context parallelism "
+                         f"splits every sequence into 2·cp equal chunks (no padding)")
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,7 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """One 3D layout (Megatron notation): t-way tensor, p-way pipeline with v chunks per device, d-way data."""
+    """One layout (Megatron notation): t-way tensor, cp-way context, p-way pipeline with v chunks per device, d-way data."""
 
     t: int
     p: int
@@ -190,11 +199,14 @@ class ParallelConfig:
     zero: int = 0  # ZeRO stage over the d replicas: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
     # layers of each of the p·v model chunks in pipeline order (chunk k on device k mod p); None = ``split_layers``
     stage_layers: tuple[int, ...] | None = None
+    cp: int = 1  # context-parallel ranks: each sequence split across them (docs/context_parallel.md)
+    cp_comm: str = "ring"  # how attention sees the whole sequence: "ring" (overlapped) or "allgather"
 
     def __post_init__(self) -> None:
-        for name in ("t", "p", "d", "micro_batch", "v"):
+        for name in ("t", "p", "d", "micro_batch", "v", "cp"):
             check_int(name, getattr(self, name), minimum=1)
         check_choice("recompute", self.recompute, PLANNED_RECOMPUTE)
+        check_choice("cp_comm", self.cp_comm, CP_COMMS)
         check_choice("zero", self.zero, ZERO_STAGES)
         if self.stage_layers is not None:
             if len(self.stage_layers) != self.p * self.v:
@@ -204,4 +216,9 @@ class ParallelConfig:
 
     @property
     def gpus(self) -> int:
-        return self.t * self.p * self.d
+        return self.t * self.cp * self.p * self.d
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks holding the same parameters, over which gradients are averaged and ZeRO shards: d·cp."""
+        return self.d * self.cp

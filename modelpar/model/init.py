@@ -20,6 +20,7 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import Transformer, split_stage
 from modelpar.recompute.plan import Strategy
 from modelpar.tensor_parallel import param_layout
+from modelpar.tensor_parallel.context_parallel import ContextParallel
 
 __all__ = ["build_stage", "global_name", "init_parameters"]
 
@@ -70,12 +71,14 @@ def init_parameters(model: Transformer, seed: int) -> Transformer:
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0, group: Any = None,
                 sequence_parallel: bool = False, recompute: Strategy = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                split: Sequence[int] | None = None) -> Transformer:
+                split: Sequence[int] | None = None, context: ContextParallel | None = None) -> Transformer:
     """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised.
 
-    ``split``: the layers of each stage (``modelpar.layer_split``; None: its default split)."""
+    ``split``: the layers of each stage (``modelpar.layer_split``; None: its default split).
+    ``context``: context parallelism (``modelpar.tensor_parallel.context_parallel``)."""
     with torch.device("meta"):
-        model = Transformer(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype)
+        model = Transformer(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype,
+                            context=context)
     split_stage(model, stage, num_stages, split)
     model.to_empty(device=device)
     if cfg.tie_embeddings and model.embed is not None and model.head is not None:

@@ -32,6 +32,7 @@ from modelpar.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from modelpar.tensor_parallel.context_parallel import ContextParallel
 
 __all__ = ["LMLoss", "TokenEmbedding", "Transformer", "split_stage", "stage_layers"]
 
@@ -40,10 +41,12 @@ class TokenEmbedding(TensorParallelModule):
     """Token embedding split by vocabulary (§5.5), plus learned positions (gpt), replicated.
 
     With sequence parallelism the lookup is reduce-scattered along the sequence and each rank
-    adds the positions of its own s/t tokens (so their gradient is summed over the group).
+    adds the positions of its own s/t tokens (so their gradient is summed over the group). With
+    context parallelism the ids are this rank's s/cp tokens, whose positions ``context`` knows.
     """
 
-    def __init__(self, cfg: ModelConfig, group: Any, sequence_parallel: bool, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, group: Any, sequence_parallel: bool, dtype: torch.dtype | None,
+                 context: ContextParallel | None = None) -> None:
         super().__init__()
         self._init_tensor_parallel(group)
         self.word = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden, group=group,
@@ -51,6 +54,7 @@ class TokenEmbedding(TensorParallelModule):
         self.pos = nn.Parameter(torch.empty(cfg.seq_len, cfg.hidden, dtype=dtype)) if cfg.arch == "gpt" else None
         self._set_layout("pos", None, sequence_parallel=sequence_parallel)
         self.seq_len, self.sequence_parallel = cfg.seq_len, sequence_parallel
+        self.context = context if context is not None and context.size > 1 else None
 
     def forward(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Ids [b, s] at positions start … start + s − 1 → [b, s, h] (sequence parallel: [b, s/t, h])."""
@@ -60,6 +64,10 @@ class TokenEmbedding(TensorParallelModule):
         x = self.word(ids)
         if self.pos is None:
             return x
+        if self.context is not None:  # zig-zag positions; under sequence parallelism this rank's run of them
+            positions = self.context.positions(ids.shape[1], ids.device)
+            first = self.tp_rank * x.shape[1] if self.sequence_parallel else 0
+            return x + self.pos[positions[first:first + x.shape[1]]]
         if self.sequence_parallel:  # this rank's tokens are [r·s/t, (r+1)·s/t)
             start += self.tp_rank * x.shape[1]
         return x + self.pos[start:start + x.shape[1]]
@@ -71,10 +79,13 @@ class Transformer(nn.Module):
     ``group``: the tensor-parallel group (None: one process). ``recompute``: activation
     recomputation (``modelpar.recompute.RECOMPUTE_NAMES``): ``"selective"`` re-runs every
     attention core, the others (k, "full", ...) checkpoint this module's chain of layers.
+    ``context``: context parallelism (each sequence split over the cp ranks; the ids a rank gets are
+    its tokens in ``modelpar.tensor_parallel.context_parallel.zigzag_index`` order).
     """
 
     def __init__(self, cfg: ModelConfig, group: Any = None, sequence_parallel: bool = False,
-                 recompute: Strategy = None, dtype: torch.dtype | None = None) -> None:
+                 recompute: Strategy = None, dtype: torch.dtype | None = None,
+                 context: ContextParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         selective = recompute == "selective"
@@ -83,11 +94,11 @@ class Transformer(nn.Module):
             plan_recompute(cfg.layers, self.recompute)  # a bad name fails here, before any work
         llama = cfg.arch == "llama"
         kw: dict[str, Any] = {"group": group, "sequence_parallel": sequence_parallel, "dtype": dtype}
-        self.embed: TokenEmbedding | None = TokenEmbedding(cfg, group, sequence_parallel, dtype)
+        self.embed: TokenEmbedding | None = TokenEmbedding(cfg, group, sequence_parallel, dtype, context)
         self.layers = nn.ModuleDict({
             str(i): ParallelTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn_hidden, eps=cfg.norm_eps, llama=llama,
                                              kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
-                                             recompute_core=selective, **kw)
+                                             recompute_core=selective, context=context, **kw)
             for i in range(cfg.layers)})
         self.norm: nn.Module | None = (RMSNorm if llama else LayerNorm)(cfg.hidden, eps=cfg.norm_eps, **kw)
         self.head: ColumnParallelLinear | None = ColumnParallelLinear(cfg.hidden, cfg.padded_vocab_size, bias=False, **kw)

@@ -13,7 +13,9 @@ block needs one all-reduce forward (g) and one backward (f). Two layouts:
 
 Options: rotary position embedding (``rope_theta``), a KV cache for decoding (``cache``) and
 selective recomputation (``recompute_core``: keep q, k, v and re-run QKᵀ, softmax, dropout and ·V
-in backward — Korthikanti et al. 2022 §5).
+in backward — Korthikanti et al. 2022 §5). With ``context`` (context parallelism over cp > 1 ranks)
+the input holds this rank's s/cp tokens of every sequence, in the zig-zag order of
+``modelpar.tensor_parallel.context_parallel``, and the core attends over the whole sequence.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from modelpar._validate import check_divisible, check_int, check_number
 from modelpar.tensor_parallel._comm import group_rank, group_size, resolve_group
 from modelpar.tensor_parallel.collectives import enter_column_parallel_region
+from modelpar.tensor_parallel.context_parallel import ContextParallel, context_attention
 from modelpar.tensor_parallel.dropout import sliced_dropout
 from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import T_NAME, ColumnParallelLinear, RowParallelLinear
@@ -55,9 +58,13 @@ class ParallelAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int | None = None, dropout: float = 0.0,
                  bias: bool = True, rope_theta: float | None = None, recompute_core: bool = False,
                  group: Any = None, sequence_parallel: bool = False, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, context: ContextParallel | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
+        self.context = context if context is not None and context.size > 1 else None
+        if self.context is not None and dropout:
+            raise ValueError(f"dropout must be 0 with context parallelism (cp = {self.context.size}), got "
+                             f"{dropout}: the attention probabilities are never formed whole")
         self.hidden = check_int("hidden", hidden, minimum=1)
         self.heads = check_int("heads", heads, minimum=1)
         check_divisible("hidden", hidden, "heads", heads)
@@ -100,8 +107,12 @@ class ParallelAttention(nn.Module):
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # [b, a/t, s, d]
         k, v = (u.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2) for u in (k, v))
         start = cache.pos if cache is not None else 0
+        if self.context is not None and cache is not None:
+            raise ValueError("a KV cache (decoding) needs the whole sequence on one rank: context parallelism "
+                             "is for training")
         if self.rope_theta is not None:
-            positions = torch.arange(start, start + s, device=q.device)
+            positions = (torch.arange(start, start + s, device=q.device) if self.context is None
+                         else self.context.positions(s, q.device))
             cos, sin = rotary_angles(positions, self.head_dim, self.rope_theta, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
@@ -119,7 +130,10 @@ class ParallelAttention(nn.Module):
 
         Key/value heads are repeated for the query heads that share them. This is the part
         selective recomputation re-runs: its s² scores and probabilities are never kept.
+        Context-parallel: over the cp ranks' keys and values (``context_attention``).
         """
+        if self.context is not None:
+            return context_attention(q, k, v, self.context)
         if self.local_heads != k.shape[1]:
             k, v = (u.repeat_interleave(self.local_heads // k.shape[1], dim=1) for u in (k, v))
         s_q, s_k = q.shape[2], k.shape[2]

@@ -24,6 +24,7 @@ from modelpar._validate import check_number
 from modelpar.tensor_parallel._comm import group_rank, group_size, resolve_group
 from modelpar.tensor_parallel.attention import ParallelAttention
 from modelpar.tensor_parallel.collectives import SEQUENCE_DIM
+from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.tensor_parallel.dropout import sliced_dropout
 from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import LayerNorm, RMSNorm
@@ -40,14 +41,14 @@ class ParallelTransformerLayer(nn.Module):
     ``attn_dropout`` to the attention probabilities; all ranks must share the random seed.
     ``llama``: Llama-style blocks with ``kv_heads`` key/value heads (default: ``heads``) and
     rotary positions of base ``rope_theta``. ``recompute_core``: selective recomputation of the
-    attention core.
+    attention core. ``context``: context parallelism (the input holds this rank's s/cp tokens).
     """
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, dropout: float = 0.0,
                  attn_dropout: float = 0.0, bias: bool = True, eps: float = 1e-5, llama: bool = False,
                  kv_heads: int | None = None, rope_theta: float = 10000.0, recompute_core: bool = False,
                  group: Any = None, sequence_parallel: bool = False, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, context: ContextParallel | None = None) -> None:
         super().__init__()
         group = resolve_group(group)
         self.dropout = check_number("dropout", dropout)
@@ -61,7 +62,7 @@ class ParallelTransformerLayer(nn.Module):
         self.ln1 = norm(hidden, eps=eps, **kw)
         self.attn = ParallelAttention(hidden, heads, kv_heads=(kv_heads or heads) if llama else None,
                                       dropout=attn_dropout, bias=bias, rope_theta=rope_theta if llama else None,
-                                      recompute_core=recompute_core, **kw)
+                                      recompute_core=recompute_core, context=context, **kw)
         self.ln2 = norm(hidden, eps=eps, **kw)
         self.mlp = ParallelMLP(hidden, ffn_hidden, bias=bias, gated=llama, **kw)
 

@@ -1,4 +1,4 @@
-"""What a training run is: the model, the (t, p, d) split, the schedule and the optimisation.
+"""What a training run is: the model, the (t, cp, p, d) split, the schedule and the optimisation.
 
 ``TrainConfig.check(world_size)`` validates everything before any process group work starts, so
 bad input is the same clear ValueError on every rank (every rank checks the same config).
@@ -26,6 +26,7 @@ from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
+from modelpar.tensor_parallel.context_parallel import CP_COMMS, check_context_split
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
@@ -57,6 +58,11 @@ class TrainConfig:
     tp: int = option(2, section="parallelism", help="t: tensor-parallel ranks (consecutive ranks, inside a machine)")
     pp: int = option(2, section="parallelism", help="p: pipeline stages (devices along the pipeline)")
     dp: int = option(1, section="parallelism", help="d: data-parallel replicas")
+    cp: int = option(1, section="parallelism", help="cp: context-parallel ranks; each sequence is split across them "
+                                                     "(load-balanced zig-zag chunks; docs/context_parallel.md)")
+    cp_comm: str = option("ring", section="parallelism", help="how attention sees the whole sequence with cp > 1: "
+                                                              "ring (key/value blocks pass around the cp ranks, "
+                                                              "overlapped) or allgather (key/value all-gathered)")
     schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, "
                                                             "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min or "
                                                             "dualpipe-v (docs/schedules.md)")
@@ -149,7 +155,7 @@ class TrainConfig:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, cp=self.cp)
 
     @property
     def layer_split(self) -> tuple[int, ...]:
@@ -178,6 +184,11 @@ class TrainConfig:
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
+        check_choice("cp_comm", self.cp_comm, CP_COMMS)
+        check_context_split(self.model.seq_len, self.cp)
+        if self.cp > 1 and self.zero >= 2:
+            raise ValueError(f"zero {self.zero} with cp {self.cp} is not supported (ZeRO-1 is: its state is sharded "
+                             "over the d·cp ranks); use zero 0 or 1 with context parallelism")
         if self.zero >= 2 and self.dp < 2:
             raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
                              f"{self.dp}; use zero 0 on one replica")
@@ -204,6 +215,8 @@ class TrainConfig:
         check_number("memory_limit_gb", self.memory_limit_gb)
         check_number("preempt_grace", self.preempt_grace)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
+        if self.sequence_parallel and self.cp > 1:
+            check_divisible("seq_len / cp (sequence parallel)", self.model.seq_len // self.cp, "tp", self.tp)
         fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
         recompute = parse_strategy(self.recompute)
         if isinstance(recompute, int):

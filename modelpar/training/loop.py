@@ -1,9 +1,9 @@
 """The 3D-parallel training loop (§6): run on every rank of an initialised process group.
 
     for step in range(start, steps):
-        inputs → first stage, labels → last stage          (modelpar.text.rank_batch)
+        inputs → first stage, labels → last stage          (modelpar.text.rank_batch; cp: this rank's tokens)
         PipelineRunner.step: schedule's F/B(/I/W) over p    (modelpar.pipeline)
-        GradSync.finish: sp sums, tied-embedding sum, dp mean
+        GradSync.finish: sp sums, tied-embedding sum, mean over dp × cp
         GradSync.clip: global norm over every shard
         StopController.agree: loss mean over replicas, and every rank's stop flags (one all-gather)
         AdamW.step (unless non-finite); report; eval; checkpoint; or stop on every rank at once
@@ -30,6 +30,7 @@ from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
+from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
 from modelpar.training.config import TrainConfig
@@ -149,9 +150,11 @@ class _Run:
         self.corpus = open_corpus(cfg.data)
         self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
         stages = self.schedule.num_stages
+        self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split)
+                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
+                                       context=self.context)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         slow_init()
         if cfg.init_from is not None:
@@ -165,19 +168,21 @@ class _Run:
         # nodes and the merged backward crash autograd (SIGSEGV in tests/test_zero.py's ZB-H1 rows; not understood yet)
         self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout,
                                      merge_backward=cfg.zero < 2)
-        self.comm = DataParallelComm(rs.dp_group, self.runner.timer, self.runner.recorder, rs.timeout)
+        # cp joins data parallelism for gradients: every cp rank's loss is the mean over its s/cp tokens of each
+        # sequence (equal counts), so the global mean loss's gradient is the mean over the d·cp ranks
+        self.comm = DataParallelComm(rs.grad_group, self.runner.timer, self.runner.recorder, rs.timeout)
         elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
         sync_args: dict[str, Any] = dict(
                          modules=self.modules, finish_order=finish_order(self.schedule, rs.pp_rank), comm=self.comm,
-                         tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.dp_rank,
+                         tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.grad_rank,
                          tied_split=cfg.model.tie_embeddings and stages > 1, zero=cfg.zero, bucket_elements=elements,
-                         overlap=cfg.overlap_grad_reduce and cfg.dp > 1)
+                         overlap=cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1)
         self.meter = BufferMeter()
         self.gather: ParamGather | None = None
         if cfg.zero >= 2:
             compute = torch.bfloat16 if cfg.zero == 3 and cfg.precision == "bf16" else None
             self.sync: GradSync = ShardedGradSync(**sync_args, meter=self.meter, compute_dtype=compute)
-            check_bucket_size(self.sync.buckets, elements, cfg.dp, cfg.bucket_mb)
+            check_bucket_size(self.sync.buckets, elements, cfg.dp * cfg.cp, cfg.bucket_mb)
             if cfg.zero == 3:
                 self.gather = ParamGather(self.modules, self.sync.buckets, self.comm, self.meter,
                                           cfg.reshard_after_forward)
@@ -186,7 +191,7 @@ class _Run:
             self.sync = GradSync(**sync_args)
         if self.sync.overlap or cfg.zero >= 2:
             self.runner.register_action_hook(self.sync.action_hook)
-        self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.dp_rank, cfg.lr, cfg.weight_decay)
+        self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
         self.state = checkpoint_state(cfg.model, self.modules, self.optimizer, self.rng)
@@ -206,7 +211,8 @@ class _Run:
                                                     for s, m in self.modules.items()}, self.loss_fn, cfg.tp, rs.device)
         self.first = rs.pp_rank == self.schedule.device_of(0)
         self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
-        self.loss_weight = 1.0 / cfg.dp if (self.last and rs.tp_rank == 0) else 0.0  # one rank per replica
+        # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
+        self.loss_weight = 1.0 / (cfg.dp * cfg.cp) if (self.last and rs.tp_rank == 0) else 0.0
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
         self.timelines: list[Any] = []
         self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
@@ -214,6 +220,9 @@ class _Run:
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, y = self.corpus.batch(split, index, self.cfg.batch_size, self.cfg.model.seq_len, self.cfg.seed)
+        if self.cfg.cp > 1:  # this rank's tokens of every sequence: chunks r and 2·cp−1−r
+            mine = self.context.positions(x.shape[1] // self.cfg.cp)
+            x, y = x[:, mine], y[:, mine]
         xi, yi = rank_batch(x, y, dp_rank=self.rs.dp_rank, dp=self.cfg.dp, first_stage=self.first,
                             last_stage=self.last)
         return tuple(None if t is None else t.to(self.rs.device) for t in (xi, yi))  # type: ignore[return-value]

@@ -62,8 +62,8 @@ def _inputs(cfg: TrainConfig, stage: int, tp: int, device: torch.device) -> torc
     gen = torch.Generator().manual_seed(stage)  # not the run's random stream
     b = cfg.batch_size // (cfg.dp * cfg.microbatches)
     if stage == 0:
-        return torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len), generator=gen).to(device)
-    s = cfg.model.seq_len // (tp if cfg.sequence_parallel else 1)
+        return torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device)
+    s = cfg.model.seq_len // cfg.cp // (tp if cfg.sequence_parallel else 1)
     return torch.randn(b, s, cfg.model.hidden, generator=gen).to(device, cfg.param_dtype)
 
 

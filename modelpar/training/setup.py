@@ -1,8 +1,10 @@
-"""Process groups for one rank of a (pp, dp, tp) run, all from one DeviceMesh (§6.1).
+"""Process groups for one rank of a (pp, dp, cp, tp) run, all from one DeviceMesh (§6.1).
 
-Tensor-parallel groups are consecutive ranks (inside a machine), pipeline groups the slowest
-index (across machines), data-parallel in between; ``modelpar.distributed.ParallelDims`` owns
-the layout and the mesh its groups and this rank's place in them. Tied embeddings split across
+Tensor-parallel groups are consecutive ranks (inside a machine), context-parallel next, pipeline
+groups the slowest index (across machines), data-parallel in between; ``modelpar.distributed.ParallelDims``
+owns the layout and the mesh its groups and this rank's place in them. Gradients are reduced over
+the "dp_cp" group, the d·cp ranks that hold the same parameters (Megatron-core's data-parallel
+group with context parallelism): a cp rank's gradient is its tokens' share of the replica's. Tied embeddings split across
 stages also need the "embedding group": the first and last rank of each pipeline group
 (Megatron's ``_EMBEDDING_GROUP``). Every group times out after the run's ``timeout``, except the
 pipeline groups on NCCL, whose watchdog must let a receive posted at a step's start wait for the
@@ -30,7 +32,7 @@ __all__ = ["RankSetup", "setup_rank"]
 class RankSetup:
     """This rank's coordinates and groups; a group is None where its dimension has size 1."""
 
-    mesh: DeviceMesh  # (pp, dp, tp)
+    mesh: DeviceMesh  # (pp, dp, cp, tp)
     pp_group: Any  # always a ProcessGroup: the pipeline runner's devices
     tp_group: Any
     dp_group: Any
@@ -38,6 +40,10 @@ class RankSetup:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_group: Any  # the ranks splitting each sequence
+    cp_rank: int
+    grad_group: Any  # dp × cp: where gradients are averaged and ZeRO shards (dp_group when cp = 1)
+    grad_rank: int  # this rank's index in it: dp_rank · cp + cp_rank
     device: torch.device
     timeout: float
     pipeline_timeout: float  # the pp groups' NCCL watchdog timeout (step_timeout); ``timeout`` on gloo
@@ -53,11 +59,27 @@ def _embedding_group(mesh: DeviceMesh, timeout: float) -> Any:
 
     ``new_group`` is collective over the world: every rank creates every pair, in the same order.
     """
-    ranks = mesh.mesh  # [pp, dp, tp] tensor of global ranks
+    ranks = mesh.mesh  # [pp, dp, cp, tp] tensor of global ranks
     mine = None
     for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist()):
         group = dist.new_group([first, last], timeout=datetime.timedelta(seconds=timeout))
         if dist.get_rank() in (first, last):
+            mine = group
+    return mine
+
+
+def _grad_group(mesh: DeviceMesh, timeout: float) -> Any:
+    """This rank's group of the dp·cp ranks sharing its (pp, tp) indices (None if it holds one rank).
+
+    ``new_group`` is collective over the world: every rank creates every group, in the same order.
+    """
+    ranks = mesh.mesh  # [pp, dp, cp, tp]
+    if ranks.shape[1] * ranks.shape[2] == 1:
+        return None
+    mine = None
+    for members in ranks.permute(0, 3, 1, 2).flatten(2).flatten(0, 1).tolist():
+        group = dist.new_group(members, timeout=datetime.timedelta(seconds=timeout))
+        if dist.get_rank() in members:
             mine = group
     return mine
 
@@ -72,14 +94,18 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     pipeline_timeout = step_timeout(schedule, timeout) if on_nccl else timeout
     mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout,
                                pipeline_timeout=pipeline_timeout)
-    pp, dp, tp = mesh["pp"], mesh["dp"], mesh["tp"]
+    pp, dp, cp, tp = mesh["pp"], mesh["dp"], mesh["cp"], mesh["tp"]
     tied_across_stages = cfg.model.tie_embeddings and cfg.pp > 1
+    dp_group = _group(dp)
     return RankSetup(
         mesh=mesh,
         pp_group=pp.get_group(),
         tp_group=_group(tp),
-        dp_group=_group(dp),
+        dp_group=dp_group,
         embed_group=_embedding_group(mesh, timeout) if tied_across_stages else None,
         pp_rank=pp.get_local_rank(), dp_rank=dp.get_local_rank(), tp_rank=tp.get_local_rank(),
+        cp_group=_group(cp), cp_rank=cp.get_local_rank(),
+        grad_group=dp_group if cfg.cp == 1 else _grad_group(mesh, timeout),
+        grad_rank=dp.get_local_rank() * cfg.cp + cp.get_local_rank(),
         device=device, timeout=timeout, pipeline_timeout=pipeline_timeout,
     )
