@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from modelpar.schedules import SCHEDULES, Action, Kind, get_schedule, lower, rendezvous
+from modelpar.schedules import SCHEDULES, Action, Kind, get_schedule, lower
 from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules.lower import rendezvous
 from modelpar.simulate import Costs, simulate
 
 NEW = ["looped-bfs", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"]

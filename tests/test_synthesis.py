@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.cli import main
-from modelpar.schedules import SCHEDULES, Kind, get_schedule, lower, rendezvous
+from modelpar.schedules import SCHEDULES, Kind, get_schedule, lower
 from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules.lower import rendezvous
 from modelpar.simulate.synthesis import StageCosts, candidates, pareto, synthesize
 
 
