@@ -34,6 +34,7 @@ from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.faults import nonfinite_hook, slow_init
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
@@ -42,7 +43,7 @@ from modelpar.training.prediction import saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
-from modelpar.training.stopping import Stop, StopController, Verdict, slow_init
+from modelpar.training.stopping import Stop, StopController, Verdict
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
@@ -154,6 +155,7 @@ class _Run:
                                        dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         slow_init()
+        self.fault = nonfinite_hook()
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
 
@@ -227,7 +229,8 @@ class _Run:
         self.sync.zero_grad()
         self.meter.reset_peak()
         self.runner.step(xi, yi)
-        self.stop.inject_nonfinite(step, self.sync.grad_holders)
+        if self.fault is not None:  # tests only (modelpar.training.faults)
+            self.fault(step, self.sync.grad_holders)
         self.sync.finish()
         norm = self.sync.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
