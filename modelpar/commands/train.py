@@ -178,11 +178,9 @@ def _run(cfg: Any, options: Any) -> int:
     from rich.console import Console
 
     from modelpar.distributed import is_torchrun
-    from modelpar.text import prepare_data
     from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
     from modelpar.training.report import Display
-    from modelpar.training.resume import check_resume
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
@@ -192,12 +190,7 @@ def _run(cfg: Any, options: Any) -> int:
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        cfg = prepare_data(cfg, console, progress=options.progress).check()
-        check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
-        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp}, p={cfg.pp}, "
-                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
-                      highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
-        result, first = run_local(cfg, report), True
+        result, first = run_local(cfg, report, console, progress=options.progress), True
     if result.stop is not None:
         report.close()
         if first:

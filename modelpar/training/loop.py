@@ -37,7 +37,7 @@ from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
 from modelpar.training.faults import nonfinite_hook, slow_init
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
-from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
+from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import wrap_stage
 from modelpar.training.prediction import saved_bytes
 from modelpar.training.resume import fits, open_directory
@@ -199,7 +199,7 @@ class _Run:
                                   flops_per_token=cfg.model.flops_per_token(),
                                   device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
                                   parameters_here=sum(p.numel() for p in self.sync.params),
-                                  optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
+                                  optimizer_state_bytes=measured_state_bytes(self.optimizer),
                                   gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
                                   parameter_bytes=self.sync.parameter_bytes(),
                                   unigram_baseline=self.corpus.unigram_baseline(),
@@ -315,7 +315,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
     checkpoints = open_directory(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
-        cfg = prepare_on_rank0(cfg).check(dist.get_world_size())  # may write tokenizer.json: after the lock
+        cfg = prepare_on_rank0(cfg).check()  # may write tokenizer.json: after the lock (a new value is checked once)
         run = _Run(cfg, report, checkpoints, stop)
     except BaseException:
         if checkpoints is not None:
