@@ -132,7 +132,7 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             if schedule.device_of(schedule.num_stages - 1) == c["device"]:
                 assert c["microbatch_losses"] == m
             # held activations (F until B, or I when split), counted per chunk: the simulator's peak
-            expected = simulate(schedule).peak_activations[c["device"]] * schedule.chunks
+            expected = simulate(schedule).peak_held[c["device"]] * schedule.chunks
             assert c["peak"] == [round(expected)] * 2, (rank, c)
 
 
@@ -253,7 +253,7 @@ def test_hand_written_v_schedule(cluster):
         device = rank // 2  # groups [0, 2] and [1, 3]
         assert err <= TOL and owned == 8
         assert n_losses == (3 if device == 0 else 0)  # the last stage lives on device 0
-        assert peak == simulate(schedule).peak_activations[device] * schedule.chunks
+        assert peak == simulate(schedule).peak_held[device] * schedule.chunks
 
 
 # --- bad input: the same clear error on every rank, before anything is sent -------------------

@@ -134,7 +134,7 @@ def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
         "transfer_s": statistics.fmean(crossing) if crossing else 0.0,  # one message, mean over boundaries
         "message_delay_s": statistics.fmean([d for d in delays if d]) if any(delays) else 0.0,  # the same, in the run
         "measured_peak_held": result["peak_held"],
-        "simulated_peak_held": [round(p * chunks) for p in predicted.peak_activations],
+        "simulated_peak_held": [round(p * chunks) for p in predicted.peak_held],
         "measured": median,
         "simulated": predicted,
     }

@@ -194,7 +194,7 @@ def _pareto(args, k, m, stage_costs) -> int:
     front = pareto(named + synth)
     auto = [t for t in front if t.name == "auto"]
     if args.json:
-        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_activations),
+        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_held),
                            "step_time": t.step_time, "bubble": t.bubble, "frontier": t in front}
                           for t in named + auto], indent=1))
     else:

@@ -132,8 +132,8 @@ class _Step:
         elif p.sink == "send":
             self.outbox[p.key] = y
         held = ctx.stages.values()
-        self.rec.peak_held = max(self.rec.peak_held, sum(st.held_graphs for st in held))
-        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held for st in held))
+        self.rec.peak_held = max(self.rec.peak_held, sum(st.held for st in held))
+        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held_until_w for st in held))
 
     def timed(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> tuple[Any, Any, Any]:
         """(start mark, result, end mark) of one action."""
