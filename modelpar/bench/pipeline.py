@@ -35,7 +35,7 @@ class MLPBench:
     blocks: int = 2  # MLP blocks (width -> 4 width -> width) per process, split over its chunks
     rows: int = 256  # batch rows N
     steps: int = 5  # measured steps (after one warm-up step)
-    recompute: Strategy = None  # per-stage activation recomputation
+    recompute: Strategy = "none"  # per-stage activation recomputation
     threads: int = 1  # torch intra-op threads per process
     timeout: float = 60.0  # seconds a rank may wait for a peer
     cuda: bool = False  # stages on each rank's GPU (under torchrun with NCCL)
