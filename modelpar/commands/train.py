@@ -178,9 +178,9 @@ def _run(cfg: Any, options: Any) -> int:
     from rich.console import Console
 
     from modelpar.distributed import is_torchrun
+    from modelpar.training.display import Display
     from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
-    from modelpar.training.report import Display
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
@@ -204,7 +204,7 @@ def _run(cfg: Any, options: Any) -> int:
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
-    from modelpar.training.report import peak_tflops_of, plot_losses, summary_table
+    from modelpar.training.display import peak_tflops_of, plot_losses, summary_table
 
     peak = peak_tflops or peak_tflops_of(result.device_name)
     mfu = result.flops_per_token * result.tokens_per_s / (cfg.dims.world_size * peak * 1e12) if peak else None

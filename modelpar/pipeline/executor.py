@@ -28,7 +28,7 @@ import torch
 
 from modelpar.pipeline.collectives import FlightRecorder
 from modelpar.pipeline.p2p import P2P, Posted
-from modelpar.pipeline.plan import COMPUTE, SEND, Planned
+from modelpar.pipeline.program import COMPUTE, SEND, Planned
 from modelpar.pipeline.stage import LocalStage
 from modelpar.pipeline.timing import CudaTimer, HostTimer
 from modelpar.schedules.action import Action, Kind

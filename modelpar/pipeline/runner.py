@@ -39,7 +39,7 @@ from modelpar.pipeline.collectives import FlightRecorder, comm_device
 from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
 from modelpar.pipeline.measure import gather_timeline, measure_link
 from modelpar.pipeline.p2p import P2P
-from modelpar.pipeline.plan import Planned, build_plan
+from modelpar.pipeline.program import Planned, build_plan
 from modelpar.pipeline.shapes import BatchSpec, TensorSpec, dry_run, exchange_batch, microbatch_sizes
 from modelpar.pipeline.stage import LocalStage, LossFn
 from modelpar.pipeline.timing import timer_for

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from modelpar.schedules.action import Kind
-from modelpar.simulate.report import label
+from modelpar.simulate.tables import label
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["plot_timelines"]
