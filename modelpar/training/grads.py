@@ -129,9 +129,13 @@ class GradSync:
 
     def _stage_done(self, stage: int) -> None:
         """After the stage's last backward: its tensor-parallel sums, then every bucket of it not started yet."""
-        if self.tp_group is not None and any(b.ready == "stage" for b in self._of_stage[stage]):
+        self._sync_and_start(stage, self._of_stage[stage])
+
+    def _sync_and_start(self, stage: int, buckets: list[Bucket]) -> None:
+        """The stage's tensor-parallel sums (if a bucket waits for them), then each of ``buckets`` not started yet."""
+        if self.tp_group is not None and any(b.ready == "stage" for b in buckets):
             sync_tensor_parallel_grads(self.modules[stage])
-        for b in self._of_stage[stage]:
+        for b in buckets:
             if b.index not in self._started:
                 self._start(b)
 
