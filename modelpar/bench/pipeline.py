@@ -63,6 +63,7 @@ def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
     import torch.nn.functional as F
 
     from modelpar.bench.mlp import mlp_model
+    from modelpar.pipeline.measure import measured_timeline, transfer_times
     from modelpar.pipeline.runner import PipelineRunner
     from modelpar.pipeline.stages import split_stages
 
@@ -87,13 +88,13 @@ def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
         wall = time.perf_counter() - start
         for p in runner.parameters():
             p.grad = None
-        timeline = runner.timeline()
+        timeline = measured_timeline(runner)
         if i:
             timelines.append(timeline)
             walls.append(wall)
             peaks.append(runner.record.peak_held)
         if i == 0:
-            transfer_in = runner.transfer_times()  # on the same group, between the warm-up and the measured steps
+            transfer_in = transfer_times(runner)  # on the same group, between the warm-up and the measured steps
     everyone = gather_per_rank({"walls": walls, "peak": peaks[-1]})
     if rank:
         return None

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
+from modelpar.pipeline.measure import measured_timeline, message_bytes
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
@@ -251,7 +252,7 @@ class _Run:
         r.losses.append(loss)
         r.grad_norms.append(norm)
         if r.message_bytes is None:
-            r.message_bytes = self.runner.message_bytes()
+            r.message_bytes = message_bytes(self.runner)
         if self.emit:
             self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
@@ -265,7 +266,7 @@ class _Run:
 
     def measure(self) -> None:
         """Keep this step's timeline, with the data-parallel collectives (a collective over the pipeline group)."""
-        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [self.runner.timeline(self.comm_spans)]
+        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [measured_timeline(self.runner, self.comm_spans)]
 
     def validate(self, step: int) -> None:
         total = 0.0
