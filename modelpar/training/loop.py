@@ -33,6 +33,7 @@ from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
+from modelpar.training.clipping import GradClip
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
 from modelpar.training.faults import nonfinite_hook, slow_init
@@ -189,6 +190,7 @@ class _Run:
             self.sync = GradSync(**sync_args)
         if self.sync.overlap or cfg.zero >= 2:
             self.runner.register_action_hook(self.sync.action_hook)
+        self.clipper = GradClip(self.sync)
         self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.dp_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
@@ -233,7 +235,7 @@ class _Run:
         if self.fault is not None:  # tests only (modelpar.training.faults)
             self.fault(step, self.sync.grad_holders)
         self.sync.finish()
-        norm = self.sync.clip(self.cfg.clip)
+        norm = self.clipper.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
         verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.grad_holders, self.rs.device)
         if verdict.update:

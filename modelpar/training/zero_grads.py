@@ -176,7 +176,7 @@ class ShardedGradSync(GradSync):
             assert b.shard_grad is not None
             b.shard_grad.mul_(1.0 / self.comm.size)
 
-    def _grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
+    def grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
         lo, _ = bucket.shard_range(self.dp_rank, self.comm.size)
         assert bucket.shard_grad is not None
         return bucket.shard_grad[start - lo:stop - lo]
