@@ -174,3 +174,12 @@ def test_check_runs_once_per_value(monkeypatch):
         replace(cfg, steps=0).check()
     with pytest.raises(ValueError, match="steps"):  # a failed check is not remembered
         replace(cfg, steps=0).check()
+
+
+def test_result_fields_are_listed_once():
+    """The step event and summary.json take the result's fields from one list each, every name a real field."""
+    from modelpar.training.loop import STEP_FIELDS, SUMMARY_FIELDS, TrainResult
+
+    result = TrainResult(3)
+    assert set(STEP_FIELDS) <= set(SUMMARY_FIELDS)
+    assert result.fields(SUMMARY_FIELDS)["start_step"] == 3 and len(result.fields(SUMMARY_FIELDS)) == len(SUMMARY_FIELDS)

@@ -94,6 +94,10 @@ class TrainResult:
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
+    def fields(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The named fields (and properties) by name: what the step event and summary.json carry."""
+        return {name: getattr(self, name) for name in names}
+
     @property
     def peak_state_bytes(self) -> int:
         """Parameters, gradients and AdamW state at this rank's peak: what it keeps plus the full buckets."""
@@ -115,6 +119,16 @@ class TrainResult:
     def bits_per_byte(self, nats_per_token: float) -> float:
         """A validation loss in bits per byte of text, comparable across tokenizers."""
         return nats_per_token * self.tokens_per_byte / math.log(2)
+
+
+# The result's fields each step event carries under their own names (the step's measurements) ...
+STEP_FIELDS = ("optimizer_state_bytes", "gradient_bytes", "parameter_bytes", "dp_bytes_sent", "all_gather_bytes",
+               "reduce_scatter_bytes")
+# ... and those summary.json carries under their own names (beside the config and what the command derives).
+SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
+                  "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
+                  "skipped_steps", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
+                  "exposed_gather", "message_bytes")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -259,10 +273,7 @@ class _Run:
             self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
                        "step_time": r.step_times[-1],
-                       "peak_memory_mb": peak_memory_mb(self.rs.device),
-                       "optimizer_state_bytes": r.optimizer_state_bytes, "gradient_bytes": r.gradient_bytes,
-                       "parameter_bytes": r.parameter_bytes, "dp_bytes_sent": r.dp_bytes_sent,
-                       "all_gather_bytes": r.all_gather_bytes, "reduce_scatter_bytes": r.reduce_scatter_bytes,
+                       "peak_memory_mb": peak_memory_mb(self.rs.device), **r.fields(STEP_FIELDS),
                        "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak})
         return verdict
 
