@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from modelpar.bench import mlp_model
 from modelpar.bench.pipeline import MLPBench, summarize, torch_schedule_step
 from modelpar.distributed import LocalCluster
-from modelpar.pipeline import PipelineRunner, split_stages
+from modelpar.pipeline import PipelineRunner, measured_timeline, split_stages, transfer_times
 
 # (our schedule name, chunks, torch's class name)
 CASES = [
@@ -81,8 +81,8 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
             for s in ours:
                 for p, q in zip(ours[s].parameters(), theirs[s].parameters()):
                     grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
-            transfer_in = runner.transfer_times()
-        tl = runner.timeline()
+            transfer_in = transfer_times(runner)
+        tl = measured_timeline(runner)
         if i:
             timelines.append(tl)
         for mod in (*ours.values(), *theirs.values()):

@@ -3,7 +3,7 @@
 Part 1: 1F1B has GPipe's bubble but holds K − d microbatches on device d instead of M.
 Part 2: interleaving v = 2 chunks halves the bubble time at the cost of more transfers and
 activations. Part 3: the bubble vs M, without and with transfer cost. Part 4: activation
-recomputation on the reference's tanh chain (n = 64): store-all, every-k, recompute-all. Part 5:
+recomputation on the reference's tanh chain (n = 64): none (store all), every-k, recompute-all. Part 5:
 GPipe with and without recomputation, the memory model of §4.3 against a measured pipeline.
 """
 
@@ -16,7 +16,7 @@ from modelpar.recompute import gpipe_activation_memory, scaled_tanh_stages, stra
 from modelpar.schedules import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from modelpar.simulate import Costs, simulate
 from modelpar.simulate.ascii import ascii_chart
-from modelpar.simulate.report import headline, metrics_table, sweep_table
+from modelpar.simulate.tables import headline, metrics_table, sweep_table
 
 
 def part1() -> None:
@@ -25,7 +25,7 @@ def part1() -> None:
     timeline = simulate(one_f_one_b(stages=4, microbatches=8))
     print(headline(timeline))
     print(ascii_chart(timeline))
-    print(f"GPipe holds {simulate(gpipe(stages=4, microbatches=8)).peak_activations} on the same step")
+    print(f"GPipe holds {simulate(gpipe(stages=4, microbatches=8)).peak_held} on the same step")
     print()
 
 
@@ -36,7 +36,7 @@ def part2() -> None:
     print(headline(inter))
     print(ascii_chart(inter))
     print(f"bubble time per device: {plain.idle[0]:g} -> {inter.idle[0]:g} units (1/v)")
-    print(f"device 0 peak: {plain.peak_activations[0]:g} -> {inter.peak_activations[0]:g}; "
+    print(f"device 0 peak: {plain.peak_held[0]:g} -> {inter.peak_held[0]:g}; "
           f"transfers: {plain.transfers} -> {inter.transfers}")
     schedules = (gpipe(stages=4, microbatches=8), one_f_one_b(stages=4, microbatches=8),
                  interleaved_1f1b(stages=4, microbatches=8, chunks=2), zb_h1(stages=4, microbatches=8))

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelpar.checkpoint import MARKER, CheckpointManager, read_full_tensors, read_meta, read_newest
+from modelpar.checkpoint import CheckpointManager, read_full_tensors, read_meta, read_newest
+from modelpar.checkpoint.store import MARKER
 from modelpar.model import ModelConfig, build_stage
 
 __all__ = ["EXPORT_FORMAT", "checkpoint_path", "export_checkpoint", "load_model", "save_safetensors"]

@@ -17,7 +17,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from modelpar.checkpoint import (
-    MARKER,
     CheckpointManager,
     DirLock,
     Piece,
@@ -26,13 +25,12 @@ from modelpar.checkpoint import (
     check_unlocked,
     checkpoint_step,
     latest_checkpoint,
-    leftovers,
-    lock_holder,
     read_full_tensors,
     read_meta,
-    remove_leftovers,
 )
+from modelpar.checkpoint.lock import lock_holder
 from modelpar.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
+from modelpar.checkpoint.store import MARKER, leftovers, remove_leftovers
 from modelpar.checkpoint.store import seal as _seal
 from modelpar.tensor_parallel import ParamLayout, shard_tensor
 from modelpar.training.state import layout_shard

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from modelpar.checkpoint import (
-    MARKER,
     CheckpointManager,
     Shard,
     ShardedState,
@@ -24,6 +23,7 @@ from modelpar.checkpoint import (
     read_newest,
     save_checkpoint,
 )
+from modelpar.checkpoint.store import MARKER
 from modelpar.distributed import free_port
 from tests.tmpfs import tmpfs
 

@@ -32,10 +32,10 @@ def test_json_keys_and_values(capsys):
     code, out, _ = run(capsys, "--json", "--schedule", "gpipe", "--schedule", "interleaved")
     rows = json.loads(out)
     assert code == 0 and [r["schedule"] for r in rows] == ["gpipe", "interleaved"]
-    for key in ("schedule", "stages", "microbatches", "chunks", "step_time", "bubble", "peak_activations", "transfers"):
+    for key in ("schedule", "stages", "microbatches", "chunks", "step_time", "bubble", "peak_held", "transfers"):
         assert key in rows[0]
-    assert rows[0]["step_time"] == 33 and rows[0]["peak_activations"] == [8, 8, 8, 8] and rows[0]["transfers"] == 48
-    assert rows[1]["chunks"] == 2 and rows[1]["peak_activations"][0] == 5.5
+    assert rows[0]["step_time"] == 33 and rows[0]["peak_held"] == [8, 8, 8, 8] and rows[0]["transfers"] == 48
+    assert rows[1]["chunks"] == 2 and rows[1]["peak_held"][0] == 5.5
 
 
 def test_transfer_and_backward_ratio(capsys):

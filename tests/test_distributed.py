@@ -50,6 +50,29 @@ def _mesh_groups(pp, dp, tp, pipeline_backend=None):
     return {name: dist.get_process_group_ranks(mesh[name].get_group()) for name in ("pp", "dp", "tp")}
 
 
+def _send_messages(n):
+    from modelpar.distributed import to_launcher
+
+    send = to_launcher()
+    for i in range(n):
+        send({"rank": dist.get_rank(), "i": i})
+    return dist.get_rank()
+
+
+def test_messages_reach_the_launcher_in_order_before_the_result(cluster):
+    got = []
+    cluster.on_message = got.append
+    try:
+        assert cluster.run(_send_messages, 3) == [0, 1, 2, 3]
+    finally:
+        cluster.on_message = None
+    for rank in range(4):  # every message arrived by the time run returned, each rank's in its order
+        assert [m["i"] for m in got if m["rank"] == rank] == [0, 1, 2]
+    from modelpar.distributed import to_launcher
+
+    assert to_launcher() is None  # not a rank of a LocalCluster
+
+
 def test_results_in_rank_order_and_collectives_work(cluster):
     assert cluster.run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_lower import generated, hand_written
 
-from modelpar.pipeline.plan import COMPUTE, build_plan
+from modelpar.pipeline.program import COMPUTE, build_plan
 from modelpar.schedules import Action, Kind, Schedule, lower
 from modelpar.schedules.execute import execute, run_blocking
 from modelpar.schedules.kinds import ACT, DEFERRED, GRAD, GRAPH, SPECS, STYLES, inputs_of, producers, style_of

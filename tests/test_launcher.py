@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, SLOW_INIT, StopController
+from modelpar.training.faults import SLOW_INIT
+from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopController
 
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from modelpar.schedules import SCHEDULES, Action, DeadlockError, Kind, Schedule, get_schedule, lower, parse_op, rendezvous
+from modelpar.schedules import SCHEDULES, Action, DeadlockError, Kind, Schedule, get_schedule, lower
 from modelpar.schedules.derive import forward_only, on_one_device
-from modelpar.schedules.lower import Comm, Transfer
+from modelpar.schedules.lower import Comm, Transfer, parse_op, rendezvous
 
 SETTINGS = settings(max_examples=80, deadline=None)
 

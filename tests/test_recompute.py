@@ -72,7 +72,7 @@ def test_tanh_chain_held_is_n_over_k_plus_k_minimum_at_sqrt_n():
 
 def test_store_all_and_recompute_all_extremes():
     store, _ = measure_chain(TANH_CHAIN, _tanh_input(), None)
-    assert (store.label, store.held, store.extra_forwards) == ("store-all", N, 0)
+    assert (store.label, store.held, store.extra_forwards) == ("none", N, 0)
     every_all, _ = measure_chain(TANH_CHAIN, _tanh_input(), "recompute-all")
     assert (every_all.held, every_all.extra_forwards) == (2, N * (N + 1) // 2) == (2, 2080)
     assert every_all.intermediates == chain_cost(N, "recompute-all").intermediates == 2079
@@ -385,7 +385,7 @@ def test_bench_recompute_command(capsys):
 
     assert main(["bench", "recompute", "--layers", "16", "--repeats", "0", "--strategies", "none,4,recompute-all"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert rows == [["store-all", "16", "16", "32", "0", "0", "True"], ["every-4", "8", "8", "16", "16", "12", "True"],
+    assert rows == [["none", "16", "16", "32", "0", "0", "True"], ["every-4", "8", "8", "16", "16", "12", "True"],
                     ["recompute-all", "2", "2", "4", "136", "135", "True"]]  # 16 x 32 float32: 2 KiB each
     assert main(["bench", "recompute", "--layers", "16", "--strategies", "none,17"]) == 2
     assert "recompute (k, layers per segment of a 16-layer chain) must be <= 16, got 17" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from modelpar.schedules.execute import execute
 from modelpar.simulate import Costs, Timeline, simulate
 from modelpar.simulate.ascii import IDLE, ascii_chart, auto_unit
 from modelpar.simulate.plot import plot_timelines
-from modelpar.simulate.report import headline, metrics_table
+from modelpar.simulate.tables import headline, metrics_table
 from modelpar.simulate.trace import chrome_trace, write_trace
 
 # §1.2, §2.3 and §4.1, with 设备 -> Device

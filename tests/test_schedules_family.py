@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from modelpar.schedules import SCHEDULES, Action, Kind, get_schedule, lower, rendezvous
+from modelpar.schedules import SCHEDULES, Action, Kind, get_schedule, lower
 from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules.lower import rendezvous
 from modelpar.simulate import Costs, simulate
 
 NEW = ["looped-bfs", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"]
@@ -78,7 +79,7 @@ def test_zb_h2_only_the_fill_is_idle_with_2k_minus_1_in_flight(k, costs):
     for m in (2 * k, 4 * k):
         tl = simulate(get_schedule("zb-h2", stages=k, microbatches=m), costs)
         assert tl.step_time == pytest.approx((k - 1) * costs.forward + m * (costs.forward + costs.full_backward))
-        assert tl.peak_activations == [2 * (k - d) - 1 for d in range(k)]
+        assert tl.peak_held == [2 * (k - d) - 1 for d in range(k)]
         h1 = simulate(get_schedule("zb-h1", stages=k, microbatches=m), costs)
         assert tl.step_time <= h1.step_time
 
@@ -93,10 +94,10 @@ def test_controllable_memory_claims(k):
         vmin = simulate(get_schedule("v-min", stages=k, microbatches=m), EQUAL)
         vhalf = simulate(get_schedule("v-half", stages=k, microbatches=m), EQUAL)
         zbv = simulate(get_schedule("zb-v", stages=k, microbatches=m), EQUAL)
-        assert max(vmin.peak_activations) <= math.ceil((k + 2) / 3)
-        assert max(vhalf.peak_activations) <= math.ceil((k + 2) / 2)
+        assert max(vmin.peak_held) <= math.ceil((k + 2) / 3)
+        assert max(vhalf.peak_held) <= math.ceil((k + 2) / 2)
         assert vmin.step_time <= one.step_time and vhalf.step_time <= vmin.step_time
-        assert max(zbv.peak_activations) <= k
+        assert max(zbv.peak_held) <= k
         if m >= 2 * k:  # ZB-V is planned for at least 2K − 1 microbatches
             assert zbv.step_time <= vhalf.step_time
             assert zbv.step_time < simulate(get_schedule("zb-h1", stages=k, microbatches=m), EQUAL).step_time
@@ -104,7 +105,7 @@ def test_controllable_memory_claims(k):
 
 def test_looped_bfs_holds_every_microbatch_like_gpipe():
     tl = simulate(get_schedule("looped-bfs", stages=4, microbatches=8, chunks=2))
-    assert tl.peak_activations == [8, 8, 8, 8]
+    assert tl.peak_held == [8, 8, 8, 8]
     assert tl.transfers == simulate(get_schedule("interleaved", stages=4, microbatches=8, chunks=2)).transfers
 
 

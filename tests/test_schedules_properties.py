@@ -62,10 +62,10 @@ def test_zero_transfer_step_time_is_m_plus_k_minus_1_times_tf_plus_tb(gen, k, m,
 @SETTINGS
 @given(K, M)
 def test_1f1b_peak_on_device_d_is_at_most_k_minus_d(k, m):
-    peaks = simulate(one_f_one_b(stages=k, microbatches=m)).peak_activations
+    peaks = simulate(one_f_one_b(stages=k, microbatches=m)).peak_held
     assert peaks == [min(k - d, m) for d in range(k)]
-    assert simulate(zb_h1(stages=k, microbatches=m)).peak_activations == peaks
-    assert simulate(gpipe(stages=k, microbatches=m)).peak_activations == [m] * k
+    assert simulate(zb_h1(stages=k, microbatches=m)).peak_held == peaks
+    assert simulate(gpipe(stages=k, microbatches=m)).peak_held == [m] * k
 
 
 @SETTINGS

@@ -32,7 +32,7 @@ def test_gpipe_k4_m8_is_33_units_with_27_3_percent_bubble():  # §2.3
     assert t.step_time == 33
     assert round(t.bubble, 3) == 0.273
     assert t.idle == [9.0] * 4
-    assert t.peak_activations == [8.0] * 4
+    assert t.peak_held == [8.0] * 4
     assert t.transfers == 2 * 8 * 3
 
 
@@ -70,7 +70,7 @@ def test_transfer_half_a_forward_makes_m1_slower_than_one_device():  # §2.3: 0.
 def test_1f1b_k4_m8_same_step_peaks_4_3_2_1():  # §4.1
     t = simulate(one_f_one_b(stages=4, microbatches=8))
     assert t.step_time == 33 and round(t.bubble, 3) == 0.273
-    assert t.peak_activations == [4.0, 3.0, 2.0, 1.0]
+    assert t.peak_held == [4.0, 3.0, 2.0, 1.0]
 
 
 def test_with_transfer_1f1b_bubble_exceeds_gpipe():  # §4.1: 16.8% vs 9.6% at M = 32, T = 0.2
@@ -82,7 +82,7 @@ def test_with_transfer_1f1b_bubble_exceeds_gpipe():  # §4.1: 16.8% vs 9.6% at M
 def test_interleaved_halves_bubble_time_and_peak_rises_to_5_5():  # §4.2
     plain, inter = simulate(one_f_one_b(stages=4, microbatches=8)), simulate(interleaved_1f1b(stages=4, microbatches=8, chunks=2))
     assert inter.idle[0] == plain.idle[0] / 2 == 4.5
-    assert inter.peak_activations[0] == 5.5
+    assert inter.peak_held[0] == 5.5
     assert inter.transfers > 2 * plain.transfers
 
 
@@ -103,8 +103,8 @@ def test_v4_worse_than_v2_at_every_m_with_transfer():  # §4.2
 def test_zb_h1_one_third_of_1f1b_bubble_same_peak():  # Qi et al. §3.1, T_F = T_B = T_W
     zb, base = simulate(zb_h1(stages=4, microbatches=8)), simulate(one_f_one_b(stages=4, microbatches=8))
     assert zb.idle[0] == base.idle[0] / 3 == zb_h1_bubble_time(4, 1, 1, 1)
-    assert zb.peak_activations == base.peak_activations == [4.0, 3.0, 2.0, 1.0]
-    assert zb.peak_until_w[0] == 4.0 and zb.peak_until_w[3] == 4.0  # deferred W keeps inputs
+    assert zb.peak_held == base.peak_held == [4.0, 3.0, 2.0, 1.0]
+    assert zb.peak_held_until_w[0] == 4.0 and zb.peak_held_until_w[3] == 4.0  # deferred W keeps inputs
 
 
 def test_one_f_one_b_bubble_time_formula():
@@ -161,7 +161,7 @@ def test_timeline_from_measured_events_shifts_to_zero_and_computes_metrics():
     t = Timeline.from_events(events, 2, s)
     assert t.step_time == 9 and t.busy == [6, 6]
     assert t.bubble == pytest.approx(1 / 3)
-    assert t.peak_activations == [2, 1] and t.transfers == 4
+    assert t.peak_held == [2, 1] and t.transfers == 4
     assert t.events[0] == Event(0, s.actions[0][0], 0.0, 1.0)
     assert Timeline.from_events(events, 2).transfers == 4  # stage -> device inferred from the events
     with pytest.raises(ValueError, match=r"event device must be in 0..0, got 1"):

@@ -27,7 +27,8 @@ from modelpar.commands.train import build_config
 from modelpar.distributed import LocalCluster, RankError
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
-from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED, INJECT_NONFINITE
+from modelpar.training.faults import INJECT_NONFINITE
+from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
 
 # The tiny run of every case, as flags (for the command line) and as the config they make.
 FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",

@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.cli import main
-from modelpar.schedules import SCHEDULES, Kind, get_schedule, lower, rendezvous
+from modelpar.schedules import SCHEDULES, Kind, get_schedule, lower
 from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules.lower import rendezvous
 from modelpar.simulate.synthesis import StageCosts, candidates, pareto, synthesize
 
 
@@ -16,7 +17,7 @@ def _best_named(k, m, costs, limit):
         if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
             continue
         tl = costs.timeline(get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None))
-        if max(tl.peak_activations) <= limit + 1e-9 and (best is None or tl.step_time < best.step_time):
+        if max(tl.peak_held) <= limit + 1e-9 and (best is None or tl.step_time < best.step_time):
             best = tl
     return best
 
@@ -27,7 +28,7 @@ def _best_named(k, m, costs, limit):
 def test_never_worse_than_the_best_named_schedule_within_the_limit(k, m, fiw, transfer, limit):
     costs = StageCosts.uniform(k, *fiw, transfer=transfer)
     schedule, tl = synthesize(k, m, costs, limit)
-    assert max(tl.peak_activations) <= limit + 1e-9
+    assert max(tl.peak_held) <= limit + 1e-9
     named = _best_named(k, m, costs, limit)
     assert named is None or tl.step_time <= named.step_time + 1e-9
     assert rendezvous(lower(schedule), schedule.stage_to_device) is None  # it runs: valid, no hang
@@ -41,7 +42,7 @@ def test_synthesis_beats_the_family_where_it_can():
     named = _best_named(4, 8, costs, 3)
     assert named.name == "v-half" and named.step_time == pytest.approx(40)
     assert schedule.name == "auto" and tl.step_time == pytest.approx(36.2)
-    assert max(tl.peak_activations) <= 3
+    assert max(tl.peak_held) <= 3
 
 
 def test_per_stage_costs_cut_into_chunks():
@@ -63,11 +64,11 @@ def test_pareto_keeps_what_nothing_beats_on_both():
     costs = StageCosts.uniform(4)
     tls = [costs.timeline(s) for s in candidates(4, 8, costs)]
     front = pareto(tls)
-    peaks = [max(t.peak_activations) for t in front]
+    peaks = [max(t.peak_held) for t in front]
     steps = [t.step_time for t in front]
     assert peaks == sorted(peaks) and steps == sorted(steps, reverse=True) and len(set(peaks)) == len(peaks)
     for t in tls:  # every candidate is matched or beaten by a frontier point with no more memory
-        assert any(max(f.peak_activations) <= max(t.peak_activations) and f.step_time <= t.step_time for f in front)
+        assert any(max(f.peak_held) <= max(t.peak_held) and f.step_time <= t.step_time for f in front)
 
 
 def test_cli_auto_pareto_png_and_bad_limit(capsys, tmp_path):

@@ -152,3 +152,34 @@ def test_no_microbatch_default_at_one_process_from_the_cli():
     assert cfg.microbatches == 1  # issue 21 §6: 4 micro-batches at (1, 1, 1) cost 15%
     cfg = build_config(build_parser().parse_args(["train", "--pp", "4", "--tp", "1", "--batch-size", "24"]))
     assert cfg.microbatches == 12
+
+
+def test_check_runs_once_per_value(monkeypatch):
+    """The settings of a (frozen) config are checked once; a replaced or pickled copy as its value says."""
+    import pickle
+
+    calls = []
+    real = TrainConfig._check_settings
+    monkeypatch.setattr(TrainConfig, "_check_settings", lambda self: (calls.append(1), real(self))[1])
+    cfg = TrainConfig()
+    assert cfg.check() is cfg and cfg.check() is cfg and cfg.check(cfg.dims.world_size) is cfg
+    assert len(calls) == 1
+    pickle.loads(pickle.dumps(cfg)).check(cfg.dims.world_size)  # a rank's copy: only the world size is new
+    assert len(calls) == 1
+    replace(cfg, steps=3).check()
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="world"):
+        cfg.check(cfg.dims.world_size + 1)
+    with pytest.raises(ValueError, match="steps"):
+        replace(cfg, steps=0).check()
+    with pytest.raises(ValueError, match="steps"):  # a failed check is not remembered
+        replace(cfg, steps=0).check()
+
+
+def test_result_fields_are_listed_once():
+    """The step event and summary.json take the result's fields from one list each, every name a real field."""
+    from modelpar.training.loop import STEP_FIELDS, SUMMARY_FIELDS, TrainResult
+
+    result = TrainResult(3)
+    assert set(STEP_FIELDS) <= set(SUMMARY_FIELDS)
+    assert result.fields(SUMMARY_FIELDS)["start_step"] == 3 and len(result.fields(SUMMARY_FIELDS)) == len(SUMMARY_FIELDS)

@@ -4,8 +4,29 @@
 """
 
 from modelpar.bench.gpipe_memory import GPipeReport, measure_gpipe
-from modelpar.bench.microbatch import *  # noqa: F403
-from modelpar.bench.microbatch import __all__ as _microbatch_all
+from modelpar.bench.microbatch import (
+    LinearFit,
+    MicrobatchRow,
+    MicrobatchScan,
+    fit_linear,
+    measure_stage_times,
+    microbatch_table,
+    optimal_microbatches,
+    predicted_step_time,
+)
 from modelpar.bench.mlp import mlp_model, mlp_stage
 
-__all__ = [*_microbatch_all, "GPipeReport", "measure_gpipe", "mlp_model", "mlp_stage"]
+__all__ = [
+    "GPipeReport",
+    "LinearFit",
+    "MicrobatchRow",
+    "MicrobatchScan",
+    "fit_linear",
+    "measure_gpipe",
+    "measure_stage_times",
+    "microbatch_table",
+    "mlp_model",
+    "mlp_stage",
+    "optimal_microbatches",
+    "predicted_step_time",
+]

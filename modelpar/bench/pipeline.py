@@ -35,7 +35,7 @@ class MLPBench:
     blocks: int = 2  # MLP blocks (width -> 4 width -> width) per process, split over its chunks
     rows: int = 256  # batch rows N
     steps: int = 5  # measured steps (after one warm-up step)
-    recompute: Strategy = None  # per-stage activation recomputation
+    recompute: Strategy = "none"  # per-stage activation recomputation
     threads: int = 1  # torch intra-op threads per process
     timeout: float = 60.0  # seconds a rank may wait for a peer
     cuda: bool = False  # stages on each rank's GPU (under torchrun with NCCL)
@@ -63,6 +63,7 @@ def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
     import torch.nn.functional as F
 
     from modelpar.bench.mlp import mlp_model
+    from modelpar.pipeline.measure import measured_timeline, transfer_times
     from modelpar.pipeline.runner import PipelineRunner
     from modelpar.pipeline.stages import split_stages
 
@@ -87,13 +88,13 @@ def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:
         wall = time.perf_counter() - start
         for p in runner.parameters():
             p.grad = None
-        timeline = runner.timeline()
+        timeline = measured_timeline(runner)
         if i:
             timelines.append(timeline)
             walls.append(wall)
             peaks.append(runner.record.peak_held)
         if i == 0:
-            transfer_in = runner.transfer_times()  # on the same group, between the warm-up and the measured steps
+            transfer_in = transfer_times(runner)  # on the same group, between the warm-up and the measured steps
     everyone = gather_per_rank({"walls": walls, "peak": peaks[-1]})
     if rank:
         return None
@@ -134,7 +135,7 @@ def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
         "transfer_s": statistics.fmean(crossing) if crossing else 0.0,  # one message, mean over boundaries
         "message_delay_s": statistics.fmean([d for d in delays if d]) if any(delays) else 0.0,  # the same, in the run
         "measured_peak_held": result["peak_held"],
-        "simulated_peak_held": [round(p * chunks) for p in predicted.peak_activations],
+        "simulated_peak_held": [round(p * chunks) for p in predicted.peak_held],
         "measured": median,
         "simulated": predicted,
     }

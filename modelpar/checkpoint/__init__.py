@@ -4,10 +4,11 @@
 the boxes once and reads any box back, so a checkpoint written at one (t, p, d, v) loads at any
 other, and ``read_full_tensors`` reads whole tensors in one process. ``store`` is the format of one
 checkpoint (atomic, checksummed writes), ``manager`` the rules of a directory of them (validity,
-keep-N, fresh runs, resume), ``lock`` gives a directory one writer.
+keep-N, fresh runs, resume), ``lock`` gives a directory one writer. The file names and
+format constants (``store.FORMAT``, ``store.MARKER``, ``lock.LOCK``) stay in their modules.
 """
 
-from modelpar.checkpoint.lock import LOCK, DirLock, check_unlocked, lock_holder
+from modelpar.checkpoint.lock import DirLock, check_unlocked
 from modelpar.checkpoint.manager import (
     CheckpointManager,
     check_fresh,
@@ -17,23 +18,9 @@ from modelpar.checkpoint.manager import (
     save_checkpoint,
 )
 from modelpar.checkpoint.shards import Piece, Shard, ShardedState
-from modelpar.checkpoint.store import (
-    FORMAT,
-    MARKER,
-    META,
-    checkpoint_problem,
-    checkpoint_step,
-    leftovers,
-    read_full_tensors,
-    read_meta,
-    remove_leftovers,
-)
+from modelpar.checkpoint.store import checkpoint_problem, checkpoint_step, read_full_tensors, read_meta
 
 __all__ = [
-    "FORMAT",
-    "LOCK",
-    "MARKER",
-    "META",
     "CheckpointManager",
     "DirLock",
     "Piece",
@@ -44,12 +31,9 @@ __all__ = [
     "checkpoint_problem",
     "checkpoint_step",
     "latest_checkpoint",
-    "leftovers",
     "load_checkpoint",
-    "lock_holder",
     "read_full_tensors",
     "read_meta",
     "read_newest",
-    "remove_leftovers",
     "save_checkpoint",
 ]

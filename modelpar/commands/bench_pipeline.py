@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--width", type=int, default=256, help="MLP feature size (default 256)")
     parser.add_argument("--blocks", type=int, default=2, help="MLP blocks per process (default 2)")
     parser.add_argument("--rows", type=int, default=256, help="batch rows N (default 256)")
-    parser.add_argument("--recompute", default=None, help="per-stage recomputation: full, sqrt or k (default none)")
+    parser.add_argument("--recompute", default="none", help="per-stage recomputation: none, full, sqrt or k (default none)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck rank is an error")
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                         help="under torchrun: process-group backend (auto: nccl with GPUs, stages on each rank's GPU)")
@@ -39,10 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _recompute(text: str | None) -> Any:
-    if text is None or text in ("none", "None"):
-        return None
-    return int(text) if text.isdigit() else text
+def _recompute(text: str) -> Any:
+    from modelpar.recompute.plan import parse_strategy
+
+    return parse_strategy(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_path("--png", args.png, (".png", ".svg"))
     if args.trace:
         check_output_path("--trace", args.trace, (".json",))
-    if cfg.recompute is not None:
+    if cfg.recompute != "none":
         from modelpar.recompute.plan import plan_recompute
 
         plan_recompute(3 * (cfg.blocks // cfg.chunks), cfg.recompute)

@@ -2,7 +2,7 @@
 
 For a chain of tanh layers (the reference's) or of MLP blocks: activations held at peak
 (measured with saved-tensor hooks), extra layer forwards, whether the gradients are bitwise those
-of store-all, and the median forward + backward time.
+of "none" (no recomputation), and the median forward + backward time.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from modelpar.recompute.plan import Strategy, parse_strategy
 
 
 def parse_strategies(text: str) -> list[Strategy]:
-    """``"none,4,sqrt,full"`` -> ``[None, 4, "sqrt", "full"]`` (each name checked by ``parse_strategy``)."""
+    """``"none,4,sqrt,full"`` -> ``["none", 4, "sqrt", "full"]`` (each name checked by ``parse_strategy``)."""
     items = [parse_strategy(item) for item in text.split(",") if item.strip()]
     if not items:
         raise ValueError(f"--strategies must list at least one strategy, got {text!r}")
-    return [None if item == "none" else item for item in items]
+    return items
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

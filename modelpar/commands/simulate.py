@@ -184,8 +184,8 @@ def _stage_costs(text, k, costs):
 
 def _pareto(args, k, m, stage_costs) -> int:
     """Every candidate of ``synthesize``: the named ones listed, the synthesised ones on the frontier."""
-    from modelpar.simulate.report import pareto_table
     from modelpar.simulate.synthesis import candidates, pareto
+    from modelpar.simulate.tables import pareto_table
 
     named: list = []
     synth: list = []
@@ -194,7 +194,7 @@ def _pareto(args, k, m, stage_costs) -> int:
     front = pareto(named + synth)
     auto = [t for t in front if t.name == "auto"]
     if args.json:
-        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_activations),
+        print(json.dumps([{"schedule": t.name, "chunks": t.chunks, "peak": max(t.peak_held),
                            "step_time": t.step_time, "bubble": t.bubble, "frontier": t in front}
                           for t in named + auto], indent=1))
     else:
@@ -253,7 +253,7 @@ def _record(tl, costs) -> dict:
 def _print(args, timelines) -> None:
     from modelpar.schedules.table import schedule_table
     from modelpar.simulate.ascii import ascii_chart, auto_unit
-    from modelpar.simulate.report import headline, metrics_table
+    from modelpar.simulate.tables import headline, metrics_table
 
     for tl in timelines:
         print(headline(tl))
@@ -295,7 +295,7 @@ def _save(args, timelines) -> None:
 
 def _sweep(args, names, k, v, costs) -> int:
     from modelpar.simulate import Costs
-    from modelpar.simulate.report import sweep, sweep_table
+    from modelpar.simulate.tables import sweep, sweep_table
 
     ms = [_int("--sweep", x.strip(), 1) for x in args.sweep.split(",") if x.strip()]
     if not ms:

@@ -178,11 +178,9 @@ def _run(cfg: Any, options: Any) -> int:
     from rich.console import Console
 
     from modelpar.distributed import is_torchrun
-    from modelpar.text import prepare_data
+    from modelpar.training.display import Display
     from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
-    from modelpar.training.report import Display
-    from modelpar.training.resume import check_resume
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
@@ -193,12 +191,7 @@ def _run(cfg: Any, options: Any) -> int:
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        cfg = prepare_data(cfg, console, progress=options.progress).check()
-        check_resume(cfg)  # a checkpoint of another model, data or optimisation: exit before starting ranks
-        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp},{cp}{',' if cp else ''} p={cfg.pp}, "
-                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
-                      highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
-        result, first = run_local(cfg, report), True
+        result, first = run_local(cfg, report, console, progress=options.progress), True
     if result.stop is not None:
         report.close()
         if first:
@@ -212,7 +205,8 @@ def _run(cfg: Any, options: Any) -> int:
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
-    from modelpar.training.report import peak_tflops_of, plot_losses, summary_table
+    from modelpar.training.display import peak_tflops_of, plot_losses, summary_table
+    from modelpar.training.loop import SUMMARY_FIELDS
 
     peak = peak_tflops or peak_tflops_of(result.device_name)
     mfu = result.flops_per_token * result.tokens_per_s / (cfg.dims.world_size * peak * 1e12) if peak else None
@@ -257,20 +251,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     ]
     png = plot_losses(out / "loss.png", result.losses, result.val, result.unigram_baseline,
                       f"{cfg.model.arch} {result.num_parameters:,} params, t={cfg.tp} p={cfg.pp} d={cfg.dp} {cfg.schedule}")
-    summary = {"config": cfg.to_sections(), "losses": result.losses, "val": result.val,
-               "tokens_per_s": result.tokens_per_s, "unigram_baseline": result.unigram_baseline,
-               "bubble_measured": result.bubble_measured, "bubble_simulated": result.bubble_simulated,
-               "bubble_ideal": result.bubble_ideal, "start_step": result.start_step,
-               "tokens_per_byte": result.tokens_per_byte, "val_bits_per_byte": bpb(final_val),
-               "unigram_bits_per_byte": bpb(result.unigram_baseline),
-               "num_parameters": result.num_parameters, "flops_per_token": result.flops_per_token,
-               "device": result.device_name, "peak_tflops": peak, "mfu": mfu, "skipped_steps": result.skipped_steps,
-               "optimizer_state_bytes": result.optimizer_state_bytes, "gradient_bytes": result.gradient_bytes,
-               "dp_bytes_sent": result.dp_bytes_sent, "exposed_reduction": result.exposed_reduction,
-               "parameter_bytes": result.parameter_bytes, "peak_buffer_bytes": result.peak_buffer_bytes,
-               "all_gather_bytes": result.all_gather_bytes, "reduce_scatter_bytes": result.reduce_scatter_bytes,
-               "gathers_per_step": result.gathers_per_step, "exposed_gather": result.exposed_gather,
-               "message_bytes": result.message_bytes}
+    summary = {"config": cfg.to_sections(), **result.fields(SUMMARY_FIELDS), "val_bits_per_byte": bpb(final_val),
+               "unigram_bits_per_byte": bpb(result.unigram_baseline), "device": result.device_name,
+               "peak_tflops": peak, "mfu": mfu}
     from modelpar.training.prediction import summary_rows
 
     predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)

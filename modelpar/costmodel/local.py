@@ -262,7 +262,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     per_rank = []
     for r in range(run.p):
         mine = schedule.stages_on(r)
-        count = round(timeline.peak_activations[r] * schedule.chunks)
+        count = round(timeline.peak_held[r] * schedule.chunks)
         act = count * sum(activation_bytes(run, s) for s in mine) / len(mine)
         per_rank.append(sum(state_bytes(run, mine).values()) + act)
     busiest = max(range(run.p), key=lambda r: per_rank[r])
@@ -284,7 +284,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     norm += _comm(run, hw, "all_reduce", run.world, 8) if run.world > 1 else 0.0
     adamw = 7 * state["optimizer"] / 2 / hw.elementwise_bytes_per_s(ranks) * share  # read g, w, m, v; write w, m, v
     optimizer = norm + adamw + _OPS_STEP * latency * share
-    held = round(timeline.peak_activations[0] * schedule.chunks)
+    held = round(timeline.peak_held[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},

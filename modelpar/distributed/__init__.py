@@ -7,6 +7,7 @@ from modelpar.distributed.launch import (
     init_from_env,
     is_torchrun,
     launch,
+    to_launcher,
 )
 from modelpar.distributed.lifeline import exit_with_parent
 from modelpar.distributed.mesh import ParallelDims, coordinates, rank_groups
@@ -22,4 +23,5 @@ __all__ = [
     "is_torchrun",
     "launch",
     "rank_groups",
+    "to_launcher",
 ]

@@ -9,6 +9,10 @@ dies or hangs ends the whole group within ``timeout`` seconds with a clear error
 No rank outlives its launcher: each holds the read end of a pipe only the launching process
 writes to, and exits the moment it reads end-of-file there, which happens when the launcher dies
 for any reason, ``kill -9`` included. Ctrl-C in the launcher ends every rank at once.
+
+While a function runs, a rank may send messages to the launcher (``to_launcher``: a training run's
+progress events) through the queue that carries its result; the cluster hands each to its
+``on_message`` as it arrives, in the order the rank sent them and before that rank's result.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from modelpar._validate import check_choice, check_int, check_number
 from modelpar.distributed.devices import rank_device, require_gpus
 from modelpar.distributed.lifeline import SCHEDULER_SIGNALS, exit_when_closed, name_process
 
-__all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch"]
+__all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchrun", "launch", "to_launcher"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_OUTBOX: list[Any] = []  # in a rank of a LocalCluster: (its rank, the queue its results go back on)
 
 
 class RankError(RuntimeError):
@@ -133,6 +138,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
         return
+    _OUTBOX.append((rank, results))
     try:
         while (task := _next_task(tasks)) is not None:
             try:  # unpickling imports the task's modules: a Ctrl-C may land there too, reported like one in fn
@@ -142,6 +148,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
                 results.put((rank, "error", _describe(exc)))
     finally:
         dist.destroy_process_group()
+
+
+def to_launcher() -> Callable[[Any], None] | None:
+    """In a rank of a ``LocalCluster``: a function sending a (picklable) message to the launcher's
+    ``on_message``; None in any other process."""
+    if not _OUTBOX:
+        return None
+    rank, results = _OUTBOX[0]
+    return lambda message: results.put((rank, "message", message))
 
 
 def _next_task(tasks: Any) -> Any:
@@ -240,10 +255,11 @@ class LocalCluster:
     timeout). ``run_timeout`` bounds each whole ``run``: a backstop for a hang no collective
     notices (a rank in an endless loop); ``None``: no limit, for long jobs (training), where a rank
     that dies is still noticed at once and a hung collective fails after ``timeout``.
+    ``on_message`` receives, in ``run``'s thread, what the ranks send with ``to_launcher``.
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 60.0,
-                 run_timeout: float | None = 600.0) -> None:
+                 run_timeout: float | None = 600.0, on_message: Callable[[Any], None] | None = None) -> None:
         self.world_size = check_int("world_size", world_size, minimum=1)
         self.backend = check_choice("backend", backend, ["gloo", "nccl"])
         self.timeout = check_number("timeout", timeout, minimum=0.0, strict=True)
@@ -251,6 +267,7 @@ class LocalCluster:
             "run_timeout", run_timeout, minimum=0.0, strict=True)
         if self.backend == "nccl":  # one GPU per rank, cuda:r for rank r (devices.rank_device)
             require_gpus(self.world_size, f"LocalCluster(backend='nccl') with {self.world_size} ranks")
+        self.on_message = on_message
         self._procs: list[Any] = []
         self._lifeline: Any = None  # the write end of the pipe whose closing ends every rank
         self._lock = threading.Lock()
@@ -351,6 +368,10 @@ class LocalCluster:
                     rank, status, value = self._results.get(timeout=0.1)
                 except queue.Empty:
                     self._check_alive(results, deadline)
+                    continue
+                if status == "message":
+                    if self.on_message is not None:
+                        self.on_message(value)
                     continue
                 if status == "error":  # a rank that died is the cause, and its peers' errors follow from it
                     self._raise_if_died(_DEATH_GRACE)

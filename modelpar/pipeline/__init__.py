@@ -1,7 +1,17 @@
-"""Pipeline execution with torch: the multi-process runtime (``PipelineRunner``) and the threaded ``Pipe``."""
+"""Pipeline execution with torch: the multi-process runtime (``PipelineRunner``) and the threaded ``Pipe``;
+``measure`` turns a runner's last step into a ``Timeline`` and the measured costs."""
 
 from modelpar.pipeline.executor import StepRecord
-from modelpar.pipeline.measure import Link, gather_timeline, measure_link, measured_durations, predict
+from modelpar.pipeline.measure import (
+    Link,
+    gather_timeline,
+    measure_link,
+    measured_durations,
+    measured_timeline,
+    message_bytes,
+    predict,
+    transfer_times,
+)
 from modelpar.pipeline.partition import balance_by_cost, balance_by_size, balance_by_time, layer_times, split_sequential
 from modelpar.pipeline.pipe import Pipe
 from modelpar.pipeline.runner import PipelineRunner
@@ -23,7 +33,10 @@ __all__ = [
     "layer_times",
     "measure_link",
     "measured_durations",
+    "measured_timeline",
+    "message_bytes",
     "predict",
     "split_sequential",
     "split_stages",
+    "transfer_times",
 ]

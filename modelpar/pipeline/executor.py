@@ -28,7 +28,7 @@ import torch
 
 from modelpar.pipeline.collectives import FlightRecorder
 from modelpar.pipeline.p2p import P2P, Posted
-from modelpar.pipeline.plan import COMPUTE, SEND, Planned
+from modelpar.pipeline.program import COMPUTE, SEND, Planned
 from modelpar.pipeline.stage import LocalStage
 from modelpar.pipeline.timing import CudaTimer, HostTimer
 from modelpar.schedules.action import Action, Kind
@@ -132,8 +132,8 @@ class _Step:
         elif p.sink == "send":
             self.outbox[p.key] = y
         held = ctx.stages.values()
-        self.rec.peak_held = max(self.rec.peak_held, sum(st.held_graphs for st in held))
-        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held for st in held))
+        self.rec.peak_held = max(self.rec.peak_held, sum(st.held for st in held))
+        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held_until_w for st in held))
 
     def timed(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> tuple[Any, Any, Any]:
         """(start mark, result, end mark) of one action."""

@@ -15,14 +15,56 @@ import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import CommSpan, Event, Timeline
 
-__all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "message_delays", "predict"]
+if TYPE_CHECKING:
+    from modelpar.pipeline.runner import PipelineRunner
+
+__all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "measured_timeline", "message_bytes",
+           "message_delays", "predict", "transfer_times"]
+
+
+def measured_timeline(runner: PipelineRunner, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
+    """Collective over the runner's group: every rank's measured events of its last step, as a Timeline.
+
+    ``comm``: this rank's (label, start, end) of other communication in that step (the trainer's
+    data-parallel collectives), in the step's clock (``runner.timer``'s marks).
+    """
+    spans = [(c, s + runner.clock, e + runner.clock) for c, s, e in comm]
+    return gather_timeline(runner.record.events, runner.schedule, runner.group, runner.timeout, runner.recorder, spans)
+
+
+def message_bytes(runner: PipelineRunner) -> list[float]:
+    """Bytes of one message into each stage (its activation, and the gradient going back), the mean
+    over microbatches; 0 where the stage before is on the same device. After a step."""
+    dev = runner.schedule.stage_to_device
+    out = [0.0] * len(dev)
+    for s in range(1, len(dev)):
+        if dev[s] != dev[s - 1]:
+            specs = runner.output_specs(s - 1)
+            out[s] = sum(_nbytes(spec) for spec in specs) / len(specs)
+    return out
+
+
+def transfer_times(runner: PipelineRunner, repeats: int = 10) -> list[float]:
+    """Collective: time messages on the runner's group (ping-pong, latency + bytes/bandwidth) and
+    return one message's time into each stage — the ``transfer_in`` of ``predict``."""
+    nbytes = message_bytes(runner)
+    largest = max(nbytes, default=0.0)
+    link = measure_link(runner.group, [64, int(largest) // 4, int(largest)], runner.timeout, runner.recorder, repeats)
+    return [link.time(b) if b else 0.0 for b in nbytes]
+
+
+def _nbytes(spec: tuple[tuple[int, ...], Any]) -> float:
+    import torch
+
+    shape, dtype = spec
+    return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
 
 
 def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,

@@ -8,7 +8,7 @@ stage's rank the targets (others may pass them too; they are ignored)::
     losses = runner.step(x, y)       # grads accumulated for the whole batch
     optimizer.step(); optimizer.zero_grad()
     val = runner.evaluate(x, y)      # forward-only schedule, no_grad, eval mode: the batch's mean loss
-    timeline = runner.timeline()     # collective: what every rank did, for the renderers
+    timeline = measured_timeline(runner)  # modelpar.pipeline.measure; collective: what every rank did
 
 The schedule is lowered once (``modelpar.schedules.lower``): each rank walks its program of
 compute actions, sends and receives, matched by order with its peers' — the same code on gloo
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,21 +37,18 @@ from modelpar.distributed.devices import check_stage_device
 from modelpar.pipeline.clock import clock_offset
 from modelpar.pipeline.collectives import FlightRecorder, comm_device
 from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
-from modelpar.pipeline.measure import gather_timeline, measure_link
 from modelpar.pipeline.p2p import P2P
-from modelpar.pipeline.plan import Planned, build_plan
+from modelpar.pipeline.program import Planned, build_plan
 from modelpar.pipeline.shapes import BatchSpec, TensorSpec, dry_run, exchange_batch, microbatch_sizes
 from modelpar.pipeline.stage import LocalStage, LossFn
 from modelpar.pipeline.timing import timer_for
 from modelpar.schedules.derive import forward_only
 from modelpar.schedules.lower import Transfer, lower
 from modelpar.schedules.schedule import Schedule
-from modelpar.simulate.timeline import Timeline
 
 __all__ = ["CHECK_MESSAGES_ENV", "PipelineRunner"]
 
 CHECK_MESSAGES_ENV = "MODELPAR_CHECK_MESSAGES"  # "1": every runner checks message sequence numbers
-_FAILED_GROUPS: dict[str, str] = {}  # pipeline groups a step failed on (in this process) -> why
 
 
 class PipelineRunner:
@@ -121,10 +118,6 @@ class PipelineRunner:
         me = dist.get_rank(self.group)
         if me < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline group")
-        failed = _FAILED_GROUPS.get(_name(self.group))
-        if failed:
-            raise ValueError(f"group: a pipeline step failed on this group ({failed}); messages of that step may "
-                             "still be in flight on it, so build a new process group (dist.new_group)")
         return me, dist.get_rank()
 
     def _check_modules(self, stage_modules: Mapping[int, nn.Module]) -> None:
@@ -262,59 +255,29 @@ class PipelineRunner:
         return self._plans[mode]
 
     def _fail(self, err: BaseException) -> None:
-        """After a failed step: refuse further steps on this runner, and new runners on this group."""
+        """After a failed step: refuse further steps on this runner (its messages may still be in flight)."""
         if self.p2p is None:
             return  # one device: nothing was in flight
         self._failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        _FAILED_GROUPS[_name(self.group)] = self._failed
 
-    # --- measuring -------------------------------------------------------------------------
-    def timeline(self, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
-        """Collective over the group: every rank's measured events of the last step, as a Timeline.
+    # --- what measurement reads (modelpar.pipeline.measure) -----------------------------------
+    @property
+    def clock(self) -> float:
+        """Offset of this rank's step clock (``timer``'s marks) to pipeline device 0's; 0 before the first step."""
+        return self._clock or 0.0
 
-        ``comm``: this rank's (label, start, end) of other communication in that step (the
-        trainer's data-parallel collectives), in the step's clock (``self.timer``'s marks).
-        """
-        offset = self._clock or 0.0
-        spans = [(c, s + offset, e + offset) for c, s, e in comm]
-        return gather_timeline(self.record.events, self.schedule, self.group, self.timeout, self.recorder, spans)
-
-    def message_bytes(self) -> list[float]:
-        """Bytes of one message into each stage (its activation, and the gradient going back), the
-        mean over microbatches; 0 where the stage before is on the same device. After a step."""
+    def output_specs(self, stage: int) -> list[TensorSpec]:
+        """(shape, dtype) of ``stage``'s output for each microbatch of the learned batch; after a step."""
         if self._batch is None:
-            raise ValueError("message_bytes needs the batch shape: run a step first")
-        dev, m = self.schedule.stage_to_device, self.schedule.num_microbatches
-        rows = microbatch_sizes(self._batch[0][0][0], m)
-        out = [0.0] * len(dev)
-        for s in range(1, len(dev)):
-            if dev[s] != dev[s - 1]:
-                sizes = [self._specs[s - 1, r] for r in rows]
-                out[s] = sum(_nbytes(spec) for spec in sizes) / m
-        return out
-
-    def transfer_times(self, repeats: int = 10) -> list[float]:
-        """Collective: time messages on this group (ping-pong, latency + bytes/bandwidth) and return
-        one message's time into each stage — the ``transfer_in`` of ``measure.predict``."""
-        nbytes = self.message_bytes()
-        largest = max(nbytes, default=0.0)
-        link = measure_link(self.group, [64, int(largest) // 4, int(largest)], self.timeout, self.recorder, repeats)
-        return [link.time(b) if b else 0.0 for b in nbytes]
+            raise ValueError("the batch shape is not known yet: run a step first")
+        rows = microbatch_sizes(self._batch[0][0][0], self.schedule.num_microbatches)
+        return [self._specs[stage, r] for r in rows]
 
 
 def _weighted(losses: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
     """The whole batch's mean loss from the microbatch means, each weighted by its share of the rows."""
     total = sum(rows)
     return sum(loss * (n / total) for loss, n in zip(losses, rows))  # type: ignore[return-value]
-
-
-def _nbytes(spec: TensorSpec) -> float:
-    shape, dtype = spec
-    return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
-
-
-def _name(group: Any) -> str:
-    return str(getattr(group, "group_name", id(group)))
 
 
 def _same(name: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:

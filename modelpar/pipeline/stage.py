@@ -37,13 +37,13 @@ class LocalStage:
         self._weight: dict[int, Callable[[], None]] = {}  # mb -> deferred W (zero bubble)
 
     @property
-    def held_graphs(self) -> int:
+    def held(self) -> int:
         """Microbatches whose forward graph (activations) this stage keeps: F done, B or I not yet."""
         return len(self._saved)
 
     @property
-    def held(self) -> int:
-        """Microbatches whose activations this stage still keeps (forward done, backward not)."""
+    def held_until_w(self) -> int:
+        """As ``held``, but a split backward keeps its microbatch until W (the deferred weight gradient)."""
         return len(self._saved) + len(self._weight)
 
     def forward(self, microbatch: int, x: torch.Tensor, target: torch.Tensor | None = None,

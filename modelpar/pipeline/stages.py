@@ -25,12 +25,12 @@ def split_stages(
     schedule: Schedule,
     device: int,
     balance: Sequence[int] | None = None,
-    recompute: Strategy = None,
+    recompute: Strategy = "none",
 ) -> dict[int, nn.Module]:
     """``{stage: module}`` for the virtual stages ``schedule`` puts on ``device``.
 
     ``balance[s]`` is stage s's layer count (default: ``modelpar.layer_split.split_layers``, the
-    planner's and the trainer's split). ``recompute`` (None, k, "sqrt",
+    planner's and the trainer's split). ``recompute`` ("none", k, "sqrt",
     "full", "recompute-all") wraps each stage in ``modelpar.recompute.Recompute``.
     """
     if not isinstance(model, nn.Sequential):
@@ -47,7 +47,7 @@ def split_stages(
     elif isinstance(balance, (str, bytes)) or len(balance) != stages:
         raise ValueError(f"balance must give a layer count for each of the {stages} stages, got {balance!r}")
     parts: list[nn.Module] = list(split_sequential(model, balance))
-    if recompute is not None:
+    if recompute is not None and recompute != "none":
         from modelpar.recompute import recompute_stage
 
         parts = [recompute_stage(p, recompute) for p in parts]

@@ -1,7 +1,7 @@
-"""Activation recomputation (reference §4.3, Chen et al. 2016): store-all, recompute-all, every-k (√n),
+"""Activation recomputation (reference §4.3, Chen et al. 2016): none (store all), recompute-all, every-k (√n),
 and selective recomputation of attention (Korthikanti et al. 2022).
 
-``Recompute(layers, recompute=None | k | "sqrt" | "full" | "recompute-all")`` runs a chain of
+``Recompute(layers, recompute="none" | k | "sqrt" | "full" | "recompute-all")`` runs a chain of
 layers keeping fewer activations and re-running them in backward, with gradients bitwise equal to
 plain autograd; ``recompute_function(fn, *inputs)`` does it for one function (the attention core
 of ``recompute="selective"``). ``RECOMPUTE_NAMES`` is the one vocabulary. ``ActivationMeter``

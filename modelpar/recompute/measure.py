@@ -69,7 +69,7 @@ def measure_chain(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.
 def strategy_table(layers: Sequence[Callable[[torch.Tensor], torch.Tensor]] | nn.Sequential, x: torch.Tensor,
                    strategies: Sequence[Strategy], repeats: int = 0, model: bool = True) -> str:
     """One row per strategy: measured held activations (and ``chain_cost``'s, for layers saving one
-    activation each, if ``model``), bytes, extra forwards, gradients bitwise equal to store-all's,
+    activation each, if ``model``), bytes, extra forwards, gradients bitwise equal to those without recomputation,
     and the median forward + backward time over ``repeats`` steps (none if 0)."""
     _, plain = measure_chain(layers, x, None)
     head = f"{'strategy':14} {'held':>5} {'model':>6} {'held KiB':>10} {'extra forwards':>15} {'re-created':>10}  bitwise equal"

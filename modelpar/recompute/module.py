@@ -5,7 +5,7 @@
     y = recompute_sequential(blocks, x, recompute="sqrt")       # the same, as a function
 
 It drops into any model: a stage of ``Pipe``, a stage of the multi-process pipeline runtime, the
-GPT's block stack. Under ``torch.no_grad()`` (or for ``recompute=None``) it is a plain loop.
+GPT's block stack. Under ``torch.no_grad()`` (or for ``recompute="none"``) it is a plain loop.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _check_input(x: object) -> torch.Tensor:
 
 def run_chain(chain: Sequence[Layer], plan: RecomputePlan, x: torch.Tensor, stats: RecomputeStats) -> torch.Tensor:
     """Run ``chain`` on ``x`` the way ``plan`` says: plainly, segment by segment, or input-only."""
-    if plan.kind == "store-all" or not torch.is_grad_enabled():
+    if plan.kind == "none" or not torch.is_grad_enabled():
         return run_layers(chain, x, stats)
     if plan.kind == "recompute-all":
         segment = Segment(chain, 0, stats, chain_parameters(chain))
@@ -69,7 +69,7 @@ class Recompute(nn.Module):
     and re-runs as they happen.
     """
 
-    def __init__(self, layers: nn.Sequential | nn.ModuleList | Sequence[Layer], recompute: Strategy = None) -> None:
+    def __init__(self, layers: nn.Sequential | nn.ModuleList | Sequence[Layer], recompute: Strategy = "none") -> None:
         super().__init__()
         chain = _as_chain(layers)
         self.layers = nn.ModuleList([layer for layer in chain if isinstance(layer, nn.Module)])
@@ -92,11 +92,11 @@ def recompute_sequential(layers: nn.Sequential | Sequence[Layer], x: torch.Tenso
 
 
 def recompute_stage(stage: nn.Module, recompute: Strategy) -> nn.Module:
-    """A pipeline stage with the per-stage option applied: unchanged for ``None``.
+    """A pipeline stage with the per-stage option applied: unchanged for ``"none"`` (or None).
 
     An ``nn.Sequential`` stage is split into its children; any other module counts as one layer,
-    so only ``None``, 1, ``"full"`` and ``"recompute-all"`` make sense for it.
+    so only ``"none"``, 1, ``"full"`` and ``"recompute-all"`` make sense for it.
     """
-    if recompute is None:
+    if recompute is None or recompute == "none":
         return stage
     return Recompute(stage if isinstance(stage, nn.Sequential) else [stage], recompute)

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # The one recomputation vocabulary (the library, `modelpar train --recompute` and the cost model):
-#   "none"           store every activation (None means the same)
+#   "none"           no recomputation: store every activation (the one spelling; None is read as it)
 #   "selective"      re-run only the attention core, QKᵀ · softmax · dropout · V (Korthikanti et al. 2022 §5):
 #                    a property of attention layers, not of a chain
 #   k (an int)       keep the input of every k-layer segment, re-run each segment once
@@ -35,7 +35,8 @@ __all__ = [
 RECOMPUTE_NAMES = ("none", "selective", "full", "sqrt", "recompute-all")
 
 Strategy = None | int | str
-"""A ``recompute=`` value: ``None`` (= ``"none"``), a layer count k, or one of ``RECOMPUTE_NAMES``."""
+"""A ``recompute=`` value: a layer count k or one of ``RECOMPUTE_NAMES`` (``"none"``: no recomputation;
+None is read as ``"none"``)."""
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -53,7 +54,7 @@ def parse_strategy(text: str) -> Strategy:
 class RecomputePlan:
     """A chain of ``n`` layers cut into checkpointed segments of ``k`` layers (the last may be shorter).
 
-    ``kind`` is ``"store-all"`` (no segments: autograd keeps every intermediate), ``"every-k"``
+    ``kind`` is ``"none"`` (no recomputation, no segments: autograd keeps every intermediate), ``"every-k"``
     (each segment keeps only its input and is re-run once in backward) or ``"recompute-all"``
     (keep only the chain's input; re-run from it for every layer in backward).
     """
@@ -64,14 +65,14 @@ class RecomputePlan:
 
     @property
     def segments(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` of each checkpointed segment; empty for store-all."""
-        if self.kind == "store-all":
+        """``(start, stop)`` of each checkpointed segment; empty for "none"."""
+        if self.kind == "none":
             return []
         return [(a, min(a + self.k, self.n)) for a in range(0, self.n, self.k)]
 
     @property
     def label(self) -> str:
-        """A short name for tables: ``store-all``, ``every-8``, ``full`` (k = n) or ``recompute-all``."""
+        """A short name for tables: ``none``, ``every-8``, ``full`` (k = n) or ``recompute-all``."""
         if self.kind == "every-k":
             return "full" if self.k == self.n else f"every-{self.k}"
         return self.kind
@@ -100,7 +101,7 @@ def plan_recompute(n: int, recompute: Strategy) -> RecomputePlan:
     """
     n = check_int("number of layers", n, minimum=1)
     if recompute is None or recompute == "none":
-        return RecomputePlan("store-all", n, n)
+        return RecomputePlan("none", n, n)
     if recompute == "selective":
         raise ValueError("recompute='selective' re-runs the attention core inside attention layers "
                          "(ParallelAttention(recompute_core=True), or a model built with recompute='selective'); "
@@ -127,14 +128,14 @@ class ChainCost:
 def chain_cost(n: int, recompute: Strategy) -> ChainCost:
     """Closed-form held activations and extra forwards (Chen et al. 2016 §4.3, reference §4.3).
 
-    store-all: n held, nothing re-run. every-k: the ceil(n/k) segment inputs plus one segment's k
+    none: n held, nothing re-run. every-k: the ceil(n/k) segment inputs plus one segment's k
     activations while it is re-run, exactly n/k + k when k divides n (minimum 2√n at k = √n; a
     shorter last segment can tie it); each layer is re-run once: n extra forwards, "about one
     more forward". recompute-all: the input plus one re-run activation, 2 held (O(1)),
     and layer l is reached by re-running layers 0..l: n(n + 1)/2 extra forwards (O(n²)).
     """
     plan = plan_recompute(n, recompute)
-    if plan.kind == "store-all":
+    if plan.kind == "none":
         return ChainCost(held=n, extra_forwards=0, intermediates=0)
     if plan.kind == "recompute-all":
         return ChainCost(held=2, extra_forwards=n * (n + 1) // 2, intermediates=n * (n + 1) // 2 - 1)

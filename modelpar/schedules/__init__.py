@@ -15,7 +15,7 @@ from modelpar.schedules.generators import (
     zb_h1,
 )
 from modelpar.schedules.greedy import greedy
-from modelpar.schedules.lower import Comm, Op, Transfer, lower, parse_op, rendezvous
+from modelpar.schedules.lower import Comm, Op, Transfer, lower
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
 from modelpar.schedules.validate import DeadlockError, validate_schedule
@@ -45,8 +45,6 @@ __all__ = [
     "naive",
     "on_one_device",
     "one_f_one_b",
-    "parse_op",
-    "rendezvous",
     "schedule_table",
     "v_half",
     "v_map",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from modelpar.schedules.action import Kind
-from modelpar.simulate.report import label
+from modelpar.simulate.tables import label
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["plot_timelines"]
@@ -110,7 +110,7 @@ def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
     ax.set_yticks(ticks, names)
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, (n - 1) * pitch + pitch - 1 + 0.6)
-    peaks = ", ".join(f"{p:g}" for p in tl.peak_activations)
+    peaks = ", ".join(f"{p:g}" for p in tl.peak_held)
     exposed = f", dp exposed {tl.format_time(max(tl.exposed_comm()), '.3g')}" if pitch > 1 else ""
     ax.set_title(
         f"{label(tl.name or 'timeline', tl.chunks)}  K={n} M={tl.num_microbatches}: step {tl.format_time(tl.step_time, '.4g')}, "
@@ -153,17 +153,17 @@ def plot_pareto(named: Sequence[Timeline], synthesised: Sequence[Timeline], fron
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for t in named:
-        x, y = max(t.peak_activations), t.step_time
+        x, y = max(t.peak_held), t.step_time
         ax.scatter([x], [y], color="#1f77b4", zorder=3)
         ax.annotate(label(t.name, t.chunks), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     if front:
-        pts = sorted((max(t.peak_activations), t.step_time) for t in front)
-        right = max(max(t.peak_activations) for t in (*named, *synthesised, *front))
+        pts = sorted((max(t.peak_held), t.step_time) for t in front)
+        right = max(max(t.peak_held) for t in (*named, *synthesised, *front))
         pts.append((right, pts[-1][1]))  # more memory buys nothing faster: the frontier runs on to the last point
         ax.step([p[0] for p in pts], [p[1] for p in pts], where="post", color="#888888", zorder=2,
                 label="frontier: the fastest within each memory")
     if synthesised:
-        pts = sorted((max(t.peak_activations), t.step_time) for t in synthesised)
+        pts = sorted((max(t.peak_held), t.step_time) for t in synthesised)
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="#d62728", marker="s", s=22, zorder=4,
                    label="auto (synthesised for these costs)")
     ax.legend(loc="upper right", frameon=False)

@@ -125,7 +125,7 @@ def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float |
 
 def pareto(timelines: Sequence[Timeline]) -> list[Timeline]:
     """The timelines no other beats on both step time and peak held activations, by increasing peak."""
-    points = sorted(timelines, key=lambda t: (max(t.peak_activations), t.step_time))
+    points = sorted(timelines, key=lambda t: (max(t.peak_held), t.step_time))
     front: list[Timeline] = []
     for t in points:
         if not front or t.step_time < front[-1].step_time - 1e-12:

@@ -5,7 +5,7 @@ Metrics (all derived, nothing stored twice):
 - bubble: idle / total, overall (sum over devices) and per device;
 - peak held activations per device, in microbatch × whole-stage units (an interleaved chunk is
   1/v of a stage): a microbatch is held from its F until its B (or, split, its I) — the
-  zero-bubble paper's in-flight count; ``peak_until_w`` also keeps it until W;
+  zero-bubble paper's in-flight count; ``peak_held_until_w`` also keeps it until W;
 - transfers: cross-device dependencies (one activation forward, one gradient back per boundary);
 - speed-up: the same work done back to back on one device, divided by the step time;
 - exposed communication: per device, how long its data-parallel collectives (``comm`` spans:
@@ -219,13 +219,13 @@ class Timeline:
         return sum(self.busy) / self.step_time if self.step_time else 0.0
 
     @cached_property
-    def peak_activations(self) -> list[float]:
+    def peak_held(self) -> list[float]:
         """Per device: the most microbatch × whole-stage activations held (F until B or I)."""
         return peak_held(self.actions, self.chunks)
 
     @cached_property
-    def peak_until_w(self) -> list[float]:
-        """As ``peak_activations`` but a split backward frees the activations only after W."""
+    def peak_held_until_w(self) -> list[float]:
+        """As ``peak_held`` but a split backward frees the activations only after W."""
         return peak_held(self.actions, self.chunks, until_w=True)
 
     @cached_property
@@ -247,7 +247,7 @@ class Timeline:
             "step_time": self.step_time,
             "bubble": self.bubble,
             "bubble_per_device": self.bubble_per_device,
-            "peak_activations": self.peak_activations,
+            "peak_held": self.peak_held,
             "transfers": self.transfers,
             "speedup": self.speedup,
         }

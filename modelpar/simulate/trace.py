@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from modelpar.simulate.report import label
+from modelpar.simulate.tables import label
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["chrome_trace", "write_trace"]

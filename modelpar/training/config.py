@@ -177,10 +177,21 @@ class TrainConfig:
         return self.batch_size * self.model.seq_len
 
     def check(self, world_size: int | None = None) -> TrainConfig:
-        """Raise ValueError naming the first bad setting; return self."""
-        dims = self.dims
+        """Raise ValueError naming the first bad setting; return self.
+
+        The config is frozen, so a value that passed once passes again: the settings are checked
+        once per value (a ``replace`` makes a new value; a pickled copy stays checked) and later
+        calls only check ``world_size`` against the layout.
+        """
         if world_size is not None:
-            dims.check_world(world_size)
+            self.dims.check_world(world_size)
+        if not self.__dict__.get("_checked", False):
+            self._check_settings()
+            object.__setattr__(self, "_checked", True)
+        return self
+
+    def _check_settings(self) -> None:
+        _ = self.dims  # ParallelDims checks t, p and d first
         check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
@@ -239,7 +250,6 @@ class TrainConfig:
             from modelpar.hf import check_init_from
 
             check_init_from(self.model, self.init_from)
-        return self
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, the model and the data as nested dicts (what checkpoints store)."""

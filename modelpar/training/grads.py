@@ -8,9 +8,8 @@ Order (Megatron's ``finalize_model_grads``), per bucket of ``modelpar.training.b
 3. data parallelism: the mean over the dp group, one asynchronous collective per bucket — an
    all-reduce (``zero`` 0), or a reduce-scatter into the rank's range of the bucket (``zero`` 1,
    for ``ZeroAdamW``);
-4. clipping: the global L2 norm over all shards — each distinct tp shard counted once, every pp
-   stage included, each element once across dp (the dp replicas' copies under zero 0, the
-   ranges under zero 1) — in one scalar all-reduce.
+4. clipping (``modelpar.training.clipping.GradClip``, over the gradients this leaves): the global
+   L2 norm over all shards, in one scalar all-reduce.
 
 With ``overlap`` step 3 starts during the pipeline step: a stage's last backward arms it
 (``action_hook``, a ``PipelineRunner`` action hook), each bucket starts as soon as its last
@@ -21,7 +20,6 @@ Without it ``finish`` does everything after the pipeline step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,20 +65,19 @@ class GradSync:
     def __post_init__(self) -> None:
         self.params = [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
         self.tied: list[nn.Parameter] = []  # the tied weight's copies held here (embedding, head)
-        self._tied_copy: set[int] = set()
+        self.tied_copy_ids: set[int] = set()  # the head's copy of a tied weight (counted once: the embedding's)
         for m in self.modules.values() if self.tied_split else ():
             embed, head = getattr(m, "embed", None), getattr(m, "head", None)
             if embed is not None:
                 self.tied.append(embed.word.weight)
             if head is not None:
                 self.tied.append(head.weight)
-                self._tied_copy.add(id(head.weight))
+                self.tied_copy_ids.add(id(head.weight))
         partial = (lambda p: param_layout(p).partial_grad) if self.tp_group is not None else (lambda p: False)
         self.buckets = build_buckets([(s, self.modules[s]) for s in self.finish_order], self.bucket_elements,
                                      self.comm.size if self.zero else 1, partial, self.tied)
         self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
                                                    for s in self.modules}
-        self._counted_ranges = self._norm_ranges()
         self._started: set[int] = set()  # buckets whose reduction started this step
         self._pending: list[tuple[Bucket, Pending]] = []  # and their collectives in flight
         self._armed: int | None = None  # the stage whose last backward is running
@@ -129,9 +126,13 @@ class GradSync:
 
     def _stage_done(self, stage: int) -> None:
         """After the stage's last backward: its tensor-parallel sums, then every bucket of it not started yet."""
-        if self.tp_group is not None and any(b.ready == "stage" for b in self._of_stage[stage]):
+        self._sync_and_start(stage, self._of_stage[stage])
+
+    def _sync_and_start(self, stage: int, buckets: list[Bucket]) -> None:
+        """The stage's tensor-parallel sums (if a bucket waits for them), then each of ``buckets`` not started yet."""
+        if self.tp_group is not None and any(b.ready == "stage" for b in buckets):
             sync_tensor_parallel_grads(self.modules[stage])
-        for b in self._of_stage[stage]:
+        for b in buckets:
             if b.index not in self._started:
                 self._start(b)
 
@@ -139,7 +140,7 @@ class GradSync:
         """Start the bucket's data-parallel reduction (nothing to do when d = 1)."""
         self._started.add(bucket.index)
         if self.comm.size > 1:
-            owned = self._owned(bucket)
+            owned = self.owned_grad(bucket)
             reduce = self.comm.reduce_scatter(bucket.grad, owned) if self.zero else self.comm.all_reduce(owned)
             self._pending.append((bucket, reduce))
 
@@ -165,55 +166,16 @@ class GradSync:
                 self._start(b)
         for bucket, pending in self._pending:
             self.comm.wait(pending)
-            self._owned(bucket).mul_(1.0 / self.comm.size)
+            self.owned_grad(bucket).mul_(1.0 / self.comm.size)
         self._started, self._pending = set(), []
 
-    def _owned(self, bucket: Bucket) -> torch.Tensor:
+    def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         """The part of the bucket's gradient this rank reduced: all of it, or its range under ZeRO-1."""
         return bucket.owned_grad(self.dp_rank, self.comm.size) if self.zero else bucket.grad
 
-    def _grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
+    def grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the bucket's gradient (positions in the full flat buffer)."""
         return bucket.grad[start:stop]
-
-    def _counted(self, p: nn.Parameter) -> bool:
-        """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
-        if id(p) in self._tied_copy or (not self.zero and self.dp_rank != 0):
-            return False
-        layout = param_layout(p)
-        return layout.rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
-
-    def _norm_ranges(self) -> list[tuple[Bucket, int, int]]:
-        """The flat ranges of gradient this rank adds to the global norm, adjacent ones merged (few kernels)."""
-        ranges: list[tuple[Bucket, int, int]] = []
-        for b in self.buckets:
-            lo, hi = b.shard_range(self.dp_rank, self.comm.size) if self.zero else (0, b.numel)
-            for p, offset in zip(b.params, b.offsets):
-                a, z = max(lo, offset), min(hi, offset + p.numel())
-                if a >= z or not self._counted(p):
-                    continue
-                if ranges and ranges[-1][0] is b and ranges[-1][2] == a:
-                    ranges[-1] = (b, ranges[-1][1], z)
-                else:
-                    ranges.append((b, a, z))
-        return ranges
-
-    def global_norm(self) -> float:
-        """Collective over all ranks (one scalar all-reduce): the L2 norm of the whole model's gradient."""
-        local = torch.zeros((), dtype=torch.float64, device=self.buckets[0].grad.device)
-        for b, a, z in self._counted_ranges:
-            local += torch.linalg.vector_norm(self._grad_range(b, a, z), dtype=torch.float64).square()
-        dist.all_reduce(local)
-        return math.sqrt(local.item())
-
-    def clip(self, max_norm: float) -> float:
-        """Scale all gradients so their global norm is at most ``max_norm``; return the norm before."""
-        norm = self.global_norm()
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for b in self.buckets:
-                self._owned(b).mul_(coef)
-        return norm
 
     # --- accounting -------------------------------------------------------------------------
     def gradient_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """Start a training run: on local processes (the default) or in torchrun's processes.
 
 Locally, ``run_local`` starts t·p·d ranks in a ``LocalCluster``, runs them from a background
-thread and feeds rank 0's events to the display; a rank's error ends every rank and is re-raised
+thread and feeds rank 0's events, which come back through the cluster's result queue
+(``modelpar.distributed.to_launcher``), to the display; a rank's error ends every rank and is re-raised
 here with its rank. Signals to this process are relayed to the ranks (``_Relay``), which stop
 together at a step boundary. Under torchrun each process calls ``run_in_process`` (NCCL on GPUs)
 and torchrun's agent relays the signals.
@@ -11,23 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpar.checkpoint import latest_checkpoint
-from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env
+from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env, to_launcher
 from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
 from modelpar.training.loop import TrainResult, train
-from modelpar.training.report import EventFile
+from modelpar.training.resume import check_resume
 from modelpar.training.stopping import EXIT_PREEMPTED, Stop, handled
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 __all__ = ["rank_threads", "run_in_process", "run_local"]
+
+
+_DONE: dict[str, Any] = {}  # the run's thread has its outcome: no event follows
 
 
 def rank_threads(world_size: int) -> int:
@@ -35,11 +41,11 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(cfg: TrainConfig, events: str) -> TrainResult:
+def _rank_main(cfg: TrainConfig) -> TrainResult:
     import torch
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
-    return train(cfg, report=EventFile(events))
+    return train(cfg, report=to_launcher())  # only rank 0 reports
 
 
 class _Relay:
@@ -120,36 +126,55 @@ class _Relay:
         return Stop("preempt", self.step, None if latest is None else str(latest), message, EXIT_PREEMPTED)
 
 
-def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None) -> TrainResult:
+def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None,
+              console: Console | None = None, progress: bool = False) -> TrainResult:
     """Train on t·p·d new local processes (gloo); return rank 0's result.
 
-    The data is prepared here, before any rank starts (``modelpar.text.prepare_data``). Ctrl-C and
-    the preemption signal stop every rank at the next step boundary, with ``TrainResult.stop``
-    saying where; a second Ctrl-C ends them at once (KeyboardInterrupt).
+    The data is prepared here, once, before any rank starts (``modelpar.text.prepare_data``; on
+    ``console`` with ``progress`` bars, which then also gets a line naming the processes), and a
+    checkpoint to resume from is checked against the run. Ctrl-C and the preemption signal stop
+    every rank at the next step boundary, with ``TrainResult.stop`` saying where; a second Ctrl-C
+    ends them at once (KeyboardInterrupt).
     """
-    cfg = prepare_data(cfg.check()).check()
+    cfg = prepare_data(cfg.check(), console, progress=progress).check()
+    check_resume(cfg)  # a checkpoint of another model, data or optimisation: fail before starting ranks
+    if console is not None:
+        cp = f" cp={cfg.cp}," if cfg.cp > 1 else ""
+        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp},{cp} p={cfg.pp}, "
+                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
+                      highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
     outcome: dict[str, Any] = {}
     overdue = False
+    events: queue.Queue[dict[str, Any]] = queue.Queue()  # get(timeout) lets the signal handlers run
     try:
-        with tempfile.TemporaryDirectory(prefix="modelpar-train-") as tmp, \
-                LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None) as cluster:
-            events, relay = EventFile(Path(tmp) / "events.jsonl"), _Relay(cluster, cfg)
+        with LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None, on_message=events.put) as cluster:
+            relay = _Relay(cluster, cfg)
 
             def target() -> None:
                 try:
-                    outcome["result"] = cluster.run(_rank_main, cfg, str(events.path))[0]
+                    outcome["result"] = cluster.run(_rank_main, cfg)[0]
                 except BaseException as err:
                     outcome["error"] = err
+                events.put(_DONE)
+
+            def show(event: dict[str, Any]) -> None:
+                relay.seen(event)
+                if display is not None:
+                    display(event)
 
             worker = threading.Thread(target=target, name="modelpar-train", daemon=True)
             with relay.handlers():
                 worker.start()
-                while worker.is_alive():
-                    worker.join(0.2)
-                    for event in events.poll():
-                        relay.seen(event)
-                        if display is not None:
-                            display(event)
+                done = False
+                while not done:
+                    try:  # an event is shown as it arrives; the timeout only paces the relay's checks
+                        event = events.get(timeout=0.2)
+                    except queue.Empty:
+                        event = None
+                    if event is _DONE:
+                        done = True
+                    elif event is not None:
+                        show(event)
                     if relay.end_now():  # every pass: also ends ranks the cluster was still starting
                         cluster.kill()
                     elif not overdue and relay.overdue():

@@ -27,23 +27,26 @@ import torch.distributed as dist
 
 from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
+from modelpar.pipeline.measure import measured_timeline, message_bytes
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
+from modelpar.training.clipping import GradClip
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.faults import nonfinite_hook, slow_init
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
-from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
+from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import wrap_stage
 from modelpar.training.prediction import saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
-from modelpar.training.stopping import Stop, StopController, Verdict, slow_init
+from modelpar.training.stopping import Stop, StopController, Verdict
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
@@ -92,6 +95,10 @@ class TrainResult:
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
+    def fields(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The named fields (and properties) by name: what the step event and summary.json carry."""
+        return {name: getattr(self, name) for name in names}
+
     @property
     def peak_state_bytes(self) -> int:
         """Parameters, gradients and AdamW state at this rank's peak: what it keeps plus the full buckets."""
@@ -113,6 +120,16 @@ class TrainResult:
     def bits_per_byte(self, nats_per_token: float) -> float:
         """A validation loss in bits per byte of text, comparable across tokenizers."""
         return nats_per_token * self.tokens_per_byte / math.log(2)
+
+
+# The result's fields each step event carries under their own names (the step's measurements) ...
+STEP_FIELDS = ("optimizer_state_bytes", "gradient_bytes", "parameter_bytes", "dp_bytes_sent", "all_gather_bytes",
+               "reduce_scatter_bytes")
+# ... and those summary.json carries under their own names (beside the config and what the command derives).
+SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
+                  "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
+                  "skipped_steps", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
+                  "exposed_gather", "message_bytes")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -157,6 +174,7 @@ class _Run:
                                        context=self.context)
                         for s in self.schedule.stages_on(rs.pp_rank)}
         slow_init()
+        self.fault = nonfinite_hook()
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
 
@@ -191,6 +209,7 @@ class _Run:
             self.sync = GradSync(**sync_args)
         if self.sync.overlap or cfg.zero >= 2:
             self.runner.register_action_hook(self.sync.action_hook)
+        self.clipper = GradClip(self.sync)
         self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
@@ -202,7 +221,7 @@ class _Run:
                                   flops_per_token=cfg.model.flops_per_token(),
                                   device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
                                   parameters_here=sum(p.numel() for p in self.sync.params),
-                                  optimizer_state_bytes=optimizer_state_bytes(self.optimizer),
+                                  optimizer_state_bytes=measured_state_bytes(self.optimizer),
                                   gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
                                   parameter_bytes=self.sync.parameter_bytes(),
                                   unigram_baseline=self.corpus.unigram_baseline(),
@@ -236,9 +255,10 @@ class _Run:
         self.sync.zero_grad()
         self.meter.reset_peak()
         self.runner.step(xi, yi)
-        self.stop.inject_nonfinite(step, self.sync.grad_holders)
+        if self.fault is not None:  # tests only (modelpar.training.faults)
+            self.fault(step, self.sync.grad_holders)
         self.sync.finish()
-        norm = self.sync.clip(self.cfg.clip)
+        norm = self.clipper.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
         verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.grad_holders, self.rs.device)
         if verdict.update:
@@ -257,21 +277,18 @@ class _Run:
         r.losses.append(loss)
         r.grad_norms.append(norm)
         if r.message_bytes is None:
-            r.message_bytes = self.runner.message_bytes()
+            r.message_bytes = message_bytes(self.runner)
         if self.emit:
             self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
                        "step_time": r.step_times[-1],
-                       "peak_memory_mb": peak_memory_mb(self.rs.device),
-                       "optimizer_state_bytes": r.optimizer_state_bytes, "gradient_bytes": r.gradient_bytes,
-                       "parameter_bytes": r.parameter_bytes, "dp_bytes_sent": r.dp_bytes_sent,
-                       "all_gather_bytes": r.all_gather_bytes, "reduce_scatter_bytes": r.reduce_scatter_bytes,
+                       "peak_memory_mb": peak_memory_mb(self.rs.device), **r.fields(STEP_FIELDS),
                        "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak})
         return verdict
 
     def measure(self) -> None:
         """Keep this step's timeline, with the data-parallel collectives (a collective over the pipeline group)."""
-        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [self.runner.timeline(self.comm_spans)]
+        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [measured_timeline(self.runner, self.comm_spans)]
 
     def validate(self, step: int) -> None:
         total = 0.0
@@ -321,7 +338,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
     checkpoints = open_directory(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
-        cfg = prepare_on_rank0(cfg).check(dist.get_world_size())  # may write tokenizer.json: after the lock
+        cfg = prepare_on_rank0(cfg).check()  # may write tokenizer.json: after the lock (a new value is checked once)
         run = _Run(cfg, report, checkpoints, stop)
     except BaseException:
         if checkpoints is not None:

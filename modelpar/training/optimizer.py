@@ -17,7 +17,7 @@ from modelpar.training.dp_comm import DataParallelComm
 from modelpar.training.grads import GradSync
 from modelpar.training.zero import ZeroAdamW
 
-__all__ = ["Optimizer", "build_optimizer", "optimizer_state_bytes", "param_groups"]
+__all__ = ["Optimizer", "build_optimizer", "measured_state_bytes", "param_groups"]
 
 Optimizer = torch.optim.Optimizer | ZeroAdamW
 
@@ -41,7 +41,8 @@ def build_optimizer(zero: int, sync: GradSync, comm: DataParallelComm, dp_rank: 
     return torch.optim.AdamW(param_groups(sync.params, weight_decay), **kwargs)
 
 
-def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the AdamW state tensors this rank holds (the moments; the 0-d step counts aside)."""
+def measured_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes of the AdamW state tensors this rank holds (the moments; the 0-d step counts aside), counted
+    from the tensors; ``modelpar.costmodel.zero.optimizer_state_bytes`` is the prediction."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for key, v in state.items() if key != "step")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import threading
 import time
@@ -41,16 +40,11 @@ import torch.distributed as dist
 
 from modelpar.training.config import TrainConfig
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "INJECT_NONFINITE", "SLOW_INIT", "Stop",
-           "StopController", "Verdict", "handled", "slow_init"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "Stop", "StopController", "Verdict", "handled"]
 
 EXIT_NONFINITE = 65  # EX_DATAERR: a non-finite loss or gradient norm
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: preempted; run again with --resume
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
-# Test-only: "k" or "k:r" makes rank r (default 0) see a NaN gradient in step k (1-based).
-INJECT_NONFINITE = "MODELPAR_TEST_NONFINITE"
-# Test-only: seconds every rank spends more building its model (a long initialisation to interrupt).
-SLOW_INIT = "MODELPAR_TEST_SLOW_INIT"
 
 
 class Request(IntEnum):
@@ -116,7 +110,6 @@ class StopController:
         self._preempted_at: float | None = None  # time.monotonic() of the first preemption signal
         self._save_seconds = 0.0  # how long this rank's last save took
         self._handlers = contextlib.ExitStack()
-        self._inject = _parse_injection(os.environ.get(INJECT_NONFINITE, ""))
         self._training = False  # begin() called: a Ctrl-C waits for the step boundary
 
     def __enter__(self) -> StopController:
@@ -141,11 +134,6 @@ class StopController:
     def saved(self, seconds: float) -> None:
         """Record how long a save took: the estimate for a save inside the grace period."""
         self._save_seconds = seconds
-
-    def inject_nonfinite(self, step: int, params: list[torch.nn.Parameter]) -> None:
-        """Test-only (``MODELPAR_TEST_NONFINITE``): put a NaN in this rank's first gradient in step ``step + 1``."""
-        if self._inject == (step + 1, dist.get_rank()) and params and params[0].grad is not None:
-            params[0].grad.view(-1)[0] = math.nan
 
     def agree(self, loss: float | None, weight: float, norm: float, params: list[torch.nn.Parameter],
               device: torch.device) -> Verdict:
@@ -211,17 +199,3 @@ class StopController:
         else:
             message = f"{head}; {verdict.detail}"
         return Stop("preempt", step, latest, message, EXIT_PREEMPTED)
-
-
-def slow_init() -> None:
-    """Test-only (``MODELPAR_TEST_SLOW_INIT``): sleep that many seconds, as a long model initialisation would take."""
-    seconds = float(os.environ.get(SLOW_INIT, "") or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
-def _parse_injection(text: str) -> tuple[int, int] | None:
-    if not text:
-        return None
-    step, _, rank = text.partition(":")
-    return int(step), int(rank or 0)

@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from modelpar.schedules.action import Action, Kind
-from modelpar.tensor_parallel import sync_tensor_parallel_grads
 from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.dp_comm import Pending
 from modelpar.training.grads import GradSync
@@ -136,11 +135,7 @@ class ShardedGradSync(GradSync):
         for b in self._stage_buckets[stage]:
             if b.ready == "stage" or b.index not in self._started:
                 self._fill(b)  # a bucket no gradient reached: zeros (every rank issues the same collectives)
-        if self.tp_group is not None and any(b.ready == "stage" for b in self._stage_buckets[stage]):
-            sync_tensor_parallel_grads(self.modules[stage])
-        for b in self._stage_buckets[stage]:
-            if b.index not in self._started:
-                self._start(b)
+        self._sync_and_start(stage, self._stage_buckets[stage])
 
     def _start(self, bucket: Bucket) -> None:
         """Reduce-scatter the bucket's gradient (fp32) into its own range of the buffer."""
@@ -181,7 +176,7 @@ class ShardedGradSync(GradSync):
             assert b.shard_grad is not None
             b.shard_grad.mul_(1.0 / self.comm.size)
 
-    def _grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
+    def grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
         lo, _ = bucket.shard_range(self.dp_rank, self.comm.size)
         assert bucket.shard_grad is not None
         return bucket.shard_grad[start - lo:stop - lo]

@@ -2,13 +2,12 @@
 
 The training ranks emit small event dicts (start, step, eval, done); ``Display`` turns them into
 a rich progress bar with the loss and tokens/s. Local runs pass events from rank 0 to the parent
-through a JSON-lines file (``EventFile``), so the parent owns the terminal; under torchrun rank 0
-displays them itself.
+through the queue that carries the ranks' results (``modelpar.distributed.to_launcher``), so the
+parent owns the terminal; under torchrun rank 0 displays them itself.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,29 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["Display", "EventFile", "peak_tflops_of", "plot_losses", "summary_table"]
-
-
-class EventFile:
-    """Rank 0 appends events as JSON lines; the parent reads what is new with ``poll``."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self._offset = 0
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
-
-    def poll(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]  # a line still being written waits for the next poll
-        self._offset += len(complete.encode("utf-8"))
-        return [json.loads(line) for line in complete.splitlines() if line]
+__all__ = ["Display", "peak_tflops_of", "plot_losses", "summary_table"]
 
 
 class Display:

@@ -19,7 +19,7 @@ def label(name: str, chunks: int = 1) -> str:
 
 def headline(timeline: Timeline) -> str:
     """One line above a chart: name, K, M, step time, bubble, peak held microbatches."""
-    peaks = ", ".join(f"{p:g}" for p in timeline.peak_activations)
+    peaks = ", ".join(f"{p:g}" for p in timeline.peak_held)
     v = f", v = {timeline.chunks}" if timeline.chunks > 1 else ""
     return (
         f"{timeline.name or 'schedule'} (K = {timeline.num_devices}, "
@@ -40,7 +40,7 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
             str(t.chunks),
             f"{t.step_time:.4g}" if t.unit == FORWARD else t.format_time(t.step_time, ".4g"),
             f"{t.bubble:.1%}",
-            "[" + ", ".join(f"{p:g}" for p in t.peak_activations) + "]",
+            "[" + ", ".join(f"{p:g}" for p in t.peak_held) + "]",
             str(t.transfers),
             f"{t.speedup:.2f}x",
         ))
@@ -50,9 +50,9 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
 def pareto_table(timelines: Sequence[Timeline], front: Sequence[Timeline]) -> str:
     """One row per timeline, by peak: name, peak held (max over devices), step, bubble; * on the frontier."""
     rows = [("", "schedule", "peak held", "step", "bubble")]
-    for t in sorted(timelines, key=lambda t: (max(t.peak_activations), t.step_time)):
+    for t in sorted(timelines, key=lambda t: (max(t.peak_held), t.step_time)):
         rows.append(("*" if any(t is f for f in front) else "", label(t.name or "schedule", t.chunks),
-                     f"{max(t.peak_activations):g}", f"{t.step_time:.4g}", f"{t.bubble:.1%}"))
+                     f"{max(t.peak_held):g}", f"{t.step_time:.4g}", f"{t.bubble:.1%}"))
     return _format(rows)
 
 
