@@ -13,7 +13,7 @@ profile's or counted. Memory is ``local_memory``'s exact per-rank figures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalRun, activation_bytes, stage_tensors, state_bytes
 from modelpar.costmodel.measured import layer_gemms
@@ -22,9 +22,11 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
+from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.synthesis import StageCosts
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local", "stage_costs"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1)  # ZeRO stages whose step this model prices (2 and 3 reduce or gather every microbatch)
@@ -113,15 +115,33 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     return forward, backward, weight
 
 
-def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
-    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
-    schedule = get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+def _hop(run: LocalRun, hw: HardwareProfile) -> float:
+    """Seconds of one point-to-point transfer of a microbatch's activations between pipeline ranks."""
+    act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
+    act /= run.t if run.sequence_parallel and run.t > 1 else 1
+    return _collective(hw, "p2p", 2, act) if run.p > 1 else 0.0
+
+
+def stage_costs(run: LocalRun, hw: HardwareProfile) -> StageCosts:
+    """Forward, input- and weight-gradient seconds of each of the p whole stages (v = 1) and one transfer's:
+    what ``simulate.synthesis`` builds ``schedule auto`` from (a schedule with v chunks cuts each into v)."""
+    whole = replace(run, v=1)
+    costs = [_stage_costs(whole, hw, s) for s in range(run.p)]
+    return StageCosts(tuple(c[0] for c in costs), tuple(c[1] - c[2] for c in costs), tuple(c[2] for c in costs),
+                      _hop(run, hw))
+
+
+def predict_local(run: LocalRun, hw: HardwareProfile, schedule: Schedule | None = None) -> LocalPrediction:
+    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes.
+
+    ``schedule``: the one the run executes when it is not ``run.schedule``'s generator's (``auto``: synthesised).
+    """
+    if schedule is None:
+        schedule = get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
                  Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
-    act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
-    act /= run.t if run.sequence_parallel and run.t > 1 else 1
-    hop = _collective(hw, "p2p", 2, act) if run.p > 1 else 0.0
+    hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_device[s] != schedule.stage_to_device[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)

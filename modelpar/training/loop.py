@@ -28,7 +28,6 @@ import torch.distributed as dist
 from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.runner import PipelineRunner
-from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
@@ -38,7 +37,7 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
 from modelpar.training.precision import wrap_stage
-from modelpar.training.prediction import saved_bytes
+from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
@@ -147,7 +146,7 @@ class _Run:
         self.checkpoints = checkpoints
         rs = self.rs
         self.corpus = open_corpus(cfg.data)
-        self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+        self.schedule = run_schedule(cfg)
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
@@ -304,6 +303,7 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     (``TrainResult.stop``; modelpar.training.stopping).
     """
     cfg.check(dist.get_world_size())
+    cfg = resolve_schedule(cfg)[0].check(dist.get_world_size())  # schedule auto: its v (the same on every rank)
     with StopController(cfg) as stop:
         return _train(cfg, report, stop)
 

@@ -5,26 +5,32 @@ hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_byt
 each rank before training, what autograd keeps for one microbatch of each of its stages
 (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
 ``compare`` lays the two side by side with the error; ``summary_rows`` writes them into the summary
-and ``metrics.jsonl``.
+and ``metrics.jsonl``. ``run_schedule`` is the schedule a run executes: with ``schedule auto`` the one
+``simulate.synthesis`` builds from this cost model's stage times under ``memory_limit`` — pure
+arithmetic on the config, so every rank builds the same one.
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelpar.costmodel.local import LocalPrediction, predict_local
+from modelpar.costmodel.local import LocalPrediction, predict_local, stage_costs
 from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
+from modelpar.schedules import Schedule, get_schedule
+from modelpar.simulate.synthesis import synthesize
+from modelpar.simulate.timeline import Timeline
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "local_run", "predict", "saved_bytes", "summary_rows"]
+__all__ = ["compare", "local_run", "predict", "resolve_schedule", "run_schedule", "saved_bytes", "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalRun:
@@ -43,9 +49,54 @@ def profile_of(cfg: TrainConfig) -> HardwareProfile:
     return PROFILES.get(cfg.hardware.lower()) or load_profile(cfg.hardware)
 
 
+def _synthesized(cfg: TrainConfig) -> tuple[Schedule, Timeline]:
+    """``schedule auto``: the fastest schedule whose held activations fit ``memory_limit`` (0: any), timed with
+    the cost model's stage times on the run's hardware; v = 2 candidates only where the config allows v = 2."""
+    allowed = []
+    for v in (1, 2):
+        try:
+            replace(cfg, chunks=v).check()
+            allowed.append(v)
+        except ValueError:
+            pass
+    costs = stage_costs(local_run(cfg), profile_of(cfg))
+    return synthesize(cfg.pp, cfg.microbatches, costs, cfg.memory_limit or None, tuple(allowed))
+
+
+def run_schedule(cfg: TrainConfig) -> Schedule:
+    """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one."""
+    if cfg.schedule != "auto":
+        return get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    schedule = _synthesized(cfg)[0]
+    if schedule.chunks != cfg.chunks:
+        raise ValueError(f"chunks must be {schedule.chunks} for the schedule auto builds here "
+                         f"({schedule.name}), got {cfg.chunks}")
+    return schedule
+
+
+def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with ``chunks`` of the schedule ``auto`` builds, and the line that states it (None: a named one).
+
+    A ``memory_limit`` below what any schedule holds is a ValueError naming the smallest that works.
+    """
+    if cfg.schedule != "auto":
+        return cfg, None
+    schedule, tl = _synthesized(cfg)
+    out = replace(cfg, chunks=schedule.chunks)
+    pred = predict(out)
+    what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
+    limit = f"limit {cfg.memory_limit:g}" if cfg.memory_limit else "no limit"
+    line = (f"schedule auto: {schedule.name} ({what}, v={schedule.chunks}) for p={cfg.pp}, m={cfg.microbatches} "
+            f"on {profile_of(cfg).name}; predicted step {1e3 * pred.step_time_s:,.1f} ms, bubble "
+            f"{100 * pred.bubble:.1f}%, held activations {max(tl.peak_activations):g} microbatches' worth per "
+            f"device ({limit})")
+    return out, line
+
+
 def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
     """The cost model's prediction for ``cfg`` (rank 0's bytes; no activations for an unplanned recomputation)."""
-    pred = predict_local(local_run(cfg), profile or profile_of(cfg))
+    pred = predict_local(local_run(cfg), profile or profile_of(cfg),
+                         run_schedule(cfg) if cfg.schedule == "auto" else None)
     if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
         pred.memory.pop("activations", None)
     return pred
