@@ -23,10 +23,10 @@ from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
-from modelpar.simulate.synthesis import StageCosts
+from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local", "stage_costs"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local", "run_schedule", "stage_costs"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1)  # ZeRO stages whose step this model prices (2 and 3 reduce or gather every microbatch)
@@ -131,13 +131,17 @@ def stage_costs(run: LocalRun, hw: HardwareProfile) -> StageCosts:
                       _hop(run, hw))
 
 
-def predict_local(run: LocalRun, hw: HardwareProfile, schedule: Schedule | None = None) -> LocalPrediction:
-    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes.
+def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
+    """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
+    from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
+    if run.schedule != "auto":
+        return get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+    return synthesize(run.p, run.microbatches, stage_costs(run, hw), run.memory_limit or None, (run.v,))[0]
 
-    ``schedule``: the one the run executes when it is not ``run.schedule``'s generator's (``auto``: synthesised).
-    """
-    if schedule is None:
-        schedule = get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+
+def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
+    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
+    schedule = run_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
                  Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}

@@ -62,6 +62,7 @@ class LocalRun:
     precision: str = "fp32"
     bucket_elements: int = 1 << 22
     overlap: bool = True  # data-parallel reduction during the backward
+    memory_limit: float = 0.0  # schedule "auto": most held activations per device, microbatches of a stage (0: any)
 
     @property
     def stages(self) -> int:

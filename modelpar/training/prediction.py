@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from modelpar.costmodel.local import LocalPrediction, predict_local, stage_costs
+from modelpar.costmodel.local import run_schedule as local_schedule
 from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
-from modelpar.schedules import Schedule, get_schedule
+from modelpar.schedules import Schedule
 from modelpar.simulate.synthesis import synthesize
-from modelpar.simulate.timeline import Timeline
 from modelpar.training.config import TrainConfig
 
 __all__ = ["compare", "local_run", "predict", "resolve_schedule", "run_schedule", "saved_bytes", "summary_rows"]
@@ -38,7 +38,7 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
-                    cfg.overlap_grad_reduce and cfg.dp > 1)
+                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.memory_limit)
 
 
 def profile_of(cfg: TrainConfig) -> HardwareProfile:
@@ -49,9 +49,8 @@ def profile_of(cfg: TrainConfig) -> HardwareProfile:
     return PROFILES.get(cfg.hardware.lower()) or load_profile(cfg.hardware)
 
 
-def _synthesized(cfg: TrainConfig) -> tuple[Schedule, Timeline]:
-    """``schedule auto``: the fastest schedule whose held activations fit ``memory_limit`` (0: any), timed with
-    the cost model's stage times on the run's hardware; v = 2 candidates only where the config allows v = 2."""
+def _chunks_allowed(cfg: TrainConfig) -> tuple[int, ...]:
+    """The v (1, 2) ``cfg``'s model and split allow: what ``schedule auto`` may choose from."""
     allowed = []
     for v in (1, 2):
         try:
@@ -59,29 +58,25 @@ def _synthesized(cfg: TrainConfig) -> tuple[Schedule, Timeline]:
             allowed.append(v)
         except ValueError:
             pass
-    costs = stage_costs(local_run(cfg), profile_of(cfg))
-    return synthesize(cfg.pp, cfg.microbatches, costs, cfg.memory_limit or None, tuple(allowed))
+    return tuple(allowed)
 
 
 def run_schedule(cfg: TrainConfig) -> Schedule:
-    """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one."""
-    if cfg.schedule != "auto":
-        return get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
-    schedule = _synthesized(cfg)[0]
-    if schedule.chunks != cfg.chunks:
-        raise ValueError(f"chunks must be {schedule.chunks} for the schedule auto builds here "
-                         f"({schedule.name}), got {cfg.chunks}")
-    return schedule
+    """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one (v = chunks)."""
+    return local_schedule(local_run(cfg), profile_of(cfg))
 
 
 def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """``cfg`` with ``chunks`` of the schedule ``auto`` builds, and the line that states it (None: a named one).
 
-    A ``memory_limit`` below what any schedule holds is a ValueError naming the smallest that works.
+    ``schedule auto``: the fastest schedule whose held activations fit ``memory_limit`` (0: any), timed with the
+    cost model's stage times on the run's hardware, of v = 1 or 2 as the config allows. A limit below what any
+    schedule holds is a ValueError naming the smallest that works.
     """
     if cfg.schedule != "auto":
         return cfg, None
-    schedule, tl = _synthesized(cfg)
+    costs = stage_costs(local_run(cfg), profile_of(cfg))
+    schedule, tl = synthesize(cfg.pp, cfg.microbatches, costs, cfg.memory_limit or None, _chunks_allowed(cfg))
     out = replace(cfg, chunks=schedule.chunks)
     pred = predict(out)
     what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
@@ -95,8 +90,7 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
 
 def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
     """The cost model's prediction for ``cfg`` (rank 0's bytes; no activations for an unplanned recomputation)."""
-    pred = predict_local(local_run(cfg), profile or profile_of(cfg),
-                         run_schedule(cfg) if cfg.schedule == "auto" else None)
+    pred = predict_local(local_run(cfg), profile or profile_of(cfg))
     if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
         pred.memory.pop("activations", None)
     return pred
