@@ -26,7 +26,7 @@ from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "predict_local", "run_schedule", "stage_costs"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "predict_local", "run_schedule", "stage_costs"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1)  # ZeRO stages whose step this model prices (2 and 3 reduce or gather every microbatch)
@@ -136,7 +136,23 @@ def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
     from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
     if run.schedule != "auto":
         return get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
-    return synthesize(run.p, run.microbatches, stage_costs(run, hw), run.memory_limit or None, (run.v,))[0]
+    return auto_schedule(run, hw, (run.v,))[0]
+
+
+def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = (1, 2)) -> tuple[Schedule, Timeline]:
+    """``schedule auto`` for ``run``: the fastest ``simulate.synthesis`` builds from these stage costs within
+    ``run.memory_limit`` (0: any), synthesised for each v of ``chunks`` apart (each cached: ``run_schedule`` asks
+    for the winner's v again), ties to the smaller v. ValueError naming the least limit when none fits."""
+    costs, limit = stage_costs(run, hw), run.memory_limit or None
+    found = []
+    for v in chunks:
+        try:
+            found.append(synthesize(run.p, run.microbatches, costs, limit, (v,)))
+        except ValueError:
+            continue
+    if not found:
+        synthesize(run.p, run.microbatches, costs, limit, tuple(chunks))  # raises, naming the least limit
+    return min(found, key=lambda pair: pair[1].step_time)
 
 
 def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:

@@ -13,6 +13,7 @@ placement. ``pareto`` keeps, of all of them, those no other beats on both step a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -101,13 +102,14 @@ def candidates(stages: int, microbatches: int, costs: StageCosts, chunks: Collec
             yield greedy(placement, m, x / 2, durations=durations, transfer_in=transfer_in, name="auto")
 
 
+@functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice
 def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float | None = None,
                chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
     """The fastest candidate whose peak held activations per device are ≤ ``limit`` (None: any).
 
     ValueError naming the smallest limit that works when none fits. The result is named "auto"
     when a synthesised candidate wins, else keeps the winning schedule's name. ``chunks``: the v
-    allowed (``candidates``).
+    allowed (``candidates``; a tuple: the result is cached).
     """
     if costs.stages != stages:
         raise ValueError(f"costs must give {stages} stages' times (one per stage), got {costs.stages}")

@@ -20,14 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelpar.costmodel.local import LocalPrediction, predict_local, stage_costs
+from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
 from modelpar.costmodel.local import run_schedule as local_schedule
 from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.schedules import Schedule
-from modelpar.simulate.synthesis import synthesize
 from modelpar.training.config import TrainConfig
 
 __all__ = ["compare", "local_run", "predict", "resolve_schedule", "run_schedule", "saved_bytes", "summary_rows"]
@@ -50,9 +49,13 @@ def profile_of(cfg: TrainConfig) -> HardwareProfile:
 
 
 def _chunks_allowed(cfg: TrainConfig) -> tuple[int, ...]:
-    """The v (1, 2) ``cfg``'s model and split allow: what ``schedule auto`` may choose from."""
+    """The v (1, 2) ``cfg``'s model and split allow: what ``schedule auto`` may choose from. Without a
+    ``stage_layers``, v only where the layers fill the p·v chunks evenly (the synthesis cuts a stage's costs
+    evenly), as the planner's ``costmodel.local_search`` allows."""
     allowed = []
     for v in (1, 2):
+        if cfg.stage_layers is None and cfg.model.layers % (cfg.pp * v):
+            continue
         try:
             replace(cfg, chunks=v).check()
             allowed.append(v)
@@ -75,8 +78,7 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """
     if cfg.schedule != "auto":
         return cfg, None
-    costs = stage_costs(local_run(cfg), profile_of(cfg))
-    schedule, tl = synthesize(cfg.pp, cfg.microbatches, costs, cfg.memory_limit or None, _chunks_allowed(cfg))
+    schedule, tl = auto_schedule(local_run(cfg), profile_of(cfg), _chunks_allowed(cfg))
     out = replace(cfg, chunks=schedule.chunks)
     pred = predict(out)
     what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
