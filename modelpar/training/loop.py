@@ -160,10 +160,7 @@ class _Run:
                 load_hf_shards(module, cfg.init_from)
         self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group)
         computed = {s: wrap_stage(m, cfg.precision, last=s == stages - 1) for s, m in self.modules.items()}
-        # An I right before its W runs as one backward, except under ZeRO-2/3: their hooks on the AccumulateGrad
-        # nodes and the merged backward crash autograd (SIGSEGV in tests/test_zero.py's ZB-H1 rows; not understood yet)
-        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout,
-                                     merge_backward=cfg.zero < 2)
+        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
         self.comm = DataParallelComm(rs.dp_group, self.runner.timer, self.runner.recorder, rs.timeout)
         elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
         sync_args: dict[str, Any] = dict(
