@@ -19,7 +19,7 @@ CFG = TrainConfig(model=TINY, batch_size=8, microbatches=2, steps=2, eval_every=
 
 
 def test_capabilities_are_the_trainers():
-    assert CAPABILITIES.schedules == SCHEDULE_CHOICES
+    assert CAPABILITIES.schedules == (*SCHEDULE_CHOICES, "auto")
     assert CAPABILITIES.zero == tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO) == (0, 1, 2, 3)
 
 
@@ -83,3 +83,38 @@ def test_a_bad_hardware_profile_is_refused_before_training(tmp_path, capsys):
 def test_a_named_gpu_plans_too():
     cfg, pred, line = auto_plan(dataclasses.replace(CFG, hardware="h100-sxm"), 4)
     assert "plan on h100-sxm" in line and cfg.check(4) is cfg and pred.step_time_s > 0
+
+
+def test_auto_is_planned_within_the_bytes_and_the_trainer_builds_the_same_schedule():
+    """p = 2: at each byte limit the planner's auto layouts fit it, and the trainer's config rebuilds them."""
+    from modelpar.costmodel.local import run_schedule
+    from modelpar.training.autoplan import _config
+    from modelpar.training.prediction import resolve_schedule
+    from modelpar.training.prediction import run_schedule as train_schedule
+
+    base = plan_local(local_run(CFG), 2, CPU_DEFAULT, 1e12, CAPABILITIES)
+    need = sorted(p.memory_bytes for r, p in base.ranked if r.p == 2)
+    for limit in (need[len(need) // 2], need[-1]):  # the held limit is the least over v = 1 and 2's placements
+        plan = plan_local(local_run(CFG), 2, CPU_DEFAULT, limit, CAPABILITIES)
+        auto = [(r, p) for r, p in plan.ranked if r.schedule == "auto"]
+        assert auto and all(p.memory_bytes <= limit for _, p in auto)
+        for run, _ in auto[:3]:
+            cfg, _ = resolve_schedule(_config(CFG, run))
+            assert cfg.chunks == run.v
+            assert train_schedule(cfg).actions == run_schedule(run, CPU_DEFAULT).actions
+
+
+def test_why_the_schedule_by_hand():
+    from modelpar.costmodel.local import LocalPrediction
+    from modelpar.costmodel.local_search import LocalPlan, why_schedule
+
+    one = dataclasses.replace(local_run(CFG), t=1, p=2, d=1)
+    zbv = dataclasses.replace(one, schedule="zb-v", v=2)
+    pred = {"1f1b": LocalPrediction(0.010, 0.25, {}, busiest=(0, 2**20)),
+            "zb-v": LocalPrediction(0.008, 0.0625, {}, busiest=(0, 1.5 * 2**20))}
+    plan = LocalPlan([(zbv, pred["zb-v"]), (one, pred["1f1b"])], None, 2)
+    assert why_schedule(plan, zbv, pred["zb-v"]) == ("zb-v, v=2: 6.2% bubble vs 1f1b 25.0%, step 8.00 vs 10.00 ms, "
+                                                     "busiest rank 1.50 vs 1.00 MiB")
+    assert why_schedule(plan, one, pred["1f1b"]).startswith("1f1b: no schedule of the family, nor auto, is faster")
+    alone = LocalPlan([(zbv, pred["zb-v"])], None, 1)
+    assert why_schedule(alone, zbv, pred["zb-v"]) == "zb-v, v=2: 6.2% bubble; 1f1b does not fit the limit at this layout"

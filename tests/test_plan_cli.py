@@ -163,3 +163,46 @@ def test_plan_does_not_import_torch():
     bad = subprocess.run([sys.executable, "-m", "modelpar", "plan", "--gpus", "0", "--batch", "1", "--model",
                           "gpt3-175b"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+# --- the schedule for the chosen layout: the family and auto within the device's memory ------------------
+@pytest.mark.parametrize("limit, own, chosen, why", [
+    # K = 4, M = 8, F = I = W = 1 (T_B = 2): 1F1B (M+K-1)(T_F+T_B) = 33 holding 4; ZB-V 3M·T_F + (K-1)T_F/2 = 25.5
+    # holding 4; V-Half 27.5 holding 3; V-Min 29.5 holding 2; interleaved v = 2: 28.5 holding 5.5
+    (4, ("1f1b", 1), "zb-v", "zb-v: 6% bubble vs 1f1b 27% at the same memory (4 microbatches held per device), "
+                             "step -22.7%"),
+    (3, ("1f1b", 1), "v-half", "v-half: 13% bubble vs 1f1b 27% holding 3 vs 4 microbatches per device, step -16.7%; "
+                               "1f1b does not fit (limit 3)"),
+    (2, ("1f1b", 1), "v-min", "v-min: 19% bubble vs 1f1b 27% holding 2 vs 4 microbatches per device, step -10.6%"),
+    (8, ("interleaved", 2), "zb-v", "zb-v: 6% bubble vs interleaved v=2 16% holding 4 vs 5.5 microbatches per "
+                                    "device, step -10.5%"),
+])
+def test_the_schedule_choice_by_hand(limit, own, chosen, why):
+    from modelpar.costmodel.schedule_choice import choose_schedule
+    from modelpar.simulate.synthesis import StageCosts
+
+    for synthesise in (True, False):  # auto cannot beat ZB-V, V-Half or V-Min at these limits
+        choice = choose_schedule(StageCosts.uniform(4, 1, 1, 1), 8, limit, own, synthesise=synthesise)
+        assert choice.chosen.schedule.name == chosen and choice.why().startswith(why)
+
+
+def test_the_layout_s_own_schedule_wins_when_nothing_beats_it():
+    """Interleaved v = 8 at K = 4, M = 8: 24 + (K-1)(T_F+T_B)/v = 25.125 beats ZB-V's 25.5 (the family has v <= 2)."""
+    from modelpar.costmodel.schedule_choice import choose_schedule
+    from modelpar.simulate.synthesis import StageCosts
+
+    choice = choose_schedule(StageCosts.uniform(4, 1, 1, 1), 8, 5.5, ("interleaved", 8), synthesise=False)
+    assert choice.chosen is choice.own and choice.own.step_time == pytest.approx(25.125)
+    assert choice.why() == ("interleaved v=8: no schedule of the family, nor auto, is faster within 4.375 "
+                            "microbatches held per device (limit 5.5)")
+
+
+def test_plan_names_the_schedule_and_why(capsys):
+    code, out, _ = run(capsys, "plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--seq-len", "2048",
+                       "--vocab", "50304", "--gpus", "16", "--batch", "64", "--pp", "4", "--tp", "4",
+                       "--gpu-mem-gb", "12")
+    line = out.strip().splitlines()[-1]
+    assert code == 0 and line.startswith("Schedule: ") and " bubble vs interleaved v=2 " in line
+    code, out, _ = run(capsys, "plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--seq-len", "2048",
+                       "--vocab", "50304", "--gpus", "16", "--batch", "64", "--pp", "1")
+    assert out.strip().splitlines()[-1] == "Schedule: one pipeline stage: no schedule to choose."

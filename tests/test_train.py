@@ -150,7 +150,9 @@ def _as_llama(changes: dict) -> dict:
 # the schedules beyond 1F1B at p = 2 (GPT only): V placements put both ends of the model on rank 0
 FAMILY = [{"pp": 2, "schedule": "zb-h2"}, {"pp": 2, "schedule": "looped-bfs", "chunks": 2},
           *({"pp": 2, "schedule": s, "chunks": 2} for s in ("zb-v", "v-half", "v-min")),
-          {"pp": 2, "schedule": "dualpipe-v", "chunks": 2, "microbatches": 4, "model": TIED, "recompute": "full"}]
+          {"pp": 2, "schedule": "dualpipe-v", "chunks": 2, "microbatches": 4, "model": TIED, "recompute": "full"},
+          # schedule auto: the list scheduler's own order on the V (m = 2), and a split given per stage (v = 1 only)
+          {"pp": 2, "schedule": "auto"}, {"pp": 2, "schedule": "auto", "stage_layers": (1, 3), "memory_limit": 2}]
 SPLITS_BOTH = [*SPLITS, *map(_as_llama, SPLITS), *DATA_PARALLEL, *FAMILY,
                {"tp": 2, "pp": 2, "recompute": "selective", "sequence_parallel": True,
                 "model": dataclasses.replace(LLAMA, kv_heads=2)},
@@ -197,8 +199,10 @@ def test_uneven_splits_compute_the_single_process_model(request, changes):
      r"ffn hidden size \(33\) must be divisible by tp \(2\)"),
     ({"pp": 2, "microbatches": 3}, r"batch_size per replica \(8\) must be divisible by microbatches \(3\)"),
     ({"pp": 2, "schedule": "pipedream"},
-     r"schedule must be one of \{gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v\}, "
-     r"got 'pipedream'"),
+     r"schedule must be one of \{gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, "
+     r"auto\}, got 'pipedream'"),
+    ({"pp": 2, "schedule": "auto", "memory_limit": 0.5}, r"memory limit must be >= 1 microbatches' activations per "
+                                                         r"device .*got 0.5"),
     ({"pp": 2, "schedule": "dualpipe-v", "chunks": 2}, r"microbatches must be >= 4, got 2"),
 ])
 def test_bad_input_is_one_error_on_every_rank(c2, changes, message):

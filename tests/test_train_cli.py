@@ -35,7 +35,10 @@ def test_flags_reach_the_config():
     (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
     (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
     (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, "
-                                 "v-half, v-min, dualpipe-v}, got 'dualpipe'"),
+                                 "v-half, v-min, dualpipe-v, auto}, got 'dualpipe'"),
+    (["--schedule", "auto", "--memory-limit", "0.5"], "memory limit must be >= 1 microbatches' activations per "
+                                                      "device (the least any schedule for K = 2, M = 4 holds), got 0.5"),
+    (["--memory-limit", "2"], "memory_limit applies to schedule auto (it picks the schedule that fits), got 2"),
     (["--recompute", "often"], "recompute must be one of {none, selective, full, sqrt, recompute-all} or a positive "
                                "integer k, got 'often'"),
     (["--arch", "llama", "--kv-heads", "3"], "heads (4) must be divisible by kv_heads (3)"),

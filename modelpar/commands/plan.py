@@ -91,6 +91,7 @@ def validate_local(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from modelpar.costmodel.report import explain, format_table, no_fit_error
     from modelpar.costmodel.request import request_from_args
+    from modelpar.costmodel.schedule_choice import plan_schedule
 
     if args.validate:
         return validate(args.json)
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result.ranked[:top]))
     print()
     print(explain(result, cluster, req.assumptions))
+    choice = plan_schedule(model, cluster, result.ranked[0], req.assumptions)
+    print(f"Schedule: {choice if isinstance(choice, str) else choice.why()}.")
     if args.plot:
         print(f"plot: {args.plot}")
     return 0

@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _planned(cfg: Any) -> Any:
-    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout, before any process starts."""
+    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout, with ``--schedule auto``
+    the synthesised schedule, before any process starts."""
     import os
 
     from modelpar.distributed import is_torchrun
@@ -153,6 +154,12 @@ def _planned(cfg: Any) -> Any:
         cfg, _, line = auto_plan(cfg, world)  # the same plan on every rank under torchrun; rank 0 prints it
         if os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+    if cfg.schedule == "auto":  # the schedule built here, and a memory limit none meets refused, before any process
+        from modelpar.training.prediction import resolve_schedule
+
+        cfg, built = resolve_schedule(cfg.check())
+        if os.environ.get("RANK", "0") == "0":
+            print(f"modelpar train: {built}", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -215,7 +222,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     bpb = result.bits_per_byte
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
-        ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {cfg.schedule}, m={cfg.microbatches}"),
+        ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {_schedule_name(cfg)}, m={cfg.microbatches}"),
         ("micro-batches", _why_microbatches(cfg)),
         ("layers per stage", ", ".join(map(str, cfg.layer_split))
          + (" (--stage-layers)" if cfg.stage_layers is not None else " (default split)")),
@@ -266,13 +273,22 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
 
 def _split_bubble(cfg: Any) -> float:
     """The simulator's bubble for this run's schedule with each stage's times proportional to its layers."""
-    from modelpar.schedules import get_schedule
     from modelpar.simulate import Costs, simulate
+    from modelpar.training.prediction import run_schedule
 
     split = cfg.layer_split
     mean = sum(split) / len(split)
-    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    schedule = run_schedule(cfg)
     return simulate(schedule, Costs(stage_multipliers=tuple(n / mean for n in split))).bubble
+
+
+def _schedule_name(cfg: Any) -> str:
+    """The schedule's name; with schedule auto, also the one it built."""
+    if cfg.schedule != "auto":
+        return str(cfg.schedule)
+    from modelpar.training.prediction import run_schedule
+
+    return f"auto ({run_schedule(cfg).name}, v={cfg.chunks}, memory limit {cfg.memory_limit or 'none'})"
 
 
 def _why_microbatches(cfg: Any) -> str:

@@ -42,10 +42,12 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
+from modelpar.schedules.schedule import Schedule
+from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "core_share", "dp_bytes_step", "dp_traffic", "predict_local",
-           "tp_collectives", "tp_grad_sync"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "dp_bytes_step", "dp_traffic",
+           "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -230,9 +232,49 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     return forward, backward, weight
 
 
+def _hop(run: LocalRun, hw: HardwareProfile) -> float:
+    """Seconds of one point-to-point transfer of a microbatch's activations between pipeline ranks."""
+    act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
+    act /= run.t if run.sequence_parallel and run.t > 1 else 1
+    return _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
+
+
+def stage_costs(run: LocalRun, hw: HardwareProfile) -> StageCosts:
+    """Forward, input- and weight-gradient seconds of each of the p whole stages (v = 1) and one transfer's:
+    what ``simulate.synthesis`` builds ``schedule auto`` from (a schedule with v chunks cuts each into v)."""
+    whole = replace(run, v=1)
+    costs = [_stage_costs(whole, hw, s) for s in range(run.p)]
+    return StageCosts(tuple(c[0] for c in costs), tuple(c[1] - c[2] for c in costs), tuple(c[2] for c in costs),
+                      _hop(run, hw))
+
+
+def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
+    """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
+    from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
+    if run.schedule != "auto":
+        return get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+    return auto_schedule(run, hw, (run.v,))[0]
+
+
+def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = (1, 2)) -> tuple[Schedule, Timeline]:
+    """``schedule auto`` for ``run``: the fastest ``simulate.synthesis`` builds from these stage costs within
+    ``run.memory_limit`` (0: any), synthesised for each v of ``chunks`` apart (each cached: ``run_schedule`` asks
+    for the winner's v again), ties to the smaller v. ValueError naming the least limit when none fits."""
+    costs, limit = stage_costs(run, hw), run.memory_limit or None
+    found = []
+    for v in chunks:
+        try:
+            found.append(synthesize(run.p, run.microbatches, costs, limit, (v,)))
+        except ValueError:
+            continue
+    if not found:
+        synthesize(run.p, run.microbatches, costs, limit, tuple(chunks))  # raises, naming the least limit
+    return min(found, key=lambda pair: pair[1].step_time)
+
+
 def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
-    schedule = get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+    schedule = run_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
                  Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
@@ -247,9 +289,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
             durations[Kind.B][s] += scatter + (gather if again else 0.0)
             durations[Kind.I][s] += gather if again else 0.0
             durations[Kind.W][s] += scatter
-    act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
-    act /= run.t if run.sequence_parallel and run.t > 1 else 1
-    hop = _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
+    hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_device[s] != schedule.stage_to_device[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)

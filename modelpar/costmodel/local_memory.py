@@ -63,6 +63,7 @@ class LocalRun:
     bucket_elements: int = 1 << 22
     overlap: bool = True  # data-parallel reduction during the backward
     reshard: bool = True  # ZeRO-3: gather again for every forward and backward (``reshard_after_forward``)
+    memory_limit: float = 0.0  # schedule "auto": most held activations per device, microbatches of a stage (0: any)
 
     @property
     def stages(self) -> int:

@@ -5,6 +5,12 @@ What the trainer can run is one list, ``Capabilities`` (schedules, ZeRO stages, 
 sequence parallelism, interleaving, microbatch counts); the command fills it from the trainer's
 own choices (``TrainConfig``'s schedule and ZeRO lists) and its ``TrainConfig.check`` accepts or
 refuses each candidate, so a new capability there is a new entry here. Pure Python.
+
+``auto`` among the schedules: for each (t, p, d, m, recomputation, SP, ZeRO) with p > 1, the
+schedule ``simulate.synthesis`` builds from this layout's stage costs (``local.stage_costs``)
+within the held activations the byte limit leaves (``held_limit``), of the v that ``accept``
+allows; the trainer rebuilds the same one from ``LocalRun.memory_limit`` (``local.run_schedule``).
+``why_schedule`` says why the plan's schedule beats 1F1B at the same layout.
 """
 
 from __future__ import annotations
@@ -12,14 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
-from modelpar.costmodel.local import LocalPrediction, predict_local
-from modelpar.costmodel.local_memory import LocalRun, stage_tensors
+from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
+from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ModelSpec
 from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
+from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
-__all__ = ["Capabilities", "LocalPlan", "plan_local"]
+__all__ = ["Capabilities", "LocalPlan", "held_limit", "plan_local", "why_schedule"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
                 if p == 1 and schedule != "1f1b":
                     continue  # one stage: every schedule is the same loop
                 for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
-                    if model.layers % (p * v):
+                    if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
                         continue
                     for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
                         if not _builds(schedule, p, m, v):
@@ -80,6 +87,8 @@ def _shards_fit(run: LocalRun) -> bool:
 
 def _builds(schedule: str, p: int, m: int, v: int) -> bool:
     """Whether the generator makes ``schedule`` for (p, m, v) (interleaved needs p | m, DualPipe-V m >= 2p, ...)."""
+    if schedule == "auto":
+        return True
     try:
         get_schedule(schedule, stages=p, microbatches=m, chunks=v)
     except ValueError:
@@ -87,11 +96,53 @@ def _builds(schedule: str, p: int, m: int, v: int) -> bool:
     return True
 
 
+def held_limit(run: LocalRun, limit_bytes: float, chunks: tuple[int, ...]) -> float:
+    """Most held activations per device (microbatches of a whole stage) that keep every rank of ``run`` within
+    ``limit_bytes``, for any placement of the v in ``chunks`` (contiguous; V or loop): the least over them."""
+    least = float("inf")
+    for v in chunks:
+        one = replace(run, v=v)
+        for placement in ((contiguous_map(run.p),) if v == 1 else (v_map(run.p), loop_map(run.p, v))):
+            for rank in range(run.p):
+                stages = [s for s, dev in enumerate(placement) if dev == rank]
+                per_held = v * sum(activation_bytes(one, s) for s in stages) / len(stages)
+                room = limit_bytes - sum(state_bytes(one, stages).values())
+                if per_held > 0:
+                    least = min(least, room / per_held)
+                elif room < 0:  # holds no activations (layerless chunks) but not even its state fits
+                    least = -float("inf")
+    return least
+
+
+def _auto(run: LocalRun, hw: HardwareProfile, limit_bytes: float, accept: Callable[[LocalRun], bool],
+          ) -> LocalRun | None:
+    """``run`` (schedule auto) with the v and held limit of the schedule synthesised within ``limit_bytes``;
+    None if no v is accepted or no schedule fits. v only where the layers fill the p·v chunks evenly (the
+    synthesis cuts a stage's costs evenly), as the trainer's ``prediction.resolve_schedule`` allows."""
+    chunks = tuple(v for v in (1, 2) if run.model.layers % (run.p * v) == 0 and accept(replace(run, v=v)))
+    if not chunks:
+        return None
+    limit = held_limit(run, limit_bytes, chunks)
+    if limit <= 0:
+        return None
+    run = replace(run, memory_limit=limit)
+    try:
+        schedule, _ = auto_schedule(run, hw, chunks)
+    except ValueError:  # below what any schedule holds
+        return None
+    return replace(run, v=schedule.chunks)
+
+
 def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: float, caps: Capabilities = Capabilities(),
                accept: Callable[[LocalRun], bool] = lambda run: True) -> LocalPlan:
     """Predict every layout ``accept`` allows; rank those whose busiest rank fits ``limit_bytes``, fastest first."""
     ranked, leanest, tried = [], None, 0
     for run in layouts(base.model, world, base.batch, caps, base):
+        if run.schedule == "auto":
+            found = _auto(run, hw, limit_bytes, accept)
+            if found is None:
+                continue
+            run = found
         if not accept(run):
             continue
         tried += 1
@@ -102,3 +153,22 @@ def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: flo
             leanest = (run, pred)
     ranked.sort(key=lambda x: (x[1].step_time_s, x[1].memory_bytes))
     return LocalPlan(ranked, leanest, tried)
+
+
+def why_schedule(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
+    """Why the plan runs ``run``'s schedule: its bubble and bytes beside 1F1B's at the same layout (or why not 1F1B)."""
+    name = "auto (synthesised)" if run.schedule == "auto" else run.schedule
+    name += f", v={run.v}" if run.v > 1 else ""
+    if run.p == 1:
+        return "one pipeline stage: no schedule to choose"
+    same = [(r, p) for r, p in plan.ranked if r.schedule == "1f1b" and
+            replace(r, schedule=run.schedule, v=run.v, memory_limit=run.memory_limit) == run]
+    mib = lambda x: f"{x / 2**20:,.2f}"  # noqa: E731
+    if run.schedule == "1f1b":
+        return "1f1b: no schedule of the family, nor auto, is faster at this layout within the limit"
+    if not same:
+        return f"{name}: {100 * pred.bubble:.1f}% bubble; 1f1b does not fit the limit at this layout"
+    base = same[0][1]
+    return (f"{name}: {100 * pred.bubble:.1f}% bubble vs 1f1b {100 * base.bubble:.1f}%, step "
+            f"{1e3 * pred.step_time_s:,.2f} vs {1e3 * base.step_time_s:,.2f} ms, busiest rank "
+            f"{mib(pred.memory_bytes)} vs {mib(base.memory_bytes)} MiB")

@@ -11,10 +11,10 @@ and unlike Megatron's hand-written warm-up / steady / cool-down loops::
     B s m : g = loss (s = last) | stage s+1's gradient (same device) | the receive → backward
     I s m : as B, but only the input gradient; the weight part is kept as a closure
             (fused: the whole backward, when its W comes right after — torch's _merge_bw)
-    W s m : run that closure (absorbed after a fused I: nothing; its hooks still run, about no time)
+    W s m : run that closure (absorbed after a fused I: nothing, and no hooks)
 
 Stages on the same device hand tensors over in memory. Action hooks wrap each compute action
-(``PipelineRunner.register_action_hook``).
+(``PipelineRunner.register_action_hook``) as it runs: a fused I as the B it is.
 """
 
 from __future__ import annotations
@@ -115,10 +115,11 @@ class _Step:
         elif p.source == "recv":
             x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
         stage = ctx.stages[a.stage]
-        if ctx.hooks:
+        if ctx.hooks and not p.absorbed:
+            seen = Action(a.stage, Kind.B, a.microbatch) if p.fused else a  # a fused I is a whole backward
             with ExitStack() as around:
                 for hook in ctx.hooks:
-                    cm = hook(a, p.final)
+                    cm = hook(seen, p.final)
                     if cm is not None:
                         around.enter_context(cm)
                 start, y, end = self.timed(stage, a, x, p)

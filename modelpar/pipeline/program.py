@@ -54,8 +54,10 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
     program, so no send waits on the I alone) runs as one full backward, as torch's ``_merge_bw``
     does — one autograd call instead of two; the W is kept in the plan, absorbed, so the measured
     timeline still has the schedule's actions (the I taking the whole backward, the W about no
-    time) and action hooks see every action (a stage's last-backward hook around the absorbed W:
-    its gradients are then all final, so data-parallel buckets start at its end).
+    time). Action hooks see what runs: the fused I as a B (it writes the weight gradients, and is
+    the stage's last backward where its W was), the absorbed W not at all. (Seeing an I there, the
+    ZeRO-2/3 hooks took it for an input gradient that writes no weight gradient, so a bucket they
+    had freed after the previous backward received the gradients: a write into freed storage.)
     """
     dev, last = schedule.stage_to_device, schedule.num_stages - 1
     final = {}
@@ -79,9 +81,9 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
         s, m = op.stage, op.microbatch
         p = Planned(op, COMPUTE, str(op), final=final.get(s) == i)
         if merge_backward and op.kind is Kind.I and i + 1 < len(program) and program[i + 1] == Action(s, Kind.W, m):
-            p.fused = True
+            p.fused, p.final = True, final.get(s) == i + 1  # it makes the weight gradients: the W's place
         elif plan and plan[-1].fused and op.kind is Kind.W:
-            p.absorbed = True  # keeps ``final``: a stage's last-backward hook runs around it, after the work
+            p.absorbed, p.final = True, False  # no work here: no hooks either
         for v in SPECS[op.kind].produces:  # what leaves the stage (at most one value does)
             if v.consumer:
                 t = s + v.consumer

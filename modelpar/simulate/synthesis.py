@@ -13,13 +13,14 @@ placement. ``pareto`` keeps, of all of them, those no other beats on both step a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
-from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
+from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, get_schedule
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.memory import peak_held
 from modelpar.schedules.periodic import periodic
@@ -81,14 +82,19 @@ class StageCosts:
         return Timeline(schedule.actions, starts, ends, schedule)
 
 
-def candidates(stages: int, microbatches: int, costs: StageCosts) -> Iterator[Schedule]:
-    """The named family at (K, M) where it applies, then the list scheduler and repeated blocks."""
+def candidates(stages: int, microbatches: int, costs: StageCosts, chunks: Collection[int] = (1, 2),
+               ) -> Iterator[Schedule]:
+    """The named family at (K, M) where it applies, then the list scheduler and repeated blocks; only
+    those with v in ``chunks`` (a model too short for 2K chunks, or a split given per stage, allows v = 1 only)."""
     k, m = check_int("stages", stages, minimum=1), check_int("microbatches", microbatches, minimum=1)
     for name in SCHEDULES:
         if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
             continue
-        yield get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+        if (2 if name in CHUNKED + V_SHAPED else 1) in chunks:
+            yield get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None)
     for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
+        if len(placement) // k not in chunks:
+            continue
         probe = Schedule(placement, tuple(() for _ in range(k)))
         durations, transfer_in = costs.durations(probe), costs.transfer_in(probe)
         yield periodic(placement, m, name="auto")
@@ -96,12 +102,14 @@ def candidates(stages: int, microbatches: int, costs: StageCosts) -> Iterator[Sc
             yield greedy(placement, m, x / 2, durations=durations, transfer_in=transfer_in, name="auto")
 
 
+@functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice
 def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float | None = None,
-               ) -> tuple[Schedule, Timeline]:
+               chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
     """The fastest candidate whose peak held activations per device are ≤ ``limit`` (None: any).
 
     ValueError naming the smallest limit that works when none fits. The result is named "auto"
-    when a synthesised candidate wins, else keeps the winning schedule's name.
+    when a synthesised candidate wins, else keeps the winning schedule's name. ``chunks``: the v
+    allowed (``candidates``; a tuple: the result is cached).
     """
     if costs.stages != stages:
         raise ValueError(f"costs must give {stages} stages' times (one per stage), got {costs.stages}")
@@ -109,7 +117,7 @@ def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float |
         check_number("limit", limit, strict=True)
     best: tuple[float, Schedule, Timeline] | None = None
     smallest = float("inf")
-    for s in candidates(stages, microbatches, costs):
+    for s in candidates(stages, microbatches, costs, chunks):
         peak = max(peak_held(s.actions, s.chunks))
         smallest = min(smallest, peak)
         if limit is not None and peak > limit + 1e-9:

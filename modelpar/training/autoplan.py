@@ -15,19 +15,20 @@ from dataclasses import replace
 
 from modelpar.costmodel.local import PRICED_ZERO, LocalPrediction
 from modelpar.costmodel.local_memory import LocalRun
-from modelpar.costmodel.local_search import Capabilities, plan_local
+from modelpar.costmodel.local_search import Capabilities, plan_local, why_schedule
 from modelpar.training.config import SCHEDULE_CHOICES, ZERO_CHOICES, TrainConfig
 from modelpar.training.prediction import local_run, profile_of
 
 __all__ = ["CAPABILITIES", "auto_plan", "describe"]
 
-CAPABILITIES = Capabilities(schedules=SCHEDULE_CHOICES, zero=tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO))
+CAPABILITIES = Capabilities(schedules=(*SCHEDULE_CHOICES, "auto"),
+                            zero=tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO))
 
 
 def _config(cfg: TrainConfig, run: LocalRun) -> TrainConfig:
     return replace(cfg, tp=run.t, pp=run.p, dp=run.d, schedule=run.schedule, chunks=run.v,
                    microbatches=run.microbatches, recompute=run.recompute, sequence_parallel=run.sequence_parallel,
-                   zero=run.zero)
+                   zero=run.zero, memory_limit=run.memory_limit)
 
 
 def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
@@ -40,8 +41,9 @@ def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
 
 def describe(run: LocalRun) -> str:
     sp = ", sequence parallel" if run.sequence_parallel else ""
+    limit = f" (memory limit {run.memory_limit:.3g})" if run.schedule == "auto" else ""
     v = f", v={run.v}" if run.v > 1 else ""
-    return (f"t={run.t} p={run.p} d={run.d}, {run.schedule}{v}, M={run.microbatches}, recompute {run.recompute}{sp}, "
+    return (f"t={run.t} p={run.p} d={run.d}, {run.schedule}{limit}{v}, M={run.microbatches}, recompute {run.recompute}{sp}, "
             f"ZeRO-{run.zero}")
 
 
@@ -68,5 +70,5 @@ def auto_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, LocalPredictio
             f"step {1e3 * pred.step_time_s:,.1f} ms, bubble {100 * pred.bubble:.1f}%, rank 0 "
             f"{mib(mem['parameters'])} + {mib(mem['gradients'])} + {mib(mem['optimizer'])} + "
             f"{mib(mem.get('activations', 0.0))} MiB (parameters + gradients + AdamW + activations), "
-            f"busiest stage {pred.busiest[0]} {mib(pred.busiest[1])} MiB")
+            f"busiest stage {pred.busiest[0]} {mib(pred.busiest[1])} MiB; schedule {why_schedule(plan, run, pred)}")
     return _config(cfg, run), pred, line

@@ -64,8 +64,13 @@ class TrainConfig:
                                                               "ring (key/value blocks pass around the cp ranks, "
                                                               "overlapped) or allgather (key/value all-gathered)")
     schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, "
-                                                            "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min or "
-                                                            "dualpipe-v (docs/schedules.md)")
+                                                            "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, "
+                                                            "dualpipe-v, or auto: the fastest the cost model's "
+                                                            "stage times give within memory_limit (docs/schedules.md)")
+    memory_limit: float = option(0.0, section="schedule", help="with schedule auto: the most activations a pipeline "
+                                                               "device may hold, in micro-batches' worth of one whole "
+                                                               "stage, as modelpar simulate --memory-limit (0: no "
+                                                               "limit)")
     chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank: >= 2 with interleaved and "
                                                       "looped-bfs, 2 with the V shapes zb-v, v-half, v-min and "
                                                       "dualpipe-v (on the command line these default to 2), else 1")
@@ -192,7 +197,11 @@ class TrainConfig:
 
     def _check_settings(self) -> None:
         _ = self.dims  # ParallelDims checks t, p and d first
-        check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
+        check_choice("schedule", self.schedule, SCHEDULE_CHOICES + ("auto",))
+        check_number("memory_limit", self.memory_limit)
+        if self.memory_limit and self.schedule != "auto":
+            raise ValueError(f"memory_limit applies to schedule auto (it picks the schedule that fits), got "
+                             f"{self.memory_limit:g} with schedule {self.schedule!r}")
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
         check_choice("cp_comm", self.cp_comm, CP_COMMS)
@@ -208,6 +217,8 @@ class TrainConfig:
             check_int("chunks", self.chunks, minimum=2)
         elif self.schedule in V_SHAPED:
             check_chunks(self.schedule, self.chunks)
+        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per device) or 2 (V or loop)
+            check_choice("chunks", self.chunks, (1, 2))
         elif self.chunks != 1:
             raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "
                              f"{self.chunks!r} with schedule {self.schedule!r}")

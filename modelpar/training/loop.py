@@ -29,7 +29,6 @@ from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.measure import measured_timeline, message_bytes
 from modelpar.pipeline.runner import PipelineRunner
-from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
@@ -42,7 +41,7 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import wrap_stage
-from modelpar.training.prediction import saved_bytes
+from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
@@ -165,7 +164,7 @@ class _Run:
         self.checkpoints = checkpoints
         rs = self.rs
         self.corpus = open_corpus(cfg.data)
-        self.schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+        self.schedule = run_schedule(cfg)
         stages = self.schedule.num_stages
         self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
@@ -182,10 +181,7 @@ class _Run:
                 load_hf_shards(module, cfg.init_from)
         self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group)
         computed = {s: wrap_stage(m, cfg.precision, last=s == stages - 1) for s, m in self.modules.items()}
-        # An I right before its W runs as one backward, except under ZeRO-2/3: their hooks on the AccumulateGrad
-        # nodes and the merged backward crash autograd (SIGSEGV in tests/test_zero.py's ZB-H1 rows; not understood yet)
-        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout,
-                                     merge_backward=cfg.zero < 2)
+        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
         # cp joins data parallelism for gradients: every cp rank's loss is the mean over its s/cp tokens of each
         # sequence (equal counts), so the global mean loss's gradient is the mean over the d·cp ranks
         self.comm = DataParallelComm(rs.grad_group, self.runner.timer, self.runner.recorder, rs.timeout)
@@ -330,6 +326,7 @@ def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
     (``TrainResult.stop``; modelpar.training.stopping).
     """
     cfg.check(dist.get_world_size())
+    cfg = resolve_schedule(cfg)[0].check(dist.get_world_size())  # schedule auto: its v (the same on every rank)
     with StopController(cfg) as stop:
         return _train(cfg, report, stop)
 

@@ -5,26 +5,32 @@ hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_byt
 each rank before training, what autograd keeps for one microbatch of each of its stages
 (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
 ``compare`` lays the two side by side with the error; ``summary_rows`` writes them into the summary
-and ``metrics.jsonl``.
+and ``metrics.jsonl``. ``run_schedule`` is the schedule a run executes: with ``schedule auto`` the one
+``simulate.synthesis`` builds from this cost model's stage times under ``memory_limit`` — pure
+arithmetic on the config, so every rank builds the same one.
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from modelpar.costmodel.local import LocalPrediction, predict_local
+from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
+from modelpar.costmodel.local import run_schedule as local_schedule
 from modelpar.costmodel.local_memory import LocalRun
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
+from modelpar.schedules import Schedule
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "held_parameter_bytes", "local_run", "predict", "saved_bytes", "summary_rows"]
+__all__ = ["compare", "held_parameter_bytes", "local_run", "predict", "resolve_schedule", "run_schedule",
+           "saved_bytes", "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalRun:
@@ -32,7 +38,7 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
-                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.reshard_after_forward)
+                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.reshard_after_forward, cfg.memory_limit)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
@@ -47,6 +53,48 @@ def profile_of(cfg: TrainConfig) -> HardwareProfile:
     if not cfg.hardware:
         return CPU_DEFAULT
     return PROFILES.get(cfg.hardware.lower()) or load_profile(cfg.hardware)
+
+
+def _chunks_allowed(cfg: TrainConfig) -> tuple[int, ...]:
+    """The v (1, 2) ``cfg``'s model and split allow: what ``schedule auto`` may choose from. Without a
+    ``stage_layers``, v only where the layers fill the p·v chunks evenly (the synthesis cuts a stage's costs
+    evenly), as the planner's ``costmodel.local_search`` allows."""
+    allowed = []
+    for v in (1, 2):
+        if cfg.stage_layers is None and cfg.model.layers % (cfg.pp * v):
+            continue
+        try:
+            replace(cfg, chunks=v).check()
+            allowed.append(v)
+        except ValueError:
+            pass
+    return tuple(allowed)
+
+
+def run_schedule(cfg: TrainConfig) -> Schedule:
+    """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one (v = chunks)."""
+    return local_schedule(local_run(cfg), profile_of(cfg))
+
+
+def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with ``chunks`` of the schedule ``auto`` builds, and the line that states it (None: a named one).
+
+    ``schedule auto``: the fastest schedule whose held activations fit ``memory_limit`` (0: any), timed with the
+    cost model's stage times on the run's hardware, of v = 1 or 2 as the config allows. A limit below what any
+    schedule holds is a ValueError naming the smallest that works.
+    """
+    if cfg.schedule != "auto":
+        return cfg, None
+    schedule, tl = auto_schedule(local_run(cfg), profile_of(cfg), _chunks_allowed(cfg))
+    out = replace(cfg, chunks=schedule.chunks)
+    pred = predict(out)
+    what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
+    limit = f"limit {cfg.memory_limit:g}" if cfg.memory_limit else "no limit"
+    line = (f"schedule auto: {schedule.name} ({what}, v={schedule.chunks}) for p={cfg.pp}, m={cfg.microbatches} "
+            f"on {profile_of(cfg).name}; predicted step {1e3 * pred.step_time_s:,.1f} ms, bubble "
+            f"{100 * pred.bubble:.1f}%, held activations {max(tl.peak_held):g} microbatches' worth per "
+            f"device ({limit})")
+    return out, line
 
 
 def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar.pipeline.collectives import step_timeout
-from modelpar.schedules import get_schedule
 from modelpar.training.config import TrainConfig
+from modelpar.training.prediction import run_schedule
 
 __all__ = ["RankSetup", "setup_rank"]
 
@@ -90,7 +90,7 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     pipeline_backend = "gloo" if use_cuda and cfg.pipeline_gloo else None
     on_nccl = use_cuda and not cfg.pipeline_gloo
-    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    schedule = run_schedule(cfg)
     pipeline_timeout = step_timeout(schedule, timeout) if on_nccl else timeout
     mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout,
                                pipeline_timeout=pipeline_timeout)
