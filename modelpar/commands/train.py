@@ -247,6 +247,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                                                "/step" + (f"; {result.gathers_per_step} gathers/step, "
                                                f"{1e3 * (result.exposed_gather or 0.0):.1f} ms waited"
                                                if cfg.zero == 3 else "")),
+        *([("experts: max/mean tokens per expert", f"{result.expert_imbalance:.2f} (worst layer and step; "
+              f"E={cfg.model.experts}, k={cfg.model.top_k}, ep={cfg.ep})")] if result.expert_imbalance is not None
+          else []),
         ("pipeline message", ", ".join(f"{b / 1024:,.1f} KiB" for b in (result.message_bytes or []) if b) or "-"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),
@@ -269,7 +272,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                "parameter_bytes": result.parameter_bytes, "peak_buffer_bytes": result.peak_buffer_bytes,
                "all_gather_bytes": result.all_gather_bytes, "reduce_scatter_bytes": result.reduce_scatter_bytes,
                "gathers_per_step": result.gathers_per_step, "exposed_gather": result.exposed_gather,
-               "message_bytes": result.message_bytes}
+               "message_bytes": result.message_bytes, "expert_imbalance": result.expert_imbalance}
     from modelpar.training.prediction import summary_rows
 
     predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)

@@ -8,6 +8,8 @@ Order (Megatron's ``finalize_model_grads``), per bucket of ``modelpar.training.b
 3. data parallelism: the mean over the dp group, one asynchronous collective per bucket — an
    all-reduce (``zero`` 0), or a reduce-scatter into the rank's range of the bucket (``zero`` 1,
    for ``ZeroAdamW``);
+   Expert weights under expert parallelism (``ep`` > 1; docs/moe.md) instead: the sum over the
+   replicas holding the same experts (``edp_group``), divided by d, after the step;
 4. clipping: the global L2 norm over all shards — each distinct tp shard counted once, every pp
    stage included, each element once across dp (the dp replicas' copies under zero 0, the
    ranges under zero 1) — in one scalar all-reduce.
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelpar.model.moe import is_expert_param
 from modelpar.schedules.action import Action
 from modelpar.schedules.kinds import SPECS
 from modelpar.schedules.schedule import Schedule
@@ -62,6 +65,8 @@ class GradSync:
     zero: int = 0  # 1: reduce-scatter into this rank's ranges (the ZeRO-1 optimizer's)
     bucket_elements: int = 1 << 22
     overlap: bool = True
+    ep: int = 1  # expert-parallel ranks (folded into d)
+    edp_group: Any = None  # the replicas holding this rank's experts (None: one)
     buckets: list[Bucket] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,9 +80,13 @@ class GradSync:
             if head is not None:
                 self.tied.append(head.weight)
                 self._tied_copy.add(id(head.weight))
+        experts = [p for p in self.params if is_expert_param(p)]
+        self._expert_ids = {id(p) for p in experts}  # replicated over t; their layout is the ep split
         partial = (lambda p: param_layout(p).partial_grad) if self.tp_group is not None else (lambda p: False)
         self.buckets = build_buckets([(s, self.modules[s]) for s in self.finish_order], self.bucket_elements,
-                                     self.comm.size if self.zero else 1, partial, self.tied)
+                                     self.comm.size if self.zero else 1, partial,
+                                     self.tied + (experts if self.ep > 1 else []))
+        self._expert_buckets = {b.index for b in self.buckets if self.ep > 1 and id(b.params[0]) in self._expert_ids}
         self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
                                                    for s in self.modules}
         self._counted_ranges = self._norm_ranges()
@@ -138,7 +147,11 @@ class GradSync:
     def _start(self, bucket: Bucket) -> None:
         """Start the bucket's data-parallel reduction (nothing to do when d = 1)."""
         self._started.add(bucket.index)
-        if self.comm.size > 1:
+        if bucket.index in self._expert_buckets:  # the same experts' replicas sum, then the mean over d
+            if self.edp_group is not None:
+                dist.all_reduce(bucket.grad, group=self.edp_group)
+            bucket.grad.mul_(1.0 / self.comm.size)
+        elif self.comm.size > 1:
             owned = self._owned(bucket)
             reduce = self.comm.reduce_scatter(bucket.grad, owned) if self.zero else self.comm.all_reduce(owned)
             self._pending.append((bucket, reduce))
@@ -178,8 +191,12 @@ class GradSync:
 
     def _counted(self, p: nn.Parameter) -> bool:
         """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
+        if id(p) in self._expert_ids and self.ep > 1:  # one copy of each expert: the first ep replicas, tp rank 0
+            return self.dp_rank < self.ep and self.tp_rank == 0
         if id(p) in self._tied_copy or (not self.zero and self.dp_rank != 0):
             return False
+        if id(p) in self._expert_ids:
+            return self.tp_rank == 0
         layout = param_layout(p)
         return layout.rank % layout.replicas == 0 if layout.dim is not None else self.tp_rank == 0
 

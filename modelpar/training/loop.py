@@ -34,6 +34,7 @@ from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.expert_stats import ExpertStats
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, optimizer_state_bytes
@@ -89,6 +90,7 @@ class TrainResult:
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
+    expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
     @property
@@ -151,8 +153,10 @@ class _Run:
         stages = self.schedule.num_stages
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split)
+                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
+                                       ep_group=rs.ep_group)
                         for s in self.schedule.stages_on(rs.pp_rank)}
+        self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
         slow_init()
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
@@ -171,7 +175,7 @@ class _Run:
                          modules=self.modules, finish_order=finish_order(self.schedule, rs.pp_rank), comm=self.comm,
                          tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.dp_rank,
                          tied_split=cfg.model.tie_embeddings and stages > 1, zero=cfg.zero, bucket_elements=elements,
-                         overlap=cfg.overlap_grad_reduce and cfg.dp > 1)
+                         overlap=cfg.overlap_grad_reduce and cfg.dp > 1, ep=cfg.ep, edp_group=rs.edp_group)
         self.meter = BufferMeter()
         self.gather: ParamGather | None = None
         if cfg.zero >= 2:
@@ -227,6 +231,7 @@ class _Run:
         self.sync.zero_grad()
         self.meter.reset_peak()
         self.runner.step(xi, yi)
+        moe = self.experts.take_step()  # collective when the model has experts
         self.stop.inject_nonfinite(step, self.sync.grad_holders)
         self.sync.finish()
         norm = self.sync.clip(self.cfg.clip)
@@ -247,6 +252,8 @@ class _Run:
         r.step_times.append(time.perf_counter() - t0)
         r.losses.append(loss)
         r.grad_norms.append(norm)
+        if moe:
+            r.expert_imbalance = max(r.expert_imbalance or 0.0, moe["expert_imbalance"])
         if r.message_bytes is None:
             r.message_bytes = self.runner.message_bytes()
         if self.emit:
@@ -257,7 +264,7 @@ class _Run:
                        "optimizer_state_bytes": r.optimizer_state_bytes, "gradient_bytes": r.gradient_bytes,
                        "parameter_bytes": r.parameter_bytes, "dp_bytes_sent": r.dp_bytes_sent,
                        "all_gather_bytes": r.all_gather_bytes, "reduce_scatter_bytes": r.reduce_scatter_bytes,
-                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak})
+                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak, **moe})
         return verdict
 
     def measure(self) -> None:
