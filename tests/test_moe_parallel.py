@@ -52,7 +52,9 @@ def _check(cfg, results, oracle, start=0):
 @pytest.mark.parametrize("changes", [
     {"model": dataclasses.replace(MOE, capacity_factor=1.0)},  # d = 4: two ep groups, experts summed over 2 replicas
     {"dp": 2, "pp": 2},  # ep = d = 2 under a 1F1B pipeline, dropless
-], ids=["ep2-d4-capacity", "ep2-p2-dropless"])
+    {"dp": 2, "tp": 2},  # the routed experts replicated over t, the shared experts split
+    {"dp": 2, "pp": 2, "schedule": "zb-h1", "recompute": "full"},  # split backward (I, W), recomputed forward
+], ids=["ep2-d4-capacity", "ep2-p2-dropless", "ep2-t2", "ep2-p2-zbh1-recompute"])
 def test_expert_parallel_equals_one_process(c4, changes):
     cfg = dataclasses.replace(BASE, **changes)
     oracle = plain_loop(cfg)

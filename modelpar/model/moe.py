@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from modelpar._compat import in_backward
 from modelpar.model.config import ROUTERS, ModelConfig
 from modelpar.model.moe_comm import all_to_all, exchange_counts
 from modelpar.tensor_parallel import ParallelMLP, TensorParallelModule
@@ -125,18 +126,15 @@ class Experts(TensorParallelModule):
 
 
 class _AuxLoss(torch.autograd.Function):
-    """Identity on the layer output; the backward adds d(aux)/d(aux) = 1 to the aux loss term and
-    counts the step's routing statistics (a backward runs once per micro-batch, recomputed or not)."""
+    """Identity on the layer output; the backward adds d(aux)/d(aux) = 1 to the aux loss term."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, stats: torch.Tensor, owner: MoE) -> torch.Tensor:
-        ctx.stats, ctx.owner = stats, owner
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-        ctx.owner.record(ctx.stats)
-        return grad, torch.ones((), dtype=grad.dtype, device=grad.device), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones((), dtype=grad.dtype, device=grad.device)
 
 
 class MoE(nn.Module):
@@ -144,7 +142,8 @@ class MoE(nn.Module):
     one SwiGLU of width shared·ffn, split across the tp group as the dense MLP).
 
     The routed part is replicated across tensor-parallel ranks (each computes it for all its
-    tokens). ``stats``: this step's [tokens per expert (E), dropped assignments, Σ_b aux_b, sequences].
+    tokens). ``stats``: [tokens per expert (E), dropped assignments, Σ_b aux_b, sequences] of the
+    training-mode forwards since ``take_stats`` (a recomputation inside a backward is not counted).
     """
 
     def __init__(self, hidden: int, experts: int, top_k: int, ffn: int, shared: int = 0, router: str = "softmax",
@@ -189,13 +188,13 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add(0, token, (y * gate[:, None].to(y.dtype)).to(flat.dtype)).view(b, s, h)
         if self.shared is not None:
             out = out + self.shared(x)
+        if self.training and not in_backward():  # counted once per micro-batch: not when recomputed
+            routed = torch.bincount(r.experts.reshape(-1), minlength=self.num_experts)
+            self.record(torch.cat([routed.double(), torch.tensor([(~r.kept).sum().item(), r.aux.sum().item(), b],
+                                                                 dtype=torch.float64, device=x.device)]))
         if not (torch.is_grad_enabled() and out.requires_grad):
             return out
-        routed = torch.bincount(r.experts.reshape(-1), minlength=self.num_experts)
-        stats = torch.cat([routed.double(), torch.tensor([(~r.kept).sum().item(), r.aux.sum().item(), b],
-                                                         dtype=torch.float64, device=x.device)])
-        aux = r.aux.sum() * (self.aux_loss_coef / (self.aux_rows or b))
-        return _AuxLoss.apply(out, aux, stats.detach(), self)
+        return _AuxLoss.apply(out, r.aux.sum() * (self.aux_loss_coef / (self.aux_rows or b)))
 
 
 def moe_block(cfg: ModelConfig, group: Any = None, ep_group: Any = None, dtype: torch.dtype | None = None) -> MoE:

@@ -1,6 +1,6 @@
 """Per-step routing statistics of the mixture-of-experts layers, summed over every rank, for metrics.jsonl.
 
-Each ``MoE`` layer counts, in the backward of each micro-batch (``modelpar.model.moe``), the
+Each ``MoE`` layer counts, in the training forward of each micro-batch (``modelpar.model.moe``), the
 tokens routed to each expert (before dropping), the dropped assignments and its load-balancing
 loss. After a step one all-reduce over the world sums them (tensor-parallel ranks, which compute
 the same routing, contribute once); every rank gets the same figures.
@@ -37,6 +37,10 @@ class ExpertStats:
                      for name, m in moe_modules(module)]
         for _, m in self.held:
             m.aux_rows = cfg.batch_size // cfg.dp  # the aux loss is a mean over the replica's sequences
+
+    def reset(self) -> None:
+        for _, m in self.held:
+            m.take_stats()
 
     def take_step(self) -> dict[str, Any]:
         if not self.layers:

@@ -230,6 +230,7 @@ class _Run:
             group["lr"] = lr_at(self.cfg, step)
         self.sync.zero_grad()
         self.meter.reset_peak()
+        self.experts.reset()  # what a measuring pass outside the steps counted
         self.runner.step(xi, yi)
         moe = self.experts.take_step()  # collective when the model has experts
         self.stop.inject_nonfinite(step, self.sync.grad_holders)
