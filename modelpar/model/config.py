@@ -11,6 +11,7 @@ from typing import Any
 
 from modelpar._options import construct, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.moe import active_moe_layer_params, moe_layer_params
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.layer_split import split_layers
 
@@ -84,10 +85,14 @@ class ModelConfig:
     def _moe_delta(self) -> tuple[int, int]:
         """(parameters, forward FLOPs per token) the MoE layers add over dense MLPs: the router, E experts
         (k + S of them active per token) instead of one SwiGLU of the ffn width."""
-        h, f, n = self.hidden, self.expert_ffn_hidden, len(self.moe_layers)
-        params = n * (h * self.experts + 3 * h * f * (self.experts + self.shared_experts) - 3 * h * self.ffn_hidden)
-        flops = n * 2 * (h * self.experts + 3 * h * f * (self.top_k + self.shared_experts) - 3 * h * self.ffn_hidden)
-        return params, flops
+        n, dense = len(self.moe_layers), 3 * self.hidden * self.ffn_hidden
+        if not n:
+            return 0, 0
+        args = (self.hidden, self.experts, self.expert_ffn_hidden)
+        params = n * (moe_layer_params(*args, shared=self.shared_experts) - dense)
+        active = n * (active_moe_layer_params(self.hidden, self.experts, self.top_k, self.expert_ffn_hidden,
+                                              shared=self.shared_experts) - dense)
+        return params, 2 * active
 
     @property
     def num_kv_heads(self) -> int:
