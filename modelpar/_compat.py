@@ -28,6 +28,7 @@ __all__ = [
     "dumps_for_children",
     "grad_accumulator_variable",
     "group_timeout",
+    "in_backward",
     "read_items_for_chunks",
     "reduce_scatter_single",
     "stop_multiprocessing_helpers",
@@ -91,6 +92,12 @@ def tensor_version(x: torch.Tensor) -> int:
     """The counter torch bumps on every in-place change of ``x`` (private ``Tensor._version``, torch ≥ 1.0):
     the only way to see that a layer modified its input in place."""
     return int(x._version)
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward on this thread (private ``torch._C._current_graph_task_id``,
+    torch >= 1.13): a forward run there is a recomputation (the MoE layers count their tokens once)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def grad_accumulator_variable(node: Any) -> torch.Tensor | None:

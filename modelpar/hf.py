@@ -1,4 +1,5 @@
-"""Hugging Face interop: modelpar's Llama-style model ⇄ a ``LlamaForCausalLM`` directory.
+"""Hugging Face interop: modelpar's Llama-style model ⇄ a ``LlamaForCausalLM`` directory
+(``MixtralForCausalLM`` for a mixture of experts in every layer, plain top-k softmax routing).
 
 A directory holds ``config.json`` and ``model.safetensors`` (or, for larger models, several
 safetensors files listed in ``model.safetensors.index.json``), plus ``tokenizer.json`` when there
@@ -19,6 +20,15 @@ adding the padded vocabulary rows:
     layers.i.mlp.fc2.weight           model.layers.i.mlp.down_proj.weight
     norm.weight                       model.norm.weight
     head.weight [V_pad, h]            lm_head.weight [V, h] (absent when tied)
+    layers.i.mlp.router.weight        model.layers.i.block_sparse_moe.gate.weight [E, h]              (Mixtral)
+    layers.i.mlp.experts.gate_up      ….block_sparse_moe.experts.{e}.{w1 (gate), w3 (up)}.weight [F, h]
+      [E, 2F, h]                      for e = 0 … E-1, in that order
+    layers.i.mlp.experts.down         ….block_sparse_moe.experts.{e}.w2.weight [h, F]
+      [E, h, F]
+
+The Mixtral names are those of the published checkpoints, which ``save_pretrained`` still writes
+(``transformers`` 5 stacks the experts in memory, as modelpar does, and converts on load and save).
+A stacked [E, n, m] tensor is its E·(blocks) Hugging Face tensors concatenated along dim 0, viewed.
 
 ``load_hf_shards`` fills one rank's pipeline stage and tensor-parallel shards reading only the
 slices it holds (``safe_open(...).get_slice``), so `modelpar train --init-from DIR` works at any split.
@@ -53,7 +63,9 @@ _LAYER_NAMES = {  # modelpar name inside a layer -> its Hugging Face tensors, on
     "ln2.weight": ["post_attention_layernorm.weight"],
     "mlp.fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.fc2.weight": ["mlp.down_proj.weight"],
+    "mlp.router.weight": ["block_sparse_moe.gate.weight"],
 }
+_EXPERT_NAMES = {"mlp.experts.gate_up": ("w1", "w3"), "mlp.experts.down": ("w2",)}  # per expert, in block order
 _VOCAB = {"embed.word.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}
 
 
@@ -66,14 +78,34 @@ def hf_names(name: str, cfg: ModelConfig) -> list[str]:
     if name == "norm.weight":
         return ["model.norm.weight"]
     match = _LAYER.fullmatch(name)
+    if match is not None and match.group(2) in _EXPERT_NAMES:
+        return [f"model.layers.{match.group(1)}.block_sparse_moe.experts.{e}.{w}.weight"
+                for e in range(cfg.experts) for w in _EXPERT_NAMES[match.group(2)]]
     if match is None or match.group(2) not in _LAYER_NAMES:
         raise ValueError(f"parameter {name!r} has no Hugging Face Llama counterpart (is the model arch 'llama'?)")
     return [f"model.layers.{match.group(1)}.{leaf}" for leaf in _LAYER_NAMES[match.group(2)]]
 
 
 # --- config -----------------------------------------------------------------------------------
+def _mixtral(cfg: ModelConfig) -> dict[str, Any]:
+    """The Mixtral keys of a mixture-of-experts config (only the variant Mixtral has: every layer,
+    softmax top-k, no shared experts, dropless); {} for a dense model."""
+    if not cfg.experts:
+        return {}
+    other = {"shared_experts": cfg.shared_experts != 0, "moe_every": cfg.moe_every != 1,
+             "router": cfg.router != "softmax", "capacity_factor": cfg.capacity_factor is not None}
+    bad = [name for name, flag in other.items() if flag]
+    if bad:
+        raise ValueError(f"the Hugging Face Mixtral layout has no {bad[0]} (it needs shared_experts 0, moe_every 1, "
+                         "router softmax, capacity_factor none)")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.experts,
+            "num_experts_per_tok": cfg.top_k, "intermediate_size": cfg.expert_ffn_hidden,
+            "router_aux_loss_coef": cfg.aux_loss_coef, "router_jitter_noise": 0.0, "output_router_logits": False,
+            "sliding_window": None}
+
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """``config.json`` of ``LlamaForCausalLM`` for a ``arch="llama"`` ModelConfig."""
+    """``config.json`` of ``LlamaForCausalLM`` (``MixtralForCausalLM`` with experts) for a ``arch="llama"`` ModelConfig."""
     if cfg.arch != "llama":
         raise ValueError(f"the Hugging Face Llama layout needs arch 'llama', got {cfg.arch!r}")
     dtype_name = str(dtype).removeprefix("torch.")
@@ -84,7 +116,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": cfg.init_std, "dtype": dtype_name, "torch_dtype": dtype_name,
+        "initializer_range": cfg.init_std, "dtype": dtype_name, "torch_dtype": dtype_name, **_mixtral(cfg),
     }
 
 
@@ -99,8 +131,9 @@ def read_hf_config(path: str | Path, seq_len: int | None = None) -> ModelConfig:
         hf = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise ValueError(f"{file}: not valid JSON ({err})") from None
-    if hf.get("model_type") != "llama":
-        raise ValueError(f"{file}: model_type must be 'llama' (LlamaForCausalLM), got {hf.get('model_type')!r}")
+    if hf.get("model_type") not in ("llama", "mixtral"):
+        raise ValueError(f"{file}: model_type must be 'llama' (LlamaForCausalLM) or 'mixtral' (MixtralForCausalLM), "
+                         f"got {hf.get('model_type')!r}")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if not isinstance(hf.get(k), int)]
     if missing:
@@ -109,11 +142,14 @@ def read_hf_config(path: str | Path, seq_len: int | None = None) -> ModelConfig:
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu", "attention_bias": hf.get("attention_bias"),
                    "mlp_bias": hf.get("mlp_bias"), "rope scaling": rope.get("rope_type", "default") != "default",
                    "head_dim": hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-                   != hf["hidden_size"] // hf["num_attention_heads"]}
+                   != hf["hidden_size"] // hf["num_attention_heads"],
+                   "sliding_window": hf.get("sliding_window") is not None}
     bad = [name for name, flag in unsupported.items() if flag]
     if bad:
         raise ValueError(f"{file}: unsupported Llama settings {bad} (modelpar builds SiLU MLPs without biases, "
                          "default rotary embedding, head_dim = hidden_size / num_attention_heads)")
+    experts: dict[str, Any] = {"experts": int(hf["num_local_experts"]), "top_k": int(hf.get("num_experts_per_tok", 2)),
+               "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.01))} if hf["model_type"] == "mixtral" else {}
     positions = int(hf.get("max_position_embeddings", 2048))
     if seq_len is not None and seq_len > positions:
         raise ValueError(f"seq_len ({seq_len}) must be <= max_position_embeddings of {file} ({positions})")
@@ -123,7 +159,7 @@ def read_hf_config(path: str | Path, seq_len: int | None = None) -> ModelConfig:
         layers=int(hf["num_hidden_layers"]), ffn=int(hf["intermediate_size"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        init_std=float(hf.get("initializer_range", 0.02))).check()
+        init_std=float(hf.get("initializer_range", 0.02)), **experts).check()
 
 
 def check_init_from(cfg: ModelConfig, path: str | Path) -> None:
@@ -132,7 +168,8 @@ def check_init_from(cfg: ModelConfig, path: str | Path) -> None:
     theirs = read_hf_config(path, seq_len=cfg.seq_len)
     _weight_files(Path(path))
     for field in ("arch", "vocab_size", "hidden", "heads", "num_kv_heads", "layers", "ffn_hidden",
-                  "tie_embeddings", "norm_eps", "rope_theta"):
+                  "tie_embeddings", "norm_eps", "rope_theta", "experts", "top_k", "expert_ffn_hidden", "moe_every",
+                  "shared_experts", "router", "capacity_factor"):
         if getattr(cfg, field) != getattr(theirs, field):
             raise ValueError(f"{field} = {getattr(cfg, field)!r} differs from {path}/{CONFIG} "
                              f"({getattr(theirs, field)!r}); --init-from takes the model shape from the directory")
@@ -146,7 +183,7 @@ def to_hf_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig) -
         if name == "head.weight" and cfg.tie_embeddings:
             continue
         names = hf_names(name, cfg)
-        rows = tensor[: cfg.vocab_size] if name in _VOCAB else tensor
+        rows = tensor[: cfg.vocab_size] if name in _VOCAB else tensor.flatten(0, 1) if tensor.dim() == 3 else tensor
         for hf_name, block in zip(names, rows.chunk(len(names), dim=0)):
             out[hf_name] = block.detach().contiguous().clone()
     return out
@@ -158,7 +195,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict
     with torch.device("meta"):
         shapes = Transformer(cfg).state_dict()
     for name, param in shapes.items():
-        tensor = torch.cat([_tensor(hf, n) for n in hf_names(name, cfg)], dim=0)
+        tensor = torch.cat([_tensor(hf, n) for n in hf_names(name, cfg)], dim=0).view(-1, *param.shape[1:])
         if name in _VOCAB:
             tensor = torch.cat([tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])])
         out[name] = tensor
@@ -227,12 +264,18 @@ def load_hf_shards(module: nn.Module, path: str | Path) -> None:
             missing = [n for n in names if n not in files]
             if missing:
                 raise ValueError(f"{path} has no tensor {missing[0]!r} (needed for {name})")
+            if param.dim() == 3:  # stacked experts: this rank's experts' tensors, whole
+                layout, each = param_layout(param), len(names) // cfg.experts
+                names = names[layout.shard * param.shape[0] * each:(layout.shard + 1) * param.shape[0] * each]
             handles = []
             for n in names:
                 if files[n] not in opened:
                     opened[files[n]] = stack.enter_context(safe_open(str(files[n]), framework="pt"))
                 handles.append(opened[files[n]].get_slice(n))
-            param.copy_(_read_shard(handles, param))
+            if param.dim() == 3:
+                param.copy_(torch.cat([h[:] for h in handles]).view(param.shape))
+            else:
+                param.copy_(_read_shard(handles, param))
 
 
 def _read_shard(pieces: list[Any], param: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ def test_init_from_at_t2_p2_and_export_back_to_hugging_face(transformers, cluste
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"model_type": "mistral"}, r"model_type must be 'llama' \(LlamaForCausalLM\), got 'mistral'"),
+    ({"model_type": "mistral"}, r"model_type must be 'llama' \(LlamaForCausalLM\) or 'mixtral' .*, got 'mistral'"),
     ({"attention_bias": True}, r"unsupported Llama settings \['attention_bias'\]"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"unsupported Llama settings \['rope scaling'\]"),
     ({"hidden_act": "gelu", "head_dim": 4}, r"unsupported Llama settings \['hidden_act', 'head_dim'\]"),

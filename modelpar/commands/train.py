@@ -249,6 +249,9 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
                                                "/step" + (f"; {result.gathers_per_step} gathers/step, "
                                                f"{1e3 * (result.exposed_gather or 0.0):.1f} ms waited"
                                                if cfg.zero == 3 else "")),
+        *([("experts: max/mean tokens per expert", f"{result.expert_imbalance:.2f} (worst layer and step; "
+              f"E={cfg.model.experts}, k={cfg.model.top_k}, ep={cfg.ep})")] if result.expert_imbalance is not None
+          else []),
         ("pipeline message", ", ".join(f"{b / 1024:,.1f} KiB" for b in (result.message_bytes or []) if b) or "-"),
         ("pipeline bubble, measured", pct(result.bubble_measured)),
         ("  simulated with measured costs", pct(result.bubble_simulated)),

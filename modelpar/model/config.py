@@ -11,13 +11,20 @@ from typing import Any
 
 from modelpar._options import construct, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.moe import active_moe_layer_params, moe_layer_params
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.layer_split import split_layers
 
-__all__ = ["ARCHS", "VOCAB_MULTIPLE", "ModelConfig"]
+__all__ = ["ARCHS", "ROUTERS", "VOCAB_MULTIPLE", "ModelConfig", "parse_capacity"]
 
 ARCHS = ("gpt", "llama")
 VOCAB_MULTIPLE = 64  # the embedding and output layer hold the vocabulary padded to a multiple of this
+ROUTERS = ("softmax", "sigmoid")  # mixture-of-experts gate functions (modelpar.model.moe)
+
+
+def parse_capacity(text: str) -> float | None:
+    """``--capacity-factor``: a number, or none (dropless)."""
+    return None if str(text).lower() == "none" else float(text)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,18 @@ class ModelConfig:
     kv_heads: int = option(0, help="key/value heads of grouped-query attention (llama); 0: one per query head")
     norm_eps: float = option(1e-5, help="epsilon of LayerNorm (gpt) / RMSNorm (llama)")
     rope_theta: float = option(10000.0, help="rotary embedding base (llama)")
+    experts: int = option(0, help="E: routed experts of each mixture-of-experts layer (llama; docs/moe.md); 0: dense "
+                                  "MLPs")
+    top_k: int = option(2, help="k: experts each token is routed to (1 <= k <= experts)")
+    shared_experts: int = option(0, help="S: always-on shared experts of each MoE layer (DeepSeek, Qwen-MoE)")
+    moe_every: int = option(1, help="N: layers i with (i + 1) % N == 0 are MoE layers (1: every layer)")
+    expert_ffn: int = option(0, help="F: each expert's SwiGLU width; 0: the ffn width")
+    router: str = option("softmax", help="gate function: softmax (Mixtral: top-k of the softmax, renormalised) or "
+                                         "sigmoid (DeepSeek-V3: top-k of sigmoid scores, renormalised)")
+    aux_loss_coef: float = option(0.01, help="weight of the load-balancing loss (Switch form, per sequence)")
+    capacity_factor: float | None = option(None, parse=parse_capacity, metavar="CF|none",
+                                           help="per sequence an expert takes at most ceil(CF*s*k/E) assignments, "
+                                                "the rest are dropped (counted); none: dropless")
 
     @property
     def ffn_hidden(self) -> int:
@@ -50,6 +69,30 @@ class ModelConfig:
         if self.ffn:
             return self.ffn
         return 4 * self.hidden if self.arch == "gpt" else -(-8 * self.hidden // (3 * 64)) * 64
+
+    @property
+    def expert_ffn_hidden(self) -> int:
+        """Each expert's SwiGLU width: ``expert_ffn``, or the MLP width."""
+        return self.expert_ffn or self.ffn_hidden
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global indices of the mixture-of-experts layers (none when ``experts`` is 0)."""
+        if not self.experts:
+            return ()
+        return tuple(i for i in range(self.layers) if (i + 1) % self.moe_every == 0)
+
+    def _moe_delta(self) -> tuple[int, int]:
+        """(parameters, forward FLOPs per token) the MoE layers add over dense MLPs: the router, E experts
+        (k + S of them active per token) instead of one SwiGLU of the ffn width."""
+        n, dense = len(self.moe_layers), 3 * self.hidden * self.ffn_hidden
+        if not n:
+            return 0, 0
+        args = (self.hidden, self.experts, self.expert_ffn_hidden)
+        params = n * (moe_layer_params(*args, shared=self.shared_experts) - dense)
+        active = n * (active_moe_layer_params(self.hidden, self.experts, self.top_k, self.expert_ffn_hidden,
+                                              shared=self.shared_experts) - dense)
+        return params, 2 * active
 
     @property
     def num_kv_heads(self) -> int:
@@ -76,11 +119,12 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameters of the single-process model (a tied head counts once): the cost model's count
         plus the final norm, which Megatron's formula leaves out (2h for LayerNorm, h for RMSNorm)."""
-        return round(self.spec().params) + (2 if self.arch == "gpt" else 1) * self.hidden
+        return round(self.spec().params) + (2 if self.arch == "gpt" else 1) * self.hidden + self._moe_delta()[0]
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward + backward, no recomputation): the MFU numerator."""
-        return self.spec().model_flops(1)
+        """Model FLOPs per trained token (forward + backward, no recomputation): the MFU numerator
+        (MoE layers: the router and the k + S experts a token uses)."""
+        return self.spec().model_flops(1) + 3 * self._moe_delta()[1]
 
     def check(self, tp: int = 1, stages: int = 1, sequence_parallel: bool = False) -> ModelConfig:
         """Raise ValueError unless the shape is valid and splits across t ranks and ``stages`` (p·v) stages."""
@@ -105,10 +149,26 @@ class ModelConfig:
         check_divisible(f"padded vocabulary (vocab_size {self.vocab_size} rounded up to a multiple of "
                         f"{VOCAB_MULTIPLE})", self.padded_vocab_size, "tp", tp)
         check_divisible("ffn hidden size", self.ffn_hidden, "tp", tp)
+        self._check_moe()
         split_layers(self.layers, stages)  # at most the first and the last stage without a layer
         if sequence_parallel:
             check_divisible("seq_len (sequence parallel)", self.seq_len, "tp", tp)
         return self
+
+    def _check_moe(self) -> None:
+        for name in ("experts", "shared_experts", "expert_ffn"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("moe_every", self.moe_every, minimum=1)
+        check_choice("router", self.router, ROUTERS)
+        check_number("aux_loss_coef", self.aux_loss_coef)
+        if not self.experts:
+            return
+        if self.arch != "llama":
+            raise ValueError(f"experts ({self.experts}) needs arch 'llama' (SwiGLU experts), got arch {self.arch!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be an integer from 1 to experts ({self.experts}), got {self.top_k!r}")
+        if self.capacity_factor is not None:
+            check_number("capacity_factor", self.capacity_factor, 0.0, strict=True)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -41,7 +41,7 @@ def _full_init(cfg: ModelConfig, name: str, module: nn.Module, shape: tuple[int,
     if leaf == "bias":
         return torch.zeros(shape, dtype=torch.float64)
     std = cfg.init_std
-    if name.endswith((".proj.weight", ".fc2.weight")):  # residual-branch outputs (GPT-2 §2.3)
+    if name.endswith((".proj.weight", ".fc2.weight", ".experts.down")):  # residual-branch outputs (GPT-2 §2.3)
         std /= math.sqrt(2 * cfg.layers)
     g = torch.Generator().manual_seed(_seed_for(seed, name))
     full = torch.randn(shape, generator=g, dtype=torch.float64) * std
@@ -71,14 +71,16 @@ def init_parameters(model: Transformer, seed: int) -> Transformer:
 def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: int = 0, group: Any = None,
                 sequence_parallel: bool = False, recompute: Strategy = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                split: Sequence[int] | None = None, context: ContextParallel | None = None) -> Transformer:
+                split: Sequence[int] | None = None, context: ContextParallel | None = None,
+                ep_group: Any = None) -> Transformer:
     """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised.
 
     ``split``: the layers of each stage (``modelpar.layer_split``; None: its default split).
-    ``context``: context parallelism (``modelpar.tensor_parallel.context_parallel``)."""
+    ``context``: context parallelism (``modelpar.tensor_parallel.context_parallel``).
+    ``ep_group``: the expert-parallel group of the MoE layers."""
     with torch.device("meta"):
         model = Transformer(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype,
-                            context=context)
+                            context=context, ep_group=ep_group)
     split_stage(model, stage, num_stages, split)
     model.to_empty(device=device)
     if cfg.tie_embeddings and model.embed is not None and model.head is not None:

@@ -21,6 +21,7 @@ from torch import nn
 from modelpar._validate import check_int
 from modelpar.layer_split import layer_ranges, resolve_split
 from modelpar.model.config import ModelConfig
+from modelpar.model.moe import moe_block
 from modelpar.recompute.plan import Strategy, plan_recompute
 from modelpar.tensor_parallel import (
     ColumnParallelLinear,
@@ -81,11 +82,12 @@ class Transformer(nn.Module):
     attention core, the others (k, "full", ...) checkpoint this module's chain of layers.
     ``context``: context parallelism (each sequence split over the cp ranks; the ids a rank gets are
     its tokens in ``modelpar.tensor_parallel.context_parallel.zigzag_index`` order).
+    ``ep_group``: the expert-parallel group of the MoE layers (``cfg.moe_layers``; docs/moe.md).
     """
 
     def __init__(self, cfg: ModelConfig, group: Any = None, sequence_parallel: bool = False,
                  recompute: Strategy = None, dtype: torch.dtype | None = None,
-                 context: ContextParallel | None = None) -> None:
+                 context: ContextParallel | None = None, ep_group: Any = None) -> None:
         super().__init__()
         self.cfg = cfg
         selective = recompute == "selective"
@@ -100,6 +102,8 @@ class Transformer(nn.Module):
                                              kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta,
                                              recompute_core=selective, context=context, **kw)
             for i in range(cfg.layers)})
+        for i in cfg.moe_layers:  # the MLP of these layers becomes a mixture of experts
+            self.layers[str(i)].mlp = moe_block(cfg, group, ep_group, dtype)
         self.norm: nn.Module | None = (RMSNorm if llama else LayerNorm)(cfg.hidden, eps=cfg.norm_eps, **kw)
         self.head: ColumnParallelLinear | None = ColumnParallelLinear(cfg.hidden, cfg.padded_vocab_size, bias=False, **kw)
         if cfg.tie_embeddings:

@@ -31,8 +31,12 @@ class GradClip:
     def _counted(self, p: nn.Parameter) -> bool:
         """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
         sync = self.sync
+        if id(p) in sync.expert_ids and sync.ep > 1:  # one copy of each expert: the first ep replicas, tp rank 0
+            return sync.dp_rank < sync.ep and sync.tp_rank == 0
         if id(p) in sync.tied_copy_ids or (not sync.zero and sync.dp_rank != 0):
             return False
+        if id(p) in sync.expert_ids:  # replicated over t
+            return sync.tp_rank == 0
         layout = param_layout(p)
         return layout.rank % layout.replicas == 0 if layout.dim is not None else sync.tp_rank == 0
 

@@ -63,6 +63,8 @@ class TrainConfig:
     cp_comm: str = option("ring", section="parallelism", help="how attention sees the whole sequence with cp > 1: "
                                                               "ring (key/value blocks pass around the cp ranks, "
                                                               "overlapped) or allgather (key/value all-gathered)")
+    ep: int = option(1, section="parallelism", help="expert-parallel ranks: the MoE layers' experts split over ep of "
+                                                    "the d replicas (ep divides d and experts; docs/moe.md)")
     schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, "
                                                             "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, "
                                                             "dualpipe-v, or auto: the fastest the cost model's "
@@ -213,6 +215,7 @@ class TrainConfig:
             raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
                              f"{self.dp}; use zero 0 on one replica")
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
+        self._check_experts()
         if self.schedule in CHUNKED:
             check_int("chunks", self.chunks, minimum=2)
         elif self.schedule in V_SHAPED:
@@ -261,6 +264,26 @@ class TrainConfig:
             from modelpar.hf import check_init_from
 
             check_init_from(self.model, self.init_from)
+
+    def _check_experts(self) -> None:
+        """Expert parallelism folds into d (docs/moe.md); what it does not combine with yet is refused."""
+        check_int("ep", self.ep, minimum=1)
+        if self.model.experts and self.cp > 1:  # routing statistics and capacity are per whole sequence
+            raise ValueError(f"experts with cp > 1 is not supported (a MoE layer routes and balances whole "
+                             f"sequences); use cp 1, got cp {self.cp}")
+        if self.ep == 1:
+            if self.model.experts and self.sequence_parallel:
+                raise ValueError("experts with sequence_parallel is not supported (the routed experts are "
+                                 "replicated over t); use sequence_parallel false")
+            return
+        if not self.model.experts:
+            raise ValueError(f"ep ({self.ep}) needs a mixture of experts (experts > 0), got experts 0")
+        check_divisible("dp", self.dp, "ep", self.ep)  # the expert-parallel group is carved out of the d replicas
+        check_divisible("experts", self.model.experts, "ep", self.ep)
+        if self.zero:
+            raise ValueError(f"ep ({self.ep}) with zero {self.zero} is not supported; use zero 0")
+        if self.sequence_parallel:
+            raise ValueError("experts with sequence_parallel is not supported; use sequence_parallel false")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, the model and the data as nested dicts (what checkpoints store)."""

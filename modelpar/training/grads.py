@@ -8,6 +8,8 @@ Order (Megatron's ``finalize_model_grads``), per bucket of ``modelpar.training.b
 3. data parallelism: the mean over the dp group, one asynchronous collective per bucket — an
    all-reduce (``zero`` 0), or a reduce-scatter into the rank's range of the bucket (``zero`` 1,
    for ``ZeroAdamW``);
+   Expert weights under expert parallelism (``ep`` > 1; docs/moe.md) instead: the sum over the
+   replicas holding the same experts (``edp_group``), divided by d, after the step;
 4. clipping (``modelpar.training.clipping.GradClip``, over the gradients this leaves): the global
    L2 norm over all shards, in one scalar all-reduce.
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from modelpar.model.moe import is_expert_param
 from modelpar.schedules.action import Action
 from modelpar.schedules.kinds import SPECS
 from modelpar.schedules.schedule import Schedule
@@ -60,6 +63,8 @@ class GradSync:
     zero: int = 0  # 1: reduce-scatter into this rank's ranges (the ZeRO-1 optimizer's)
     bucket_elements: int = 1 << 22
     overlap: bool = True
+    ep: int = 1  # expert-parallel ranks (folded into d)
+    edp_group: Any = None  # the replicas holding this rank's experts (None: one)
     buckets: list[Bucket] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,9 +78,13 @@ class GradSync:
             if head is not None:
                 self.tied.append(head.weight)
                 self.tied_copy_ids.add(id(head.weight))
+        experts = [p for p in self.params if is_expert_param(p)]
+        self.expert_ids = {id(p) for p in experts}  # replicated over t; their layout is the ep split
         partial = (lambda p: param_layout(p).partial_grad) if self.tp_group is not None else (lambda p: False)
         self.buckets = build_buckets([(s, self.modules[s]) for s in self.finish_order], self.bucket_elements,
-                                     self.comm.size if self.zero else 1, partial, self.tied)
+                                     self.comm.size if self.zero else 1, partial,
+                                     self.tied + (experts if self.ep > 1 else []))
+        self._expert_buckets = {b.index for b in self.buckets if self.ep > 1 and id(b.params[0]) in self.expert_ids}
         self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
                                                    for s in self.modules}
         self._started: set[int] = set()  # buckets whose reduction started this step
@@ -139,7 +148,11 @@ class GradSync:
     def _start(self, bucket: Bucket) -> None:
         """Start the bucket's data-parallel reduction (nothing to do when d = 1)."""
         self._started.add(bucket.index)
-        if self.comm.size > 1:
+        if bucket.index in self._expert_buckets:  # the same experts' replicas sum, then the mean over d
+            if self.edp_group is not None:
+                dist.all_reduce(bucket.grad, group=self.edp_group)
+            bucket.grad.mul_(1.0 / self.comm.size)
+        elif self.comm.size > 1:
             owned = self.owned_grad(bucket)
             reduce = self.comm.reduce_scatter(bucket.grad, owned) if self.zero else self.comm.all_reduce(owned)
             self._pending.append((bucket, reduce))

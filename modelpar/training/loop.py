@@ -36,6 +36,7 @@ from modelpar.training.buckets import BufferMeter
 from modelpar.training.clipping import GradClip
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.expert_stats import ExpertStats
 from modelpar.training.faults import nonfinite_hook, slow_init
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
@@ -92,6 +93,7 @@ class TrainResult:
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
+    expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
     def fields(self, names: tuple[str, ...]) -> dict[str, Any]:
@@ -128,7 +130,7 @@ STEP_FIELDS = ("optimizer_state_bytes", "gradient_bytes", "parameter_bytes", "dp
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
                   "skipped_steps", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
-                  "exposed_gather", "message_bytes")
+                  "exposed_gather", "message_bytes", "expert_imbalance")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -170,8 +172,9 @@ class _Run:
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
                                        dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
-                                       context=self.context)
+                                       context=self.context, ep_group=rs.ep_group)
                         for s in self.schedule.stages_on(rs.pp_rank)}
+        self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
         slow_init()
         self.fault = nonfinite_hook()
         if cfg.init_from is not None:
@@ -190,7 +193,7 @@ class _Run:
                          modules=self.modules, finish_order=finish_order(self.schedule, rs.pp_rank), comm=self.comm,
                          tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.grad_rank,
                          tied_split=cfg.model.tie_embeddings and stages > 1, zero=cfg.zero, bucket_elements=elements,
-                         overlap=cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1)
+                         overlap=cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, ep=cfg.ep, edp_group=rs.edp_group)
         self.meter = BufferMeter()
         self.gather: ParamGather | None = None
         if cfg.zero >= 2:
@@ -250,7 +253,9 @@ class _Run:
             group["lr"] = lr_at(self.cfg, step)
         self.sync.zero_grad()
         self.meter.reset_peak()
+        self.experts.reset()  # what a measuring pass outside the steps counted
         self.runner.step(xi, yi)
+        moe = self.experts.take_step()  # collective when the model has experts
         if self.fault is not None:  # tests only (modelpar.training.faults)
             self.fault(step, self.sync.grad_holders)
         self.sync.finish()
@@ -272,6 +277,8 @@ class _Run:
         r.step_times.append(time.perf_counter() - t0)
         r.losses.append(loss)
         r.grad_norms.append(norm)
+        if moe:
+            r.expert_imbalance = max(r.expert_imbalance or 0.0, moe["expert_imbalance"])
         if r.message_bytes is None:
             r.message_bytes = message_bytes(self.runner)
         if self.emit:
@@ -279,7 +286,7 @@ class _Run:
                        "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
                        "step_time": r.step_times[-1],
                        "peak_memory_mb": peak_memory_mb(self.rs.device), **r.fields(STEP_FIELDS),
-                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak})
+                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak, **moe})
         return verdict
 
     def measure(self) -> None:

@@ -47,6 +47,8 @@ class RankSetup:
     device: torch.device
     timeout: float
     pipeline_timeout: float  # the pp groups' NCCL watchdog timeout (step_timeout); ``timeout`` on gloo
+    ep_group: Any = None  # expert parallelism (modelpar.distributed.experts): replicas sharing out the experts
+    edp_group: Any = None  # and the replicas holding the same experts (None where one rank)
 
 
 def _group(dim: DeviceMesh) -> Any:
@@ -84,6 +86,19 @@ def _grad_group(mesh: DeviceMesh, timeout: float) -> Any:
     return mine
 
 
+def _expert_groups(cfg: TrainConfig, timeout: float) -> tuple[Any, Any]:
+    """This rank's expert-parallel and expert-data-parallel groups (``new_group`` for every group, on every rank)."""
+    from modelpar.distributed.experts import expert_rank_groups
+
+    mine: list[Any] = [None, None]
+    for kind, groups in enumerate(expert_rank_groups(cfg.pp, cfg.dp, cfg.tp, cfg.ep)):
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+            if dist.get_rank() in ranks and len(ranks) > 1:
+                mine[kind] = group
+    return mine[0], mine[1]
+
+
 def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     """Build the mesh and groups (a collective: every rank calls it with the same ``cfg``)."""
     use_cuda = dist.get_backend() == "nccl"
@@ -97,6 +112,7 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
     pp, dp, cp, tp = mesh["pp"], mesh["dp"], mesh["cp"], mesh["tp"]
     tied_across_stages = cfg.model.tie_embeddings and cfg.pp > 1
     dp_group = _group(dp)
+    ep_group, edp_group = _expert_groups(cfg, timeout) if cfg.ep > 1 else (None, None)
     return RankSetup(
         mesh=mesh,
         pp_group=pp.get_group(),
@@ -107,5 +123,5 @@ def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
         cp_group=_group(cp), cp_rank=cp.get_local_rank(),
         grad_group=dp_group if cfg.cp == 1 else _grad_group(mesh, timeout),
         grad_rank=dp.get_local_rank() * cfg.cp + cp.get_local_rank(),
-        device=device, timeout=timeout, pipeline_timeout=pipeline_timeout,
+        device=device, timeout=timeout, pipeline_timeout=pipeline_timeout, ep_group=ep_group, edp_group=edp_group,
     )

@@ -1,0 +1,40 @@
+"""Mixture-of-experts figures (pure Python): parameters, total and active, and the all-to-all volume.
+
+An MoE layer (docs/moe.md) holds a router (h·E), E routed SwiGLU experts of width F and S shared
+ones (3·h·F each); a token uses the router and k + S experts. Under expert parallelism over ep
+ranks each rank holds E/ep experts and, per MoE layer and micro-batch, sends its tokens' k
+assignments (rows of h elements) to the experts' ranks and receives the results back: two
+all-to-alls forward (dispatch, combine) and two backward. With routing uniform over the experts a
+share (ep − 1)/ep of the rows leaves the rank (the rest stays local, no bytes).
+"""
+
+from __future__ import annotations
+
+from modelpar._validate import check_int, check_number
+
+__all__ = ["ALL_TO_ALLS_PER_LAYER", "active_moe_layer_params", "all_to_all_bytes", "moe_layer_params"]
+
+ALL_TO_ALLS_PER_LAYER = 4  # per MoE layer and micro-batch: dispatch and combine, forward and backward
+
+
+def moe_layer_params(hidden: int, experts: int, ffn: int, shared: int = 0) -> int:
+    """Parameters of one MoE block (router + routed + shared experts; norms and attention excluded)."""
+    return hidden * experts + 3 * hidden * ffn * (experts + shared)
+
+
+def active_moe_layer_params(hidden: int, experts: int, top_k: int, ffn: int, shared: int = 0) -> int:
+    """Parameters one token uses in an MoE block: the router and k + S experts (the FLOPs are 2× this per token)."""
+    check_int("top_k", top_k, minimum=1, maximum=experts)
+    return hidden * experts + 3 * hidden * ffn * (top_k + shared)
+
+
+def all_to_all_bytes(tokens: int, hidden: int, top_k: int, ep: int, bytes_per_element: int,
+                     remote_share: float | None = None) -> float:
+    """Bytes one rank sends in one all-to-all of one MoE layer for ``tokens`` tokens.
+
+    ``remote_share``: the share of the tokens' k assignments bound for other ranks; None: uniform
+    routing, (ep − 1)/ep. Dropped assignments send nothing: pass the measured share for those.
+    """
+    check_int("ep", ep, minimum=1)
+    share = (ep - 1) / ep if remote_share is None else check_number("remote_share", remote_share)
+    return tokens * top_k * share * hidden * bytes_per_element
