@@ -50,3 +50,4 @@ def _seeded() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # as set above, whatever an earlier test chose
