@@ -191,8 +191,7 @@ def _run(cfg: Any, options: Any) -> int:
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
-    cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
-    display = Display(console, title=f"t={cfg.tp}{cp} p={cfg.pp} d={cfg.dp} {cfg.schedule}", progress=options.progress)
+    display = Display(console, title=f"{cfg.layout()} {cfg.schedule}", progress=options.progress)
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
@@ -222,7 +221,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     bpb = result.bits_per_byte
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     rows = [
-        ("split (t, p, d)", f"({cfg.tp}, {cfg.pp}, {cfg.dp}), {_schedule_name(cfg)}, m={cfg.microbatches}"),
+        ("split", f"{cfg.layout()}, {_schedule_name(cfg)}, m={cfg.microbatches}"),
         ("micro-batches", _why_microbatches(cfg)),
         ("layers per stage", ", ".join(map(str, cfg.layer_split))
          + (" (--stage-layers)" if cfg.stage_layers is not None else " (default split)")),

@@ -1,4 +1,4 @@
-"""Process start-up (local processes or torchrun) and the (pp, dp, tp) process grid."""
+"""Process start-up (local processes or torchrun) and the (pp, dp, cp, tp) process grid."""
 
 from modelpar.distributed.launch import (
     LocalCluster,

@@ -285,6 +285,11 @@ class TrainConfig:
         if self.sequence_parallel:
             raise ValueError("experts with sequence_parallel is not supported; use sequence_parallel false")
 
+    def layout(self) -> str:
+        """The split in words, for banners and summaries: ``t=2, p=2, d=1``, with cp and ep when used."""
+        dims = [("t", self.tp), ("cp", self.cp), ("p", self.pp), ("d", self.dp), ("ep", self.ep)]
+        return ", ".join(f"{name}={n}" for name, n in dims if n > 1 or name in ("t", "p", "d"))
+
     def to_dict(self) -> dict[str, Any]:
         """Every field by name, the model and the data as nested dicts (what checkpoints store)."""
         return asdict(self)

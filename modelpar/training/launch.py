@@ -128,7 +128,7 @@ class _Relay:
 
 def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None,
               console: Console | None = None, progress: bool = False) -> TrainResult:
-    """Train on t·p·d new local processes (gloo); return rank 0's result.
+    """Train on t·cp·p·d new local processes (gloo); return rank 0's result.
 
     The data is prepared here, once, before any rank starts (``modelpar.text.prepare_data``; on
     ``console`` with ``progress`` bars, which then also gets a line naming the processes), and a
@@ -139,9 +139,8 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     cfg = prepare_data(cfg.check(), console, progress=progress).check()
     check_resume(cfg)  # a checkpoint of another model, data or optimisation: fail before starting ranks
     if console is not None:
-        cp = f" cp={cfg.cp}," if cfg.cp > 1 else ""
-        console.print(f"modelpar train: {cfg.dims.world_size} local processes (t={cfg.tp},{cp} p={cfg.pp}, "
-                      f"d={cfg.dp}), {cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
+        console.print(f"modelpar train: {cfg.dims.world_size} local processes ({cfg.layout()}), "
+                      f"{cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
                       highlight=False, soft_wrap=True)  # one line, whatever the terminal's width
     outcome: dict[str, Any] = {}
     overdue = False
