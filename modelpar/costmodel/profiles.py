@@ -101,19 +101,13 @@ class HardwareProfile:
                 check_choice(f"collectives[{op}] link", link, LINKS)
                 for n, cost in sizes.items():
                     _ranks(f"collectives[{op}][{link}] group size", n)
-                    if len(cost) != 2:
-                        raise ValueError(f"collectives[{op}][{link}][{n}] must be [latency_s, GB/s], got {cost!r}")
-                    check_number(f"collectives[{op}][{link}][{n}] latency_s", cost[0])
-                    check_number(f"collectives[{op}][{link}][{n}] GB/s", cost[1], strict=True)
+                    _check_fit(f"collectives[{op}][{link}][{n}]", cost)
 
         for op, per_ranks in self.busy.items():
             check_choice("busy op", op, COLLECTIVES)
             for count, fit in per_ranks.items():
                 _ranks(f"busy[{op}] ranks", count)
-                if len(fit) != 2:
-                    raise ValueError(f"busy[{op}][{count}] must be [latency_s, GB/s], got {fit!r}")
-                check_number(f"busy[{op}][{count}] latency_s", fit[0])
-                check_number(f"busy[{op}][{count}] GB/s", fit[1], strict=True)
+                _check_fit(f"busy[{op}][{count}]", fit)
 
     @property
     def measured(self) -> bool:
@@ -201,6 +195,14 @@ class HardwareProfile:
             raise ValueError(f"{source} is malformed: {err}") from None
         except (ValueError, AttributeError) as err:
             raise ValueError(f"{source} is malformed: {err}") from None
+
+
+def _check_fit(where: str, fit: Any) -> None:
+    """A ``[latency_s, GB/s]`` pair: two numbers, the bandwidth above 0."""
+    if len(fit) != 2:
+        raise ValueError(f"{where} must be [latency_s, GB/s], got {fit!r}")
+    check_number(f"{where} latency_s", fit[0])
+    check_number(f"{where} GB/s", fit[1], strict=True)
 
 
 def _ranks(name: str, key: Any) -> int:
