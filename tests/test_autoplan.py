@@ -27,12 +27,18 @@ def test_every_planned_layout_is_one_the_trainer_accepts_and_they_are_ranked():
     cfg, pred, line = auto_plan(CFG, 4)
     assert cfg.dims.world_size == 4 and cfg.check(4) is cfg
     assert pred.step_time_s == predict_local(local_run(cfg), CPU_DEFAULT).step_time_s
-    assert "predicted step" in line and f"t={cfg.tp} p={cfg.pp} d={cfg.dp}" in line
+    cp = f" cp={cfg.cp} ({cfg.cp_comm})" if cfg.cp > 1 else ""
+    assert "predicted step" in line and f"t={cfg.tp}{cp} p={cfg.pp} d={cfg.dp}" in line
     plan = plan_local(local_run(CFG), 4, CPU_DEFAULT, 1e12, CAPABILITIES)
     times = [p.step_time_s for _, p in plan.ranked]
     every = list(layouts(TINY.spec(), 4, 8, CAPABILITIES, local_run(CFG)))
     assert times == sorted(times) and plan.tried == len(plan.ranked) == len(every)
-    assert {(r.t, r.p, r.d) for r, _ in plan.ranked} == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)}
+    assert {(r.t, r.cp, r.p, r.d) for r, _ in plan.ranked if r.cp == 1} == \
+        {(1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 4, 1), (2, 1, 1, 2), (2, 1, 2, 1), (4, 1, 1, 1)}
+    assert {(r.t, r.cp, r.p, r.d) for r, _ in plan.ranked if r.cp > 1} == \
+        {(1, 2, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 4, 1, 1)}  # s = 16: cp 2 and 4 (2·cp | s)
+    assert {r.cp_comm for r, _ in plan.ranked if r.cp > 1} == {"ring", "allgather"}
+    assert all(r.zero < 2 for r, _ in plan.ranked if r.cp > 1)  # the trainer refuses ZeRO-2/3 with cp
 
 
 def test_memory_limit_drops_what_does_not_fit():
@@ -118,3 +124,16 @@ def test_why_the_schedule_by_hand():
     assert why_schedule(plan, one, pred["1f1b"]).startswith("1f1b: no schedule of the family, nor auto, is faster")
     alone = LocalPlan([(zbv, pred["zb-v"])], None, 1)
     assert why_schedule(alone, zbv, pred["zb-v"]) == "zb-v, v=2: 6.2% bubble; 1f1b does not fit the limit at this layout"
+
+
+def test_a_limit_only_context_parallelism_meets(monkeypatch):
+    """One head, one layer, 2 ranks: t and p cannot split it, so cp = 2 (each rank s/2 tokens, ZeRO-1 over the 2
+    ranks) is the only way below the leanest d = 2 layout (ZeRO-3, full recomputation): 0.6327 vs 0.6659 MB."""
+    cfg = dataclasses.replace(CFG, model=ModelConfig(hidden=32, heads=1, layers=1, seq_len=256), batch_size=2,
+                              microbatches=1, memory_limit_gb=0.65e-3)
+    planned, pred, line = auto_plan(cfg, 2)
+    assert (planned.cp, planned.cp_comm, planned.dp, planned.zero) == (2, "ring", 1, 1) and planned.check(2) is planned
+    assert pred.memory_bytes <= 0.65e6 and "t=1 cp=2 (ring) p=1 d=1" in line  # the ring: faster than the all-gather
+    monkeypatch.setattr("modelpar.training.autoplan.CAPABILITIES", dataclasses.replace(CAPABILITIES, cp_comms=()))
+    with pytest.raises(ValueError, match=r"no layout fits 0.00065 GB per rank on 2 ranks: the leanest \(t=1 p=1 d=2"):
+        auto_plan(cfg, 2)

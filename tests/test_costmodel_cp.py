@@ -11,7 +11,7 @@ from modelpar.costmodel.estimate import check_config, estimate
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.presets import gpu_preset, model_preset
 from modelpar.costmodel.search import search
-from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_trainer_context
 
 LLAMA8 = ModelSpec(32, 4096, 32, 8192, 128256, ffn=14336, kv_heads=8, gated_mlp=False, name="gqa")
 BF16 = DEFAULT.with_(param_bytes=2)
@@ -81,3 +81,14 @@ def test_bad_cp_in_plan_is_one_line(capsys, args, message):
     assert main(["plan", "--model", "gpt3-175b", "--gpus", "64", "--batch", "64", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err
+
+
+@pytest.mark.parametrize("args, message", [((18, 2, 0, 1, False), r"seq_len \(18\) must be divisible by 2 \* cp \(4\)"),
+                                           ((16, 2, 2, 1, False), r"zero 2 with cp 2 is not supported"),
+                                           ((24, 2, 0, 8, True), r"seq_len / cp \(sequence parallel\)")])
+def test_the_trainers_cp_rules_in_one_place(args, message):
+    """``TrainConfig.check`` and ``--plan auto`` both ask ``check_trainer_context``; ZeRO-1 and cp = 1 pass."""
+    with pytest.raises(ValueError, match=message):
+        check_trainer_context(*args)
+    check_trainer_context(16, 2, 1, 2, True)
+    check_trainer_context(18, 1, 3, 8, True)

@@ -1,16 +1,18 @@
 """The local cost model's structure (pure Python, hand-checked): ZeRO-2/3's collectives, the busy pair fits,
-core sharing. The trainer's own bytes are checked against the same functions in test_prediction."""
+core sharing, context parallelism's activations, gradient group and key/value traffic. The trainer's own bytes
+are checked against the same functions in test_prediction."""
 
 import dataclasses
 
 import pytest
 
-from modelpar.costmodel.local import _comm, core_share, dp_bytes_step, dp_traffic, predict_local
-from modelpar.costmodel.local_memory import LocalRun, stage_tensors, state_bytes
+from modelpar.costmodel.local import _comm, core_share, cp_layer_seconds, dp_bytes_step, dp_traffic, predict_local
+from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero import dp_bytes_sent
+from modelpar.formulas import allreduce_bytes
 from modelpar.model import ModelConfig
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16).spec()
@@ -99,3 +101,45 @@ def test_busy_pair_fit_prices_pair_messages():
 def test_bad_busy_table(busy, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         _profile(busy=busy)
+
+
+CP = LocalRun(TINY, microbatches=2, batch=2, precision="fp32", cp=2)  # b = 1: 8 of the 16 tokens per rank
+
+
+def test_cp_activations_by_hand():
+    """GPT, t = 1, per token of a layer: (2h + 4) + 2h + (4h + 2·ffn) + a = 520 elements; cp = 2 keeps them for
+    8 tokens, the ring its merged output besides (+h), the all-gather the gathered k and v (+2·cp·h); the first
+    stage the ids and the 8 zig-zag positions (8 bytes each), the last (h + 2 + h + V)·4 + 10 bytes per token + 8."""
+    ends = 8 * 8 + 8 * ((34 + 32 + 256) * 4 + 10) + 8
+    assert activation_bytes(dataclasses.replace(CP, cp=1), 0) == 4 * 16 * 520 * 4 + 16 * 8 + 16 * 1298 + 8
+    assert activation_bytes(CP, 0) == 4 * 8 * (520 + 32) * 4 + ends + 8 * 8
+    assert activation_bytes(dataclasses.replace(CP, cp_comm="allgather"), 0) == 4 * 8 * (520 + 128) * 4 + ends + 8 * 8
+    assert activation_bytes(dataclasses.replace(CP, recompute="selective", cp_comm="allgather"), 0) == \
+        4 * 8 * (520 - 4) * 4 + ends + 8 * 8  # only the core's local inputs: neither term, nor the log-sum-exp
+
+
+def test_cp_joins_the_gradient_group():
+    """World t·cp·p·d; the gradients all-reduced, and ZeRO-1's state and traffic sharded, over d·cp."""
+    run = dataclasses.replace(CP, t=2, p=2, d=3, batch=6)
+    assert (run.world, run.grad_ranks, run.tokens) == (24, 6, 8)
+    one = dataclasses.replace(CP, zero=1)
+    params = sum(x.numel for x in stage_tensors(one, 0))
+    assert dp_bytes_step(one, [0]) == dp_bytes_sent(params, 2, 1, 4, 4, one.microbatches, True)
+    assert 2 * state_bytes(one, [0])["optimizer"] == state_bytes(CP, [0])["optimizer"]
+    exposed = dataclasses.replace(CP, overlap=False)
+    grads = state_bytes(CP, [0])["gradients"]
+    assert predict_local(exposed, CPU_DEFAULT).time["dp"] == pytest.approx(_time(allreduce_bytes(grads, 2)))
+    assert predict_local(dataclasses.replace(exposed, cp=1), CPU_DEFAULT).time["dp"] == 0.0
+
+
+def test_cp_ring_hides_its_hops_the_allgather_not():
+    """kv = 2·b·(s/cp)·h·4 = 2048 bytes. Ring: each hop beside a block's attention, so with a long block only the last
+    gradient hop is exposed, with none 1 + (2 + 1) hops; all-gather: k and v gathered (1024 bytes sent each), and
+    reduce-scattered in the backward, whole."""
+    hop = _time(2048)
+    assert cp_layer_seconds(CP, CPU_DEFAULT, 1.0) == (0.0, pytest.approx(hop))
+    assert cp_layer_seconds(CP, CPU_DEFAULT, 0.0) == (pytest.approx(hop), pytest.approx(3 * hop))
+    gather = 2 * _time(1024)
+    assert cp_layer_seconds(dataclasses.replace(CP, cp_comm="allgather"), CPU_DEFAULT, 1.0) == \
+        (pytest.approx(gather), pytest.approx(gather))
+    assert cp_layer_seconds(dataclasses.replace(CP, cp=1), CPU_DEFAULT, 0.0) == (0.0, 0.0)

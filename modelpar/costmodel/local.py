@@ -21,6 +21,12 @@ stage's buckets, ZeRO-3 all-gathers them before every forward and backward (once
 resharding), ZeRO-1 and 2 all-gather the parameters after the step; each collective is priced
 exposed, in the action that issues it (gloo reduces on the cores that compute). More ranks than
 cores (``core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
+
+Context parallelism (cp > 1): GEMMs, element-wise work and the tensor-parallel and point-to-point
+messages are those of a rank's s/cp tokens, attention still sees the whole sequence per token
+(4·b·(s/cp)·s·h/t FLOPs forward); the key/value traffic and what attention hides of it are
+``costmodel.context``'s rules (``cp_blocks``, ``cp_exposed``: the ring's hops beside a block's attention,
+the all-gather's not); gradients are reduced, and ZeRO-1 shards, over the d·cp ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from modelpar.costmodel.context import cp_exposed, kv_block_bytes
 from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalRun,
@@ -46,8 +53,8 @@ from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "dp_bytes_step", "dp_traffic",
-           "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
+__all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_layer_seconds", "dp_bytes_step",
+           "dp_traffic", "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -113,8 +120,9 @@ def _comm(run: LocalRun, hw: HardwareProfile, op: str, group: int, nbytes: float
 def dp_traffic(run: LocalRun, stage: int) -> tuple[list[float], list[float], list[float]]:
     """Bytes one rank sends per bucket of ``stage`` in a data-parallel reduce-scatter of its gradients, an
     all-gather of its parameters for compute (ZeRO-3: in the compute dtype), and the all-gather after the
-    step (ZeRO-1/2: the updated parameters): (d − 1) shards of the bucket padded to a multiple of d."""
-    d, w = run.d, run.param_bytes
+    step (ZeRO-1/2: the updated parameters): (d − 1) shards of the bucket padded to a multiple of d (here and
+    below d is the gradient group, d·cp)."""
+    d, w = run.grad_ranks, run.param_bytes
     if d == 1 or not run.zero:
         return [], [], []
     shards = [math.ceil(n / d) * (d - 1) for n in stage_buckets(run, stage)]
@@ -138,9 +146,10 @@ def dp_bytes_step(run: LocalRun, stages: list[int]) -> float:
 def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """Seconds of ``stage``'s reduce-scatters, compute gathers and after-step gathers (one per bucket each)."""
     scatter, gather, after = dp_traffic(run, stage)
-    return (sum(_comm(run, hw, "reduce_scatter", run.d, x) for x in scatter),
-            sum(_comm(run, hw, "all_gather", run.d, x) for x in gather),
-            sum(_comm(run, hw, "all_gather", run.d, x) for x in after))
+    g = run.grad_ranks
+    return (sum(_comm(run, hw, "reduce_scatter", g, x) for x in scatter),
+            sum(_comm(run, hw, "all_gather", g, x) for x in gather),
+            sum(_comm(run, hw, "all_gather", g, x) for x in after))
 
 
 def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
@@ -157,7 +166,7 @@ def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, floa
     if t == 1:
         return [], []
     e = COMPUTE_BYTES[run.precision]
-    tokens = run.micro_batch * m.seq
+    tokens = run.tokens
     act = float(tokens * m.hidden * e)
     if run.sequence_parallel:
         f = [("all_gather", "forward", act), ("reduce_scatter", "backward", act)]
@@ -186,11 +195,25 @@ def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> floa
     return _comm(run, hw, op, run.t, sent)
 
 
+def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
+    """Exposed context-parallel seconds of one layer and microbatch, (forward, backward) (``context.cp_exposed``):
+    a ring hop of one
+    key/value block (a pair's message), or the all-gathers of k and v over cp; ``block_s``: one block's attention."""
+    if run.cp == 1:
+        return 0.0, 0.0
+    kv = kv_block_bytes(run.micro_batch, run.model.seq, run.cp, run.kv_features, COMPUTE_BYTES[run.precision])
+    if run.cp_comm == "ring":
+        comm = _comm(run, hw, "p2p", 2, kv)
+    else:  # k and v gathered one after the other
+        comm = 2 * _comm(run, hw, "all_gather", run.cp, allgather_bytes(run.cp * kv / 2, run.cp))
+    return cp_exposed(run.cp, run.cp_comm, "none", comm, block_s)  # a recomputed forward: priced with it
+
+
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
     m, t = run.model, run.t
     ranks = min(run.world, hw.devices_per_node)
-    tokens = run.micro_batch * m.seq
+    tokens = run.tokens
     share = core_share(run, hw)
     latency = (hw.op_latency(ranks) or 0.0) * share
     # the forward's element-wise traffic: what it writes whether or not it is kept (recomputation drops it after)
@@ -202,20 +225,21 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
         fwd += _matmul(run, hw, mm, n, k)
         dgrad += _matmul(run, hw, mm, k, n)
         wgrad += _matmul(run, hw, k, n, mm)
-    attention_flops = 4.0 * run.micro_batch * m.seq * m.seq * m.hidden / t
+    attention_flops = 4.0 * tokens * m.seq * m.hidden / t  # each of this rank's tokens sees the whole sequence
     attention = 3 * attention_flops / ((hw.attention_tflops(_dtype(run), ranks) or hw.peak_tflops[hw.dtype]) * 1e12)
     attention *= share
+    cp_f, cp_b = cp_layer_seconds(run, hw, attention / 3 / run.cp)
     per_layer, ends = tp_collectives(run, stage)
     seconds = {"forward": 0.0, "backward": 0.0}
     for op, phase, nbytes in per_layer:
         seconds[phase] += _tp_time(run, hw, op, nbytes)
     tp_f, tp_b = seconds["forward"], seconds["backward"]
-    f_layer = fwd + attention / 3 + tp_f + _OPS_FORWARD * latency
-    b_layer = dgrad + wgrad + 2 * attention / 3 + tp_b + 2 * _OPS_FORWARD * latency
+    f_layer = fwd + attention / 3 + tp_f + cp_f + _OPS_FORWARD * latency
+    b_layer = dgrad + wgrad + 2 * attention / 3 + tp_b + 2 * _OPS_FORWARD * latency + cp_b
     if run.recompute == "full":
         b_layer += f_layer
     elif run.recompute == "selective":
-        b_layer += attention / 3
+        b_layer += attention / 3 + cp_f  # the core again: with cp its ring or gather too
     forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
     for op, phase, nbytes in ends:  # the embedding's, the head's and the cross entropy's
         if phase == "forward":
@@ -234,7 +258,7 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
 
 def _hop(run: LocalRun, hw: HardwareProfile) -> float:
     """Seconds of one point-to-point transfer of a microbatch's activations between pipeline ranks."""
-    act = float(run.micro_batch * run.model.seq * run.model.hidden * COMPUTE_BYTES[run.precision])
+    act = float(run.tokens * run.model.hidden * COMPUTE_BYTES[run.precision])  # a microbatch's s/cp tokens
     act /= run.t if run.sequence_parallel and run.t > 1 else 1
     return _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
 
@@ -307,13 +331,13 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
         per_rank.append(sum(state_bytes(run, mine).values()) + act)
     busiest = max(range(run.p), key=lambda r: per_rank[r])
     grads = state["gradients"]
-    dp = 0.0
-    if run.d > 1 and run.zero == 1:  # each bucket reduce-scattered, then gathered after the update
+    dp, g = 0.0, run.grad_ranks
+    if g > 1 and run.zero == 1:  # each bucket reduce-scattered, then gathered after the update
         dp = sum(dp_stage[s][0] + dp_stage[s][2] for s in stages)
-    elif run.d > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
+    elif g > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
         dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
-    elif run.d > 1:
-        dp = _comm(run, hw, "all_reduce", run.d, allreduce_bytes(grads, run.d))
+    elif g > 1:
+        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads, g))
         if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward

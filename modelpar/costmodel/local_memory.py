@@ -22,6 +22,14 @@ token of one layer (derived from the modules' operations, and checked against
            attention output h/t, log-sum-exp a/t, the SwiGLU's gate and up 2·ffn/t, SiLU(gate) and
            the product ffn/t each; plus cos and sin, 2·s·d per layer and microbatch
 
+Context parallelism (cp > 1) keeps all of that for a rank's s/cp tokens. The core attention runs
+inside one autograd function that repeats key/value heads itself, so k and v are kept unrepeated
+(Llama's q, k rotated and the k|v output, as above); ``--cp-comm allgather`` keeps the gathered
+keys and values instead, 2·cp·(kv features) per local token (GPT: besides the fused qkv output its
+q still holds; Llama: in place of the rotated k and the k|v output), unless selective recomputation
+keeps only the core's local inputs; the ring keeps its merged output (h/t), which the projection copies.
+GPT's first stage keeps the s/cp zig-zag positions (int64) its learned positions are indexed by.
+
 The first stage also keeps the token ids (8 bytes each), the last the final norm's, the head's
 input, the fp32 logits V/t and 10 bytes per token of the loss (targets, masks). Full
 recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
@@ -64,6 +72,8 @@ class LocalRun:
     overlap: bool = True  # data-parallel reduction during the backward
     reshard: bool = True  # ZeRO-3: gather again for every forward and backward (``reshard_after_forward``)
     memory_limit: float = 0.0  # schedule "auto": most held activations per device, microbatches of a stage (0: any)
+    cp: int = 1  # context-parallel ranks: each holds s/cp tokens of every sequence
+    cp_comm: str = "ring"  # how attention sees the whole sequence (``costmodel.context``)
 
     @property
     def stages(self) -> int:
@@ -75,7 +85,23 @@ class LocalRun:
 
     @property
     def world(self) -> int:
-        return self.t * self.p * self.d
+        return self.t * self.cp * self.p * self.d
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks a gradient is averaged over and ZeRO shards over: d·cp (cp joins data parallelism)."""
+        return self.d * self.cp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one microbatch on one rank: b·s/cp."""
+        return self.micro_batch * self.model.seq // self.cp
+
+    @property
+    def kv_features(self) -> int:
+        """Key (or value) features a rank holds: its key/value heads (one at least, replicated beyond t) × head dim."""
+        m = self.model
+        return max(1, (m.kv_heads or m.heads) // self.t) * (m.hidden // m.heads)
 
     @property
     def param_bytes(self) -> int:
@@ -158,16 +184,17 @@ def stage_buckets(run: LocalRun, stage: int) -> list[int]:
 
 
 def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
-    """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank``.
+    """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank`` (its index
+    among the d·cp ranks that share its parameters: dp index · cp + cp index).
 
-    Gradient buffers are padded to a multiple of d under ZeRO (each rank owns an equal range of
+    Gradient buffers are padded to a multiple of d·cp under ZeRO (each rank owns an equal range of
     every bucket; ZeRO-2 and 3 keep only that range); the AdamW moments cover the parameters of this
     rank's ranges only (no padding); ZeRO-3 keeps its range of every bucket's parameters, padding
     included (``ShardedGradSync.parameter_bytes``), the rest only while gathered (``dp_traffic``'s
     collectives; those transient buffers are not counted here).
     """
     w = run.param_bytes
-    shards = run.d if run.zero else 1
+    shards = run.grad_ranks if run.zero else 1
     params = grads = state = 0.0
     for s in stages:
         if run.zero < 3:
@@ -191,11 +218,17 @@ def _layer_elements(run: LocalRun) -> float:
     # the norms' inputs and statistics (and RMSNorm's normalised input) are sequence shards under SP; the two
     # linear inputs they feed are all-gathered, whole
     linear_inputs = 2 * h
+    local_kv = run.kv_features  # key/value features here (one head's at least)
+    core = run.cp > 1 and run.recompute != "selective"  # the cp attention function keeps its own tensors
+    # all-gather: the gathered keys and values; ring: its merged output, a storage of its own (the projection's
+    # input is a copy of it), where the all-gather's output is laid out as the projection's input already
+    gathered = 2 * run.cp * local_kv if core and run.cp_comm == "allgather" else 0.0
+    gathered += h / t if core and run.cp_comm == "ring" else 0.0
     if not m.gated_mlp:
-        return (2 * h + 4) / (t if sp else 1) + linear_inputs + (4 * h + 2 * f) / t + lse
-    kv = m.kv_heads or a
-    local_kv = max(1, kv // t) * (h // a)  # key/value features here (one head's at least)
-    if local_kv == h // t or run.recompute == "selective":  # q, k rotated, and the k|v output (v's storage)
+        return (2 * h + 4) / (t if sp else 1) + linear_inputs + (4 * h + 2 * f) / t + lse + gathered
+    if core and run.cp_comm == "allgather":  # q rotated; the local k and the k|v output are kept by nothing
+        attention = h / t + gathered
+    elif local_kv == h // t or run.recompute == "selective" or run.cp > 1:  # q, k rotated, the k|v output (v's)
         attention = h / t + 3 * local_kv
     else:  # grouped-query: q rotated, k and v repeated for the query heads (selective repeats them inside the core)
         attention = 3 * h / t
@@ -206,16 +239,17 @@ def activation_bytes(run: LocalRun, stage: int) -> float:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
     m, t = run.model, run.t
     e = COMPUTE_BYTES[run.precision]
-    tokens = run.micro_batch * m.seq
+    tokens = run.tokens
     sp = run.sequence_parallel and t > 1
     layers = m.layers // run.stages
     if run.recompute == "full":
         body = tokens * m.hidden / (t if sp else 1) * e if layers else 0.0
     else:
-        rope = 0 if not m.gated_mlp else 2 * m.seq * (m.hidden // m.heads)
+        rope = 0 if not m.gated_mlp else 2 * m.seq // run.cp * (m.hidden // m.heads)
         body = layers * (tokens * _layer_elements(run) + rope) * e
     if stage == 0:
         body += tokens * _IDS
+        body += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index
     if stage == run.stages - 1:
         norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)
         body += tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8

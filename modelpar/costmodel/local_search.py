@@ -2,7 +2,9 @@
 predicted step time, those whose most loaded rank does not fit the memory limit set aside.
 
 What the trainer can run is one list, ``Capabilities`` (schedules, ZeRO stages, recomputations,
-sequence parallelism, interleaving, microbatch counts); the command fills it from the trainer's
+sequence parallelism, interleaving, microbatch counts, context parallelism's modes); context-parallel
+layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rule: a sequence in 2·cp
+chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
 own choices (``TrainConfig``'s schedule and ZeRO lists) and its ``TrainConfig.check`` accepts or
 refuses each candidate, so a new capability there is a new entry here. Pure Python.
 
@@ -22,7 +24,7 @@ from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_loc
 from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
-from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ModelSpec
+from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
 from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
@@ -39,6 +41,7 @@ class Capabilities:
     sequence_parallel: bool = True
     chunks: tuple[int, ...] = (2, 4)  # v tried with the interleaved schedule
     max_microbatches: int = 16
+    cp_comms: tuple[str, ...] = CP_COMMS  # context parallelism's modes tried at cp > 1 (none: cp = 1 only)
 
 
 @dataclass(frozen=True)
@@ -50,30 +53,54 @@ class LocalPlan:
     tried: int
 
 
+def _contexts(world: int, caps: Capabilities) -> Iterator[tuple[int, str]]:
+    """(cp, mode) pairs to try: cp = 1, and every divisor > 1 of ``world`` with each of ``caps.cp_comms``."""
+    yield 1, "ring"
+    for cp in divisors(world):
+        if cp > 1:
+            yield from ((cp, mode) for mode in caps.cp_comms)
+
+
+def _context_runs(model: ModelSpec, cp: int, zero: int, t: int, sp: bool) -> bool:
+    try:
+        check_trainer_context(model.seq, cp, zero, t, sp)
+    except ValueError:
+        return False
+    return True
+
+
 def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalRun) -> Iterator[LocalRun]:
-    """Every (t, p, d, schedule, v, m, recompute, SP, ZeRO) of ``caps`` on ``world`` ranks, ``base``'s other fields."""
+    """Every (t, cp, p, d, schedule, v, m, recompute, SP, ZeRO) of ``caps`` on ``world`` ranks, ``base``'s other
+    fields."""
     for t in divisors(world):
-        for p in divisors(world // t):
-            d = world // (t * p)
-            if batch % d:
-                continue
-            for schedule in caps.schedules:
-                if p == 1 and schedule != "1f1b":
-                    continue  # one stage: every schedule is the same loop
-                for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
-                    if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
+        for cp, mode in _contexts(world // t, caps):
+            yield from _layouts(model, world, batch, caps, replace(base, cp=cp, cp_comm=mode), t)
+
+
+def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalRun,
+             t: int) -> Iterator[LocalRun]:
+    """``layouts`` at ``t`` and ``base``'s cp."""
+    for p in divisors(world // (t * base.cp)):
+        d = world // (t * base.cp * p)
+        if batch % d:
+            continue
+        for schedule in caps.schedules:
+            if p == 1 and schedule != "1f1b":
+                continue  # one stage: every schedule is the same loop
+            for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
+                if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
+                    continue
+                for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
+                    if not _builds(schedule, p, m, v):
                         continue
-                    for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
-                        if not _builds(schedule, p, m, v):
-                            continue
-                        for rc in caps.recompute:
-                            for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
-                                for zero in (z for z in caps.zero if z == 0 or d > 1):
-                                    run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
-                                                  microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
-                                                  zero=zero)
-                                    if _shards_fit(run):
-                                        yield run
+                    for rc in caps.recompute:
+                        for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
+                            for zero in (z for z in caps.zero if z == 0 or d * base.cp > 1):
+                                run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
+                                              microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
+                                              zero=zero)
+                                if _shards_fit(run) and _context_runs(model, base.cp, zero, t, sp):
+                                    yield run
 
 
 def _shards_fit(run: LocalRun) -> bool:
@@ -82,7 +109,7 @@ def _shards_fit(run: LocalRun) -> bool:
     if run.zero < 2:
         return True
     largest = max(x.numel for s in range(run.stages) for x in stage_tensors(run, s))
-    return -(-largest // run.d) <= run.bucket_elements
+    return -(-largest // run.grad_ranks) <= run.bucket_elements
 
 
 def _builds(schedule: str, p: int, m: int, v: int) -> bool:

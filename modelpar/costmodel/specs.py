@@ -15,7 +15,8 @@ from modelpar._validate import check_choice, check_divisible, check_int, check_n
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero import ZERO_STAGES
 
-__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "check_context_split"]
+__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "check_context_split",
+           "check_trainer_context"]
 
 # The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
 # that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
@@ -29,6 +30,18 @@ def check_context_split(seq_len: int, cp: int) -> None:
     if cp > 1 and seq_len % (2 * cp):
         raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 * cp ({2 * cp}): context parallelism "
                          f"splits every sequence into 2·cp equal chunks (no padding)")
+
+
+def check_trainer_context(seq_len: int, cp: int, zero: int, tp: int, sequence_parallel: bool) -> None:
+    """ValueError unless ``modelpar train`` runs context parallelism ``cp`` with these settings: the 2·cp split
+    (``check_context_split``), ZeRO 0 or 1 when cp > 1 (ZeRO-2/3 with cp are not tested), and under sequence
+    parallelism s/cp tokens that split over t. The trainer's ``TrainConfig.check`` and its planner both ask here."""
+    check_context_split(seq_len, cp)
+    if cp > 1 and zero >= 2:
+        raise ValueError(f"zero {zero} with cp {cp} is not supported (ZeRO-1 is: its state is sharded "
+                         "over the d·cp ranks); use zero 0 or 1 with context parallelism")
+    if sequence_parallel and cp > 1:
+        check_divisible("seq_len / cp (sequence parallel)", seq_len // cp, "tp", tp)
 
 
 @dataclass(frozen=True)

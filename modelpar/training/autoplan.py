@@ -2,7 +2,8 @@
 
 The candidates are ``costmodel.local_search``'s, restricted to what the trainer runs and the local
 cost model prices: the trainer's schedule list, its ZeRO stages that ``costmodel.local`` prices
-(``PRICED_ZERO``: 0–3, ZeRO-2/3's per-microbatch collectives included), and
+(``PRICED_ZERO``: 0–3, ZeRO-2/3's per-microbatch collectives included), context parallelism
+(cp over the divisors of the world, ring and all-gather, where ``check_trainer_context`` allows), and
 ``TrainConfig.check`` must accept each one. Each is
 priced on the run's hardware profile (``--hardware``, else the nominal CPU); the fastest whose
 most loaded rank fits ``memory_limit_gb`` (default: the device's memory, a CPU host's shared by
@@ -26,9 +27,9 @@ CAPABILITIES = Capabilities(schedules=(*SCHEDULE_CHOICES, "auto"),
 
 
 def _config(cfg: TrainConfig, run: LocalRun) -> TrainConfig:
-    return replace(cfg, tp=run.t, pp=run.p, dp=run.d, schedule=run.schedule, chunks=run.v,
-                   microbatches=run.microbatches, recompute=run.recompute, sequence_parallel=run.sequence_parallel,
-                   zero=run.zero, memory_limit=run.memory_limit)
+    return replace(cfg, tp=run.t, pp=run.p, dp=run.d, cp=run.cp, cp_comm=run.cp_comm, schedule=run.schedule,
+                   chunks=run.v, microbatches=run.microbatches, recompute=run.recompute,
+                   sequence_parallel=run.sequence_parallel, zero=run.zero, memory_limit=run.memory_limit)
 
 
 def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
@@ -43,7 +44,8 @@ def describe(run: LocalRun) -> str:
     sp = ", sequence parallel" if run.sequence_parallel else ""
     limit = f" (memory limit {run.memory_limit:.3g})" if run.schedule == "auto" else ""
     v = f", v={run.v}" if run.v > 1 else ""
-    return (f"t={run.t} p={run.p} d={run.d}, {run.schedule}{limit}{v}, M={run.microbatches}, recompute {run.recompute}{sp}, "
+    cp = f" cp={run.cp} ({run.cp_comm})" if run.cp > 1 else ""
+    return (f"t={run.t}{cp} p={run.p} d={run.d}, {run.schedule}{limit}{v}, M={run.microbatches}, recompute {run.recompute}{sp}, "
             f"ZeRO-{run.zero}")
 
 

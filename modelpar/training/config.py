@@ -20,13 +20,14 @@ import torch
 
 from modelpar._options import SECTIONS, about, construct, field_infos, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.specs import check_trainer_context
 from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
-from modelpar.tensor_parallel.context_parallel import CP_COMMS, check_context_split
+from modelpar.tensor_parallel.context_parallel import CP_COMMS
 from modelpar.text.config import DataConfig
 from modelpar.training.precision import check_precision, param_dtype
 
@@ -207,10 +208,7 @@ class TrainConfig:
         check_precision(self.precision)
         check_choice("zero", self.zero, ZERO_CHOICES)
         check_choice("cp_comm", self.cp_comm, CP_COMMS)
-        check_context_split(self.model.seq_len, self.cp)
-        if self.cp > 1 and self.zero >= 2:
-            raise ValueError(f"zero {self.zero} with cp {self.cp} is not supported (ZeRO-1 is: its state is sharded "
-                             "over the d·cp ranks); use zero 0 or 1 with context parallelism")
+        check_trainer_context(self.model.seq_len, self.cp, self.zero, self.tp, self.sequence_parallel)
         if self.zero >= 2 and self.dp < 2:
             raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
                              f"{self.dp}; use zero 0 on one replica")
@@ -240,8 +238,6 @@ class TrainConfig:
         check_number("memory_limit_gb", self.memory_limit_gb)
         check_number("preempt_grace", self.preempt_grace)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
-        if self.sequence_parallel and self.cp > 1:
-            check_divisible("seq_len / cp (sequence parallel)", self.model.seq_len // self.cp, "tp", self.tp)
         fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
         recompute = parse_strategy(self.recompute)
         if isinstance(recompute, int):
