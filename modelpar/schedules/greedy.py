@@ -111,41 +111,38 @@ def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
 
     ``stages``: the device's, highest first; ``room``: whether its lowest may take a new microbatch.
     Among ready I's (then F's) the oldest microbatch goes first, the higher stage on a tie."""
-    later = float("inf")
-    best = None
-    for s in stages:  # I first
+
+    def i_ready(s: int) -> float | None:  # its F done here, and the gradient from stage s + 1 arrived
         m = next_i[s]
-        if m < M and end_f[s][m] is not None:
-            ready = end_f[s][m]
-            if s < last:
-                g = end_i[s + 1][m]
-                if g is None:
-                    continue
-                ready = max(ready, g + xin[s + 1])
-            if ready <= t:
-                if best is None or m < best[2]:
-                    best = (_I, s, m, t)
-            else:
-                later = min(later, ready)
-    if best is not None:
-        return best, later
-    for s in stages:  # then F
+        if m >= M or end_f[s][m] is None:
+            return None
+        if s == last:
+            return end_f[s][m]
+        g = end_i[s + 1][m]
+        return None if g is None else max(end_f[s][m], g + xin[s + 1])
+
+    def f_ready(s: int) -> float | None:  # the activation from stage s - 1 arrived (stage 0: always)
         m = next_f[s]
         if m >= M or (s == stages[-1] and not room):
-            continue
-        ready = 0.0
-        if s > 0:
-            a = end_f[s - 1][m]
-            if a is None:
+            return None
+        if s == 0:
+            return 0.0
+        a = end_f[s - 1][m]
+        return None if a is None else a + xin[s]
+
+    later = float("inf")
+    for kind, ready_at, following in ((_I, i_ready, next_i), (_F, f_ready, next_f)):  # I first, then F
+        best = None
+        for s in stages:
+            ready = ready_at(s)
+            if ready is None:
                 continue
-            ready = a + xin[s]
-        if ready <= t:
-            if best is None or m < best[2]:
-                best = (_F, s, m, t)
-        else:
-            later = min(later, ready)
-    if best is not None:
-        return best, later
+            if ready > t:
+                later = min(later, ready)
+            elif best is None or following[s] < best[2]:
+                best = (kind, s, following[s], t)
+        if best is not None:
+            return best, later
     if pending:
         s, m = pending[0]
         return (_W, s, m, t), later
