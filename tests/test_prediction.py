@@ -25,6 +25,7 @@ from modelpar.training.prediction import compare, held_parameter_bytes, local_ru
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)
+MOE = dataclasses.replace(LLAMA, experts=4, shared_experts=1, moe_every=2)  # layers 1 and 3
 BASE = TrainConfig(model=TINY, steps=1, batch_size=8, microbatches=2, precision="fp64", warmup=1, eval_every=0,
                    eval_batches=1, tp=1, pp=1, dp=1)
 
@@ -40,6 +41,7 @@ CASES = [
     dict(pp=2, dp=2, zero=2, bucket_mb=0.04),  # ZeRO-2: gradient ranges, several buckets
     dict(dp=4, zero=3, bucket_mb=0.02, steps=2),  # ZeRO-3: parameter ranges too (step 1 also gathers for the
     dict(tp=2, dp=2, zero=3, precision="bf16", reshard_after_forward=False, steps=2),  # activation count); bf16
+    dict(pp=2, dp=2, ep=2, model=MOE),  # experts split over ep (own buckets), router and shared expert per stage
 ]
 
 
@@ -75,11 +77,13 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
         if cfg.zero:  # the data-parallel bytes the cost model prices are the ones this rank sent
             assert sent == dp_bytes_step(run, stages), rank
         assert sorted(saved) == stages
-        for s in stages:  # what autograd keeps per microbatch, counted: within 10% (the formula is exact here)
+        dense = not cfg.model.experts  # the activation formula does not count a MoE layer's (routed) tensors
+        for s in stages if dense else []:  # what autograd keeps per microbatch, counted: within 10% (exact here)
             assert saved[s] == pytest.approx(activation_bytes(run, s), rel=0.1)
         if rank == 0:
             pred = predict_local(run, CPU_DEFAULT)
-            assert pred.peak_held == held and pred.memory["activations"] == pytest.approx(act, rel=0.1)
+            assert pred.peak_held == held
+            assert not dense or pred.memory["activations"] == pytest.approx(act, rel=0.1)
             assert {k: pred.memory[k] for k in ("parameters", "gradients", "optimizer")} == want
 
 

@@ -38,7 +38,8 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
-                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.reshard_after_forward, cfg.memory_limit)
+                    cfg.overlap_grad_reduce and cfg.dp > 1, cfg.reshard_after_forward, cfg.memory_limit,
+                    moe=cfg.model.moe_spec(), ep=cfg.ep)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
