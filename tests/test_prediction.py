@@ -42,6 +42,7 @@ CASES = [
     dict(dp=4, zero=3, bucket_mb=0.02, steps=2),  # ZeRO-3: parameter ranges too (step 1 also gathers for the
     dict(tp=2, dp=2, zero=3, precision="bf16", reshard_after_forward=False, steps=2),  # activation count); bf16
     dict(pp=2, dp=2, ep=2, model=MOE),  # experts split over ep (own buckets), router and shared expert per stage
+    dict(tp=2, dp=2, ep=2, model=MOE),  # router and routed experts whole on both tp ranks, the shared one split
 ]
 
 
