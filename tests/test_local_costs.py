@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 
 from modelpar.costmodel.local import _comm, core_share, cp_layer_seconds, dp_bytes_step, dp_traffic, predict_local
-from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_buckets, stage_tensors, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
+from modelpar.costmodel.moe import MoESpec, moe_layer_params
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.costmodel.profiles import HardwareProfile
+from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import dp_bytes_sent
 from modelpar.formulas import allreduce_bytes
 from modelpar.model import ModelConfig
@@ -143,3 +145,17 @@ def test_cp_ring_hides_its_hops_the_allgather_not():
     assert cp_layer_seconds(dataclasses.replace(CP, cp_comm="allgather"), CPU_DEFAULT, 1.0) == \
         (pytest.approx(gather), pytest.approx(gather))
     assert cp_layer_seconds(dataclasses.replace(CP, cp=1), CPU_DEFAULT, 0.0) == (0.0, 0.0)
+
+
+def test_moe_rank_bytes_by_hand():
+    """Layer 1 of 2 is a MoE (E = 4 experts of width 8, one shared): on each of ep = 2 ranks the embedding 512,
+    layer 0 656 (norms 16, q 64, k|v 128, o 64, SwiGLU 256 + 128), layer 1 272 of attention and norms + router 32
+    + its 2 experts (256, 128: their own buckets) + the shared SwiGLU 128 + 64, the final norm 8, the head 512."""
+    spec = ModelSpec(layers=2, hidden=8, heads=2, seq=4, vocab=64, ffn=16, gated_mlp=True, tied_embeddings=False,
+                     learned_positions=False, bias=False, dropout=False)
+    run = LocalRun(spec, d=2, moe=MoESpec(experts=4, ffn=8, shared=1, every=2), ep=2)
+    assert state_bytes(run, [0]) == {"parameters": 2568 * 4, "gradients": 2568 * 4, "optimizer": 2568 * 8}
+    assert stage_buckets(run, 0)[-2:] == [256, 128] and sum(stage_buckets(run, 0)) == 2568
+    whole = dataclasses.replace(run, ep=1)  # all 4 experts here, in the ordinary buckets
+    assert sum(x.numel for x in stage_tensors(whole, 0)) == 2568 + 384 == 512 + 656 + 272 + 992 + 8 + 512
+    assert moe_layer_params(8, 4, 8, shared=1) == 992

@@ -3,7 +3,10 @@
 The planner's ``memory.py`` follows Megatron's accounting (everything ÷ t, 16-bit); the trainer's
 ranks hold what its modules hold: replicated norms and row-parallel biases, key/value heads
 replicated when t > kv_heads, the final norm, a separate copy of a tied embedding on the last
-stage, and gradient buffers in buckets padded to a multiple of d under ZeRO. ``LocalRun`` states
+stage, and gradient buffers in buckets padded to a multiple of d under ZeRO. A mixture-of-experts
+layer (``moe``) holds ``costmodel.moe.moe_layer_tensors`` in place of the MLP: the router and the
+routed experts replicated over t, E/ep experts each; under ep > 1 each expert tensor is a bucket of
+its own, reduced after the step (``GradSync``), as a tied copy is. ``LocalRun`` states
 a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
 and these functions give the bytes its ranks measure (tests assert equality, and activations
 within 10%).
@@ -40,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from modelpar.costmodel.moe import MoESpec, moe_layer_tensors, moe_layers
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import optimizer_state_bytes_per_param
 
@@ -74,6 +78,8 @@ class LocalRun:
     memory_limit: float = 0.0  # schedule "auto": most held activations per device, microbatches of a stage (0: any)
     cp: int = 1  # context-parallel ranks: each holds s/cp tokens of every sequence
     cp_comm: str = "ring"  # how attention sees the whole sequence (``costmodel.context``)
+    moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
+    ep: int = 1  # expert-parallel ranks (folded into d)
 
     @property
     def stages(self) -> int:
@@ -112,7 +118,7 @@ class LocalRun:
 class _Tensor:
     numel: int
     partial: bool  # its gradient is summed over the tensor-parallel group first (own bucket group)
-    tied: bool = False  # a copy of a tied embedding split across stages (a bucket of its own)
+    tied: bool = False  # a copy of a tied embedding split across stages, or expert weights under ep > 1 (a bucket of its own)
 
 
 def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
@@ -120,8 +126,8 @@ def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
     return [_Tensor(h, partial)] * (2 if run.model.bias else 1)
 
 
-def _layer(run: LocalRun) -> list[_Tensor]:
-    """One layer's parameters on one rank, in the module's order."""
+def _layer(run: LocalRun, index: int) -> list[_Tensor]:
+    """Layer ``index``'s parameters on one rank, in the module's order."""
     m, t = run.model, run.t
     h, f, a = m.hidden, m.ffn_size, m.heads
     kv = m.kv_heads or a
@@ -136,6 +142,10 @@ def _layer(run: LocalRun) -> list[_Tensor]:
         out += [_Tensor(h // t * h, False), _Tensor(2 * max(1, kv // t) * d * h, t > 1 and kv_replicated)]
     out += [_Tensor(h * h // t, False)] + ([_Tensor(h, sp)] if bias else [])
     out += _norm(run, sp)
+    if run.moe is not None and index in moe_layers(m.layers, run.moe.every):
+        e = run.moe
+        return out + [_Tensor(n, False, kind == "expert" and run.ep > 1)
+                      for kind, n in moe_layer_tensors(h, e.experts, e.ffn, e.shared, t, run.ep)]
     up = (2 if m.gated_mlp else 1) * f // t
     out += [_Tensor(up * h, False)] + ([_Tensor(up, False)] if bias else [])
     out += [_Tensor(h * f // t, False)] + ([_Tensor(h, sp)] if bias else [])
@@ -152,7 +162,9 @@ def stage_tensors(run: LocalRun, stage: int) -> list[_Tensor]:
         out.append(_Tensor(m.vocab // t * m.hidden, False, split))
         if m.learned_positions:
             out.append(_Tensor(m.seq * m.hidden, sp))
-    out += _layer(run) * (m.layers // run.stages)
+    per = m.layers // run.stages
+    for i in range(stage * per, (stage + 1) * per):
+        out += _layer(run, i)
     if stage == last:
         out += _norm(run, sp)
         if not (m.tied_embeddings and run.stages == 1):  # one stage: the head shares the embedding

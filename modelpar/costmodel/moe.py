@@ -10,16 +10,46 @@ share (ep − 1)/ep of the rows leaves the rank (the rest stays local, no bytes)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from modelpar._validate import check_int, check_number
 
-__all__ = ["ALL_TO_ALLS_PER_LAYER", "active_moe_layer_params", "all_to_all_bytes", "moe_layer_params"]
+__all__ = ["ALL_TO_ALLS_PER_LAYER", "MoESpec", "active_moe_layer_params", "all_to_all_bytes", "moe_layer_params",
+           "moe_layer_tensors", "moe_layers"]
 
 ALL_TO_ALLS_PER_LAYER = 4  # per MoE layer and micro-batch: dispatch and combine, forward and backward
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """The mixture of experts of a model in plain numbers: E routed experts of width F, S shared ones, every N-th layer."""
+
+    experts: int
+    ffn: int
+    shared: int = 0
+    every: int = 1
+
+
+def moe_layers(layers: int, every: int) -> tuple[int, ...]:
+    """Global indices of the MoE layers: i with (i + 1) % every == 0."""
+    return tuple(i for i in range(layers) if (i + 1) % every == 0)
+
+
+def moe_layer_tensors(hidden: int, experts: int, ffn: int, shared: int = 0, t: int = 1,
+                      ep: int = 1) -> list[tuple[str, int]]:
+    """One MoE block's parameters on one rank, in module order, as (kind, elements): the router [E, h] and the
+    routed experts' [E/ep, 2F, h] and [E/ep, h, F] (kinds "router", "expert"; replicated over t), the shared
+    experts' SwiGLU of width S·F split over t as the dense MLP (kind "shared")."""
+    out = [("router", hidden * experts), ("expert", experts // ep * 2 * ffn * hidden),
+           ("expert", experts // ep * hidden * ffn)]
+    if shared:
+        out += [("shared", 2 * (shared * ffn) // t * hidden), ("shared", hidden * (shared * ffn) // t)]
+    return out
+
+
 def moe_layer_params(hidden: int, experts: int, ffn: int, shared: int = 0) -> int:
     """Parameters of one MoE block (router + routed + shared experts; norms and attention excluded)."""
-    return hidden * experts + 3 * hidden * ffn * (experts + shared)
+    return sum(n for _, n in moe_layer_tensors(hidden, experts, ffn, shared))
 
 
 def active_moe_layer_params(hidden: int, experts: int, top_k: int, ffn: int, shared: int = 0) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from modelpar._options import construct, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
-from modelpar.costmodel.moe import active_moe_layer_params, moe_layer_params
+from modelpar.costmodel.moe import MoESpec, active_moe_layer_params, moe_layer_params, moe_layers
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.layer_split import split_layers
 
@@ -80,7 +80,7 @@ class ModelConfig:
         """Global indices of the mixture-of-experts layers (none when ``experts`` is 0)."""
         if not self.experts:
             return ()
-        return tuple(i for i in range(self.layers) if (i + 1) % self.moe_every == 0)
+        return moe_layers(self.layers, self.moe_every)
 
     def _moe_delta(self) -> tuple[int, int]:
         """(parameters, forward FLOPs per token) the MoE layers add over dense MLPs: the router, E experts
@@ -115,6 +115,12 @@ class ModelConfig:
                          vocab=self.padded_vocab_size, ffn=self.ffn_hidden, kv_heads=self.num_kv_heads,
                          gated_mlp=not gpt, tied_embeddings=self.tie_embeddings, learned_positions=gpt, bias=gpt,
                          dropout=False, name=f"modelpar-{self.arch}")
+
+    def moe_spec(self) -> MoESpec | None:
+        """The cost model's description of the mixture of experts (None: dense MLPs)."""
+        if not self.experts:
+            return None
+        return MoESpec(self.experts, self.expert_ffn_hidden, self.shared_experts, self.moe_every)
 
     def num_parameters(self) -> int:
         """Parameters of the single-process model (a tied head counts once): the cost model's count

@@ -39,7 +39,7 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
-                    cfg.cp_comm)
+                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
