@@ -51,3 +51,4 @@ def _seeded() -> None:
     np.random.seed(0)
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # as set above, whatever an earlier test chose
+    torch.set_default_dtype(torch.float32)  # likewise the default dtype

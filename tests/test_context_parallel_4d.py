@@ -39,6 +39,8 @@ CASES = {
     "cp2-p2-1f1b-recompute": dict(pp=2, schedule="1f1b", recompute="full"),
     "cp2-p2-interleaved-llama": dict(pp=2, schedule="interleaved", chunks=2, model=LLAMA),
     "cp2-d2-zero1": dict(dp=2, zero=1),
+    "cp2-p2-zb-h1": dict(pp=2, schedule="zb-h1"),  # the split backward: I, then W, around the ring's backward
+    "cp2-p2-zb-v-llama-allgather": dict(pp=2, schedule="zb-v", chunks=2, model=LLAMA, cp_comm="allgather"),
     "cp4-ring": dict(cp=4),
     "cp4-allgather": dict(cp=4, cp_comm="allgather"),
 }

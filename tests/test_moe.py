@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from modelpar.model import ModelConfig, build_stage
 from modelpar.model.moe import MoE, capacity, moe_modules, route
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Every test here computes in float64 (hand-checked to 1e-15); the rest of the suite in float32."""
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
 
 
 def test_route_top1_capacity_and_aux_by_hand() -> None:
