@@ -4,7 +4,7 @@
         inputs → first stage, labels → last stage          (modelpar.text.rank_batch; cp: this rank's tokens)
         PipelineRunner.step: schedule's F/B(/I/W) over p    (modelpar.pipeline)
         GradSync.finish: sp sums, tied-embedding sum, mean over dp × cp
-        GradSync.clip: global norm over every shard
+        GradClip.clip: global norm over every shard
         StopController.agree: loss mean over replicas, and every rank's stop flags (one all-gather)
         AdamW.step (unless non-finite); report; eval; checkpoint; or stop on every rank at once
 
