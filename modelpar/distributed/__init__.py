@@ -7,6 +7,7 @@ from modelpar.distributed.launch import (
     init_from_env,
     is_torchrun,
     launch,
+    preload,
     to_launcher,
 )
 from modelpar.distributed.lifeline import exit_with_parent
@@ -22,6 +23,7 @@ __all__ = [
     "init_from_env",
     "is_torchrun",
     "launch",
+    "preload",
     "rank_groups",
     "to_launcher",
 ]

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from modelpar.checkpoint import latest_checkpoint
-from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env, to_launcher
+from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env, preload, to_launcher
 from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
 from modelpar.training.loop import TrainResult, train
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["rank_threads", "run_in_process", "run_local"]
 
+preload(__name__)  # ranks run ``_rank_main``: born with the training stack (checkpointing, DTensor) imported
 
 _DONE: dict[str, Any] = {}  # the run's thread has its outcome: no event follows
 
