@@ -87,7 +87,8 @@ def test_expert_parallel_equals_one_process(c4, changes):
     {"zero": 3},  # parameters gathered per use, an expert bucket from its 2 replicas
     {"zero": 1, "dp": 2, "pp": 2, "schedule": "interleaved", "chunks": 2,  # d = ep = 2: experts unsharded
      "model": dataclasses.replace(MOE, layers=4)},
-], ids=["ep2-d4-zero1", "ep2-d4-zero2-capacity", "ep2-d4-zero3", "ep2-p2-zero1-interleaved"])
+    {"zero": 2, "dp": 2, "tp": 2},  # expert TP 1: the routed experts whole (and their state) on both tp ranks
+], ids=["ep2-d4-zero1", "ep2-d4-zero2-capacity", "ep2-d4-zero3", "ep2-p2-zero1-interleaved", "ep2-t2-zero2"])
 def test_zero_with_expert_parallel_equals_one_process(c4, changes):
     cfg = dataclasses.replace(BASE, **changes)
     oracle = plain_loop(cfg)
