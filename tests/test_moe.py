@@ -107,3 +107,24 @@ def test_bad_moe_config(change: dict[str, object], words: str) -> None:
     values = {"arch": "llama", "experts": 4, "top_k": 2, **change}
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig(**values).check()  # type: ignore[arg-type]
+
+
+def test_the_expert_layout_rule() -> None:
+    """ep folds into d with every ZeRO stage and t (expert tensor parallelism 1: the routed experts whole
+    on every tp rank, so their bytes do not depend on t); cp and sequence parallelism are refused."""
+    from modelpar.costmodel.moe import check_trainer_experts, moe_layer_tensors
+    from modelpar.training import TrainConfig
+
+    moe = ModelConfig(arch="llama", hidden=32, heads=4, layers=2, seq_len=8, experts=4, top_k=2)
+    for zero in (0, 1, 2, 3):
+        TrainConfig(model=moe, tp=2, pp=1, dp=4, ep=2, zero=zero, batch_size=8, microbatches=1).check(8)
+    check_trainer_experts(experts=4, ep=4, dp=8)
+    routed = {t: [n for kind, n in moe_layer_tensors(32, 4, 64, shared=1, t=t, ep=2) if kind == "expert"]
+              for t in (1, 2, 4)}
+    assert routed[1] == routed[2] == routed[4] == [2 * 2 * 64 * 32, 2 * 32 * 64]  # E/ep = 2 experts, whole
+    for kwargs, words in [(dict(experts=4, ep=2, dp=4, cp=2), "experts with cp > 1 is not supported"),
+                          (dict(experts=4, ep=2, dp=4, sequence_parallel=True), "experts with sequence_parallel"),
+                          (dict(experts=6, ep=4, dp=4), "experts (6) must be divisible by ep (4)"),
+                          (dict(experts=0, ep=2, dp=2), "ep (2) needs a mixture of experts")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            check_trainer_experts(**kwargs)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ LLAMA = [*TINY, "--arch", "llama"]
     (["--dp", "2", "--ep", "2"], "ep (2) needs a mixture of experts (experts > 0), got experts 0"),
     (["--experts", "4", "--router", "relu"], "router must be one of"),
     (["--experts", "4", "--cp", "2"], "experts with cp > 1 is not supported"),
+    (["--experts", "4", "--tp", "2", "--heads", "4", "--sequence-parallel"], "experts with sequence_parallel is not"),
 ])
 def test_bad_moe_input_is_one_line(capsys, no_ranks, args, message):  # noqa: F811
     assert one_line(capsys, "train", [*LLAMA, *args]).startswith(message)

@@ -6,7 +6,9 @@ replicated when t > kv_heads, the final norm, a separate copy of a tied embeddin
 stage, and gradient buffers in buckets padded to a multiple of d under ZeRO. A mixture-of-experts
 layer (``moe``) holds ``costmodel.moe.moe_layer_tensors`` in place of the MLP: the router and the
 routed experts replicated over t, E/ep experts each; under ep > 1 each expert tensor is a bucket of
-its own, reduced after the step (``GradSync``), as a tied copy is. ``LocalRun`` states
+its own, reduced after the step (``GradSync``), as a tied copy is, and over the d/ep replicas holding
+the same experts only: under ZeRO its state, gradient and parameters are cut into d/ep ranges
+(``bucket_shards``, the one place that rule lives here). ``LocalRun`` states
 a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
 and these functions give the bytes its ranks measure (tests assert equality, and activations
 within 10%).
@@ -47,8 +49,8 @@ from modelpar.costmodel.moe import MoESpec, moe_layer_tensors, moe_layers
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import optimizer_state_bytes_per_param
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "stage_buckets", "stage_tensors",
-           "state_bytes"]
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "bucket_shards", "stage_buckets",
+           "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}  # its activations
@@ -119,6 +121,7 @@ class _Tensor:
     numel: int
     partial: bool  # its gradient is summed over the tensor-parallel group first (own bucket group)
     tied: bool = False  # a copy of a tied embedding split across stages, or expert weights under ep > 1 (a bucket of its own)
+    expert: bool = False  # routed expert weights under ep > 1: reduced and sharded over the d/ep replicas holding them
 
 
 def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
@@ -144,7 +147,8 @@ def _layer(run: LocalRun, index: int) -> list[_Tensor]:
     out += _norm(run, sp)
     if run.moe is not None and index in moe_layers(m.layers, run.moe.every):
         e = run.moe
-        return out + [_Tensor(n, False, kind == "expert" and run.ep > 1)
+        split = run.ep > 1
+        return out + [_Tensor(n, False, kind == "expert" and split, kind == "expert" and split)
                       for kind, n in moe_layer_tensors(h, e.experts, e.ffn, e.shared, t, run.ep)]
     up = (2 if m.gated_mlp else 1) * f // t
     out += [_Tensor(up * h, False)] + ([_Tensor(up, False)] if bias else [])
@@ -187,12 +191,21 @@ def _groups(sizes: list[int], elements: int) -> list[int]:
 
 def stage_buckets(run: LocalRun, stage: int) -> list[int]:
     """Elements of each gradient bucket of ``stage`` (before padding): the parameters in reverse, the
-    ones reduced at once first, then the partial ones, then each tied copy alone."""
+    ones reduced at once first, then the partial ones, then each tied copy (and expert tensor under ep > 1) alone."""
+    return [n for n, _ in bucket_shards(run, stage)]
+
+
+def bucket_shards(run: LocalRun, stage: int) -> list[tuple[int, int]]:
+    """(elements, ranks sharing it) of each gradient bucket of ``stage``, in ``stage_buckets``' order: a bucket is
+    reduced, and under ZeRO sharded, over the d·cp ranks holding the same parameters; an expert tensor under
+    ep > 1 over the d/ep replicas holding the same experts (``GradSync.shard_of``). Under ZeRO every buffer is
+    padded to a multiple of d·cp (a multiple of d/ep too)."""
     tensors = list(reversed(stage_tensors(run, stage)))
     plain = [x.numel for x in tensors if not x.tied and not x.partial]
     partial = [x.numel for x in tensors if not x.tied and x.partial]
-    tied = [x.numel for x in stage_tensors(run, stage) if x.tied]
-    return _groups(plain, run.bucket_elements) + _groups(partial, run.bucket_elements) + tied
+    ranks = run.grad_ranks
+    tied = [(x.numel, ranks // run.ep if x.expert else ranks) for x in stage_tensors(run, stage) if x.tied]
+    return [(n, ranks) for n in _groups(plain, run.bucket_elements) + _groups(partial, run.bucket_elements)] + tied
 
 
 def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
@@ -200,23 +213,26 @@ def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str,
     among the d·cp ranks that share its parameters: dp index · cp + cp index).
 
     Gradient buffers are padded to a multiple of d·cp under ZeRO (each rank owns an equal range of
-    every bucket; ZeRO-2 and 3 keep only that range); the AdamW moments cover the parameters of this
-    rank's ranges only (no padding); ZeRO-3 keeps its range of every bucket's parameters, padding
-    included (``ShardedGradSync.parameter_bytes``), the rest only while gathered (``dp_traffic``'s
+    every bucket, of an expert bucket under ep > 1 one of d/ep, ``bucket_shards``; ZeRO-2 and 3 keep
+    only that range); the AdamW moments cover the parameters of this rank's ranges only (no padding);
+    ZeRO-3 keeps its range of every bucket's parameters, padding included
+    (``ShardedGradSync.parameter_bytes``), the rest only while gathered (``dp_traffic``'s
     collectives; those transient buffers are not counted here).
     """
     w = run.param_bytes
-    shards = run.grad_ranks if run.zero else 1
+    pad = run.grad_ranks if run.zero else 1
     params = grads = state = 0.0
     for s in stages:
         if run.zero < 3:
             params += sum(x.numel for x in stage_tensors(run, s)) * w
-        for n in stage_buckets(run, s):
-            size = math.ceil(n / shards) * shards
+        for n, ranks in bucket_shards(run, s):
+            shards = ranks if run.zero else 1
+            index = dp_rank if ranks == run.grad_ranks else dp_rank // run.ep  # among the d/ep holding the experts
+            size = math.ceil(n / pad) * pad
             per = size // shards
             grads += (per if run.zero >= 2 else size) * w
             params += per * w if run.zero >= 3 else 0  # ZeRO-3 keeps its range of each bucket (the fp32 master)
-            owned = n if not run.zero else max(0, min(per, n - dp_rank * per))
+            owned = n if not run.zero else max(0, min(per, n - index * per))
             state += owned * optimizer_state_bytes_per_param(w)
     return {"parameters": params, "gradients": grads, "optimizer": state}
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar._validate import check_int, check_number
+from modelpar._validate import check_divisible, check_int, check_number
 
-__all__ = ["ALL_TO_ALLS_PER_LAYER", "MoESpec", "active_moe_layer_params", "all_to_all_bytes", "moe_layer_params",
-           "moe_layer_tensors", "moe_layers"]
+__all__ = ["ALL_TO_ALLS_PER_LAYER", "MoESpec", "active_moe_layer_params", "all_to_all_bytes",
+           "check_trainer_experts", "moe_layer_params", "moe_layer_tensors", "moe_layers"]
 
 ALL_TO_ALLS_PER_LAYER = 4  # per MoE layer and micro-batch: dispatch and combine, forward and backward
 
@@ -68,3 +68,26 @@ def all_to_all_bytes(tokens: int, hidden: int, top_k: int, ep: int, bytes_per_el
     check_int("ep", ep, minimum=1)
     share = (ep - 1) / ep if remote_share is None else check_number("remote_share", remote_share)
     return tokens * top_k * share * hidden * bytes_per_element
+
+
+def check_trainer_experts(experts: int, ep: int, dp: int, cp: int = 1, sequence_parallel: bool = False) -> None:
+    """ValueError (one line) unless ``modelpar train`` runs this mixture-of-experts layout (docs/moe.md).
+
+    The one rule the trainer (``TrainConfig.check``) and the planner share: ep folds into d (ep divides
+    d and E) and combines with every ZeRO stage, p and t (the routed experts whole on every tensor-parallel
+    rank: expert tensor parallelism 1, as Megatron's ``--expert-tensor-parallel-size 1``); experts refuse
+    cp > 1 (routing, capacity and balance are per whole sequence) and sequence parallelism.
+    """
+    check_int("ep", ep, minimum=1)
+    if experts and cp > 1:
+        raise ValueError(f"experts with cp > 1 is not supported (a MoE layer routes and balances whole "
+                         f"sequences); use cp 1, got cp {cp}")
+    if experts and sequence_parallel:
+        raise ValueError("experts with sequence_parallel is not supported (the routed experts are "
+                         "replicated over t); use sequence_parallel false")
+    if ep == 1:
+        return
+    if not experts:
+        raise ValueError(f"ep ({ep}) needs a mixture of experts (experts > 0), got experts 0")
+    check_divisible("dp", dp, "ep", ep)  # the expert-parallel group is carved out of the d replicas
+    check_divisible("experts", experts, "ep", ep)

@@ -2,8 +2,8 @@
 
 The norm is over all shards: each distinct tensor-parallel shard counted once, every pipeline
 stage included, each element once across the data-parallel replicas (the replicas' copies under
-zero 0, each rank's range under zero >= 1), and a tied weight's head copy left out — in one
-scalar all-reduce over every rank.
+zero 0, each rank's range under zero >= 1; an expert's ranges over its d/ep replicas), and a tied
+weight's head copy left out — in one scalar all-reduce over every rank.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class GradClip:
     def _counted(self, p: nn.Parameter) -> bool:
         """Does this rank's copy of ``p`` count in the global norm (one copy of each distinct shard)?"""
         sync = self.sync
-        if id(p) in sync.expert_ids and sync.ep > 1:  # one copy of each expert: the first ep replicas, tp rank 0
-            return sync.dp_rank < sync.ep and sync.tp_rank == 0
+        if id(p) in sync.expert_ids and sync.ep > 1:  # one copy of each expert: tp rank 0 of the first ep replicas
+            return sync.tp_rank == 0 and (sync.zero > 0 or sync.dp_rank < sync.ep)  # (ZeRO: of every range)
         if id(p) in sync.tied_copy_ids or (not sync.zero and sync.dp_rank != 0):
             return False
         if id(p) in sync.expert_ids:  # replicated over t
@@ -45,7 +45,7 @@ class GradClip:
         sync = self.sync
         ranges: list[tuple[Bucket, int, int]] = []
         for b in sync.buckets:
-            lo, hi = b.shard_range(sync.dp_rank, sync.comm.size) if sync.zero else (0, b.numel)
+            lo, hi = sync.shard_range(b) if sync.zero else (0, b.numel)
             for p, offset in zip(b.params, b.offsets):
                 a, z = max(lo, offset), min(hi, offset + p.numel())
                 if a >= z or not self._counted(p):

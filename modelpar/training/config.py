@@ -20,6 +20,7 @@ import torch
 
 from modelpar._options import SECTIONS, about, construct, field_infos, option
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.moe import check_trainer_experts
 from modelpar.costmodel.specs import check_trainer_context
 from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
@@ -262,24 +263,8 @@ class TrainConfig:
             check_init_from(self.model, self.init_from)
 
     def _check_experts(self) -> None:
-        """Expert parallelism folds into d (docs/moe.md); what it does not combine with yet is refused."""
-        check_int("ep", self.ep, minimum=1)
-        if self.model.experts and self.cp > 1:  # routing statistics and capacity are per whole sequence
-            raise ValueError(f"experts with cp > 1 is not supported (a MoE layer routes and balances whole "
-                             f"sequences); use cp 1, got cp {self.cp}")
-        if self.ep == 1:
-            if self.model.experts and self.sequence_parallel:
-                raise ValueError("experts with sequence_parallel is not supported (the routed experts are "
-                                 "replicated over t); use sequence_parallel false")
-            return
-        if not self.model.experts:
-            raise ValueError(f"ep ({self.ep}) needs a mixture of experts (experts > 0), got experts 0")
-        check_divisible("dp", self.dp, "ep", self.ep)  # the expert-parallel group is carved out of the d replicas
-        check_divisible("experts", self.model.experts, "ep", self.ep)
-        if self.zero:
-            raise ValueError(f"ep ({self.ep}) with zero {self.zero} is not supported; use zero 0")
-        if self.sequence_parallel:
-            raise ValueError("experts with sequence_parallel is not supported; use sequence_parallel false")
+        """Expert parallelism folds into d (docs/moe.md); ``costmodel.moe.check_trainer_experts`` is the rule."""
+        check_trainer_experts(self.model.experts, self.ep, self.dp, self.cp, self.sequence_parallel)
 
     def layout(self) -> str:
         """The split in words, for banners and summaries: ``t=2, p=2, d=1``, with cp and ep when used."""

@@ -63,6 +63,16 @@ class DataParallelComm:
         self._side: Any = torch.cuda.Stream() if self.nccl else None  # records the completion events
         self._queue: queue.Queue[Pending | None] | None = None
         self._thread: threading.Thread | None = None
+        self._root = self  # the comm whose counts, timeline and waiter this one's collectives join
+
+    def on(self, group: Any) -> DataParallelComm:
+        """Collectives over another ``group`` (the replicas holding the same experts, docs/moe.md), counted,
+        timed and waited for with this comm's: they appear in its ``take_step``."""
+        if group is self.group:
+            return self
+        other = DataParallelComm(group, self.timer, self.recorder, self.timeout)
+        other._root = self._root
+        return other
 
     # --- issuing ------------------------------------------------------------------------------
     def all_reduce(self, flat: torch.Tensor, label: str = "all-reduce") -> Pending:
@@ -81,17 +91,18 @@ class DataParallelComm:
                            (self.size - 1) / self.size * flat.numel() * flat.element_size())
 
     def _issue(self, label: str, work: Any, nbytes: float) -> Pending:
-        self.bytes_sent += nbytes
-        self.bytes_by_label[label] = self.bytes_by_label.get(label, 0.0) + nbytes
+        root = self._root
+        root.bytes_sent += nbytes
+        root.bytes_by_label[label] = root.bytes_by_label.get(label, 0.0) + nbytes
         pending = Pending(label, work, self.timer.mark())
-        self._spans.append(pending)
+        root._spans.append(pending)
         if self.nccl:
-            with torch.cuda.stream(self._side):  # an event that completes with the collective
+            with torch.cuda.stream(root._side):  # an event that completes with the collective
                 work.wait()
                 pending.end = self.timer.mark()
             pending.done.set()
         else:
-            self._waiter().put(pending)
+            root._waiter().put(pending)
         return pending
 
     # --- waiting ------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ Order (Megatron's ``finalize_model_grads``), per bucket of ``modelpar.training.b
    all-reduce (``zero`` 0), or a reduce-scatter into the rank's range of the bucket (``zero`` 1,
    for ``ZeroAdamW``);
    Expert weights under expert parallelism (``ep`` > 1; docs/moe.md) instead: the sum over the
-   replicas holding the same experts (``edp_group``), divided by d, after the step;
+   d/ep replicas holding the same experts (``edp_group``), divided by d, after the step (a bucket
+   of its own per expert tensor); under ZeRO a reduce-scatter into this rank's range of d/ep
+   ranges, as Megatron's distributed optimizer shards expert state over the expert-data-parallel
+   group (``shard_of`` says which group and index a bucket is sharded over);
 4. clipping (``modelpar.training.clipping.GradClip``, over the gradients this leaves): the global
    L2 norm over all shards, in one scalar all-reduce.
 
@@ -66,6 +69,24 @@ class GradSync:
     ep: int = 1  # expert-parallel ranks (folded into d)
     edp_group: Any = None  # the replicas holding this rank's experts (None: one)
     buckets: list[Bucket] = field(init=False)
+    expert_comm: DataParallelComm = field(init=False)  # collectives over edp_group, counted with ``comm``'s
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index among the d/ep replicas holding its experts (``dp_index = edp_index · ep + ep_index``)."""
+        return self.dp_rank // self.ep
+
+    def shard_of(self, bucket: Bucket) -> tuple[DataParallelComm, int]:
+        """The collectives over the ranks sharing ``bucket``'s parameters and this rank's index among them: the
+        expert-data-parallel group for an expert bucket under ep > 1, the d (·cp) replicas for every other."""
+        if bucket.index in self._expert_buckets:
+            return self.expert_comm, self.edp_rank
+        return self.comm, self.dp_rank
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """[start, stop) of ``bucket``'s flat buffers this rank owns under ZeRO (its range in ``shard_of``'s group)."""
+        comm, rank = self.shard_of(bucket)
+        return bucket.shard_range(rank, comm.size)
 
     def __post_init__(self) -> None:
         self.params = [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
@@ -85,6 +106,7 @@ class GradSync:
                                      self.comm.size if self.zero else 1, partial,
                                      self.tied + (experts if self.ep > 1 else []))
         self._expert_buckets = {b.index for b in self.buckets if self.ep > 1 and id(b.params[0]) in self.expert_ids}
+        self.expert_comm = self.comm.on(self.edp_group)
         self._of_stage: dict[int, list[Bucket]] = {s: [b for b in self.buckets if b.stage == s and b.ready != "step"]
                                                    for s in self.modules}
         self._started: set[int] = set()  # buckets whose reduction started this step
@@ -148,14 +170,13 @@ class GradSync:
     def _start(self, bucket: Bucket) -> None:
         """Start the bucket's data-parallel reduction (nothing to do when d = 1)."""
         self._started.add(bucket.index)
-        if bucket.index in self._expert_buckets:  # the same experts' replicas sum, then the mean over d
-            if self.edp_group is not None:
-                dist.all_reduce(bucket.grad, group=self.edp_group)
-            bucket.grad.mul_(1.0 / self.comm.size)
-        elif self.comm.size > 1:
-            owned = self.owned_grad(bucket)
-            reduce = self.comm.reduce_scatter(bucket.grad, owned) if self.zero else self.comm.all_reduce(owned)
+        comm, _ = self.shard_of(bucket)  # an expert bucket: its replicas sum, then the mean over d as any other
+        owned = self.owned_grad(bucket)
+        if comm.size > 1:
+            reduce = comm.reduce_scatter(bucket.grad, owned) if self.zero else comm.all_reduce(owned)
             self._pending.append((bucket, reduce))
+        elif self.comm.size > 1:  # experts held by one replica (d = ep): nothing to sum
+            owned.mul_(1.0 / self.comm.size)
 
     # --- after the step ---------------------------------------------------------------------
     def finish(self) -> None:
@@ -178,13 +199,16 @@ class GradSync:
             if b.ready == "step":
                 self._start(b)
         for bucket, pending in self._pending:
-            self.comm.wait(pending)
+            self.shard_of(bucket)[0].wait(pending)
             self.owned_grad(bucket).mul_(1.0 / self.comm.size)
         self._started, self._pending = set(), []
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         """The part of the bucket's gradient this rank reduced: all of it, or its range under ZeRO-1."""
-        return bucket.owned_grad(self.dp_rank, self.comm.size) if self.zero else bucket.grad
+        if not self.zero:
+            return bucket.grad
+        comm, rank = self.shard_of(bucket)
+        return bucket.owned_grad(rank, comm.size)
 
     def grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the bucket's gradient (positions in the full flat buffer)."""

@@ -202,7 +202,7 @@ class _Run:
             check_bucket_size(self.sync.buckets, elements, cfg.dp * cfg.cp, cfg.bucket_mb)
             if cfg.zero == 3:
                 self.gather = ParamGather(self.modules, self.sync.buckets, self.comm, self.meter,
-                                          cfg.reshard_after_forward)
+                                          cfg.reshard_after_forward, shard_of=self.sync.shard_of)
                 self.runner.register_action_hook(self.gather.action_hook)
         else:
             self.sync = GradSync(**sync_args)

@@ -37,7 +37,7 @@ def build_optimizer(zero: int, sync: GradSync, comm: DataParallelComm, dp_rank: 
     if device.type == "cuda":
         kwargs["fused"] = True
     if zero:
-        return ZeroAdamW(sync.buckets, comm, dp_rank, weight_decay, gather=zero < 3, **kwargs)
+        return ZeroAdamW(sync.buckets, comm, dp_rank, weight_decay, gather=zero < 3, shard_of=sync.shard_of, **kwargs)
     return torch.optim.AdamW(param_groups(sync.params, weight_decay), **kwargs)
 
 

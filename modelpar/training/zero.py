@@ -4,7 +4,8 @@
 ZeRO-3, ``shard_data``; ZeRO-3 gathers no parameters after the step, its next forward does.)
 
 Every bucket's flat buffers (``modelpar.training.buckets``, padded to a multiple of d) are cut
-into d equal contiguous ranges, and data-parallel rank r owns range r of every bucket::
+into d equal contiguous ranges, and data-parallel rank r owns range r of every bucket (an expert
+bucket under ep > 1: into d/ep ranges over the replicas holding those experts, ``shard_of``)::
 
     bucket.grad  [ g g g g g | g g g g g ]   reduce-scatter: rank r gets the sum of its range
                     rank 0       rank 1
@@ -22,7 +23,7 @@ reshards on load like everything else.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +102,15 @@ class ZeroAdamW:
     """
 
     def __init__(self, buckets: Sequence[Bucket], comm: DataParallelComm, dp_rank: int, weight_decay: float,
-                 gather: bool = True, **adamw: Any) -> None:
+                 gather: bool = True, shard_of: Callable[[Bucket], tuple[DataParallelComm, int]] | None = None,
+                 **adamw: Any) -> None:
         self.buckets, self.comm, self.dp_rank, self.gather = list(buckets), comm, dp_rank, gather
+        self.shard_of = shard_of or (lambda bucket: (comm, dp_rank))  # an expert bucket's group (``GradSync.shard_of``)
         self.segments: list[Segment] = []
         for bucket in self.buckets:
-            lo, hi = bucket.shard_range(dp_rank, comm.size)
-            data, grad = bucket.owned_data(dp_rank, comm.size), bucket.owned_grad(dp_rank, comm.size)
+            group, rank = self.shard_of(bucket)
+            lo, hi = bucket.shard_range(rank, group.size)
+            data, grad = bucket.owned_data(rank, group.size), bucket.owned_grad(rank, group.size)
             for p, offset in zip(bucket.params, bucket.offsets):
                 a, b = max(lo, offset), min(hi, offset + p.numel())
                 if a < b:
@@ -130,10 +134,11 @@ class ZeroAdamW:
         """Update this rank's ranges, then all-gather every bucket's parameters (not under ZeRO-3)."""
         self.optimizer.step()
         pending: list[Pending] = []
-        if self.comm.size > 1 and self.gather:
-            for bucket in self.buckets:
-                lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
-                pending.append(self.comm.all_gather(bucket.data, bucket.data[lo:hi]))
+        for bucket in self.buckets if self.gather else ():
+            group, rank = self.shard_of(bucket)
+            if group.size > 1:
+                lo, hi = bucket.shard_range(rank, group.size)
+                pending.append(group.all_gather(bucket.data, bucket.data[lo:hi]))
         for p in pending:
             self.comm.wait(p)
 

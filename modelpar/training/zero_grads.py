@@ -15,7 +15,9 @@ bytes are m times ZeRO-1's (``costmodel.dp_bytes_sent``). The tensor-parallel su
 gradients run on the stage's full buffer after each backward (before its reduce-scatter); the
 tied embedding's two copies are summed on the reduced ranges at the end of the step (both
 copies are single-parameter buckets of one shape, so their ranges coincide). The mean over d,
-the global norm and clipping work on the ranges, as under ZeRO-1.
+the global norm and clipping work on the ranges, as under ZeRO-1. An expert bucket under ep > 1
+is reduce-scattered over the d/ep replicas holding those experts (``GradSync.shard_of``) and
+divided by d as the others (the ep ranks' tokens reached it through the backward all-to-all).
 
 Under ZeRO-3 the full parameter buffers are gathered and freed by ``ParamGather``; with bf16
 they hold bf16 copies of the fp32 master ranges (``shard_data``), and the gradients the backward
@@ -64,9 +66,8 @@ class ShardedGradSync(GradSync):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.meter = self.meter or BufferMeter()
-        d = self.comm.size
         for b in self.buckets:
-            lo, hi = b.shard_range(self.dp_rank, d)
+            lo, hi = self.shard_range(b)
             b.shard_grad = torch.zeros(hi - lo, dtype=b.grad.dtype, device=b.grad.device)
             if self.zero == 3:
                 b.shard_data = b.data[lo:hi].clone()
@@ -85,7 +86,7 @@ class ShardedGradSync(GradSync):
                 node.register_prehook(self._before_accumulate(b))
                 self._accumulators.append(node)
         self._action = 0  # compute actions run this step
-        self._inflight: list[tuple[Bucket, Pending, torch.Tensor, int]] = []  # (bucket, reduction, input, action)
+        self._inflight: list[tuple[Bucket, Pending | None, torch.Tensor, int]] = []  # (bucket, reduction, input, action)
         self.grad_views = [_holder(b.shard_grad) for b in self.buckets if b.shard_grad is not None]
 
     # --- during the step --------------------------------------------------------------------
@@ -141,9 +142,14 @@ class ShardedGradSync(GradSync):
         """Reduce-scatter the bucket's gradient (fp32) into its own range of the buffer."""
         self._started.add(bucket.index)
         grad = bucket.grad if bucket.grad.dtype == bucket.shard_grad.dtype else bucket.grad.to(bucket.shard_grad.dtype)  # type: ignore[union-attr]
-        lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
-        self._inflight.append((bucket, self.comm.reduce_scatter(grad, grad[lo:hi]), grad, self._action))
-        self._complete(lambda b, w, n: w.done.is_set())  # those already done: their buffers go now
+        comm, _ = self.shard_of(bucket)
+        lo, hi = self.shard_range(bucket)
+        if comm.size == 1:  # experts held by one replica (d = ep): nothing to sum
+            self._inflight.append((bucket, None, grad, self._action))
+            self._complete(lambda b, w, n: b is bucket)
+            return
+        self._inflight.append((bucket, comm.reduce_scatter(grad, grad[lo:hi]), grad, self._action))
+        self._complete(lambda b, w, n: w is not None and w.done.is_set())  # those already done: their buffers go now
 
     def _complete(self, which: Any) -> None:
         """Wait for the reductions ``which(bucket, pending, action)`` selects: add them into the ranges,
@@ -153,8 +159,9 @@ class ShardedGradSync(GradSync):
             if not which(bucket, pending, n):
                 keep.append((bucket, pending, grad, n))
                 continue
-            self.comm.wait(pending)
-            lo, hi = bucket.shard_range(self.dp_rank, self.comm.size)
+            if pending is not None:
+                self.shard_of(bucket)[0].wait(pending)
+            lo, hi = self.shard_range(bucket)
             assert bucket.shard_grad is not None and self.meter is not None
             bucket.shard_grad += grad[lo:hi]
             self.meter.release(bucket.grad)
@@ -164,7 +171,7 @@ class ShardedGradSync(GradSync):
     def finish(self) -> None:
         """Wait for every reduction; sum the tied copies' ranges; the mean over d."""
         self._complete(lambda b, w, n: True)
-        late = [b for b in self.buckets if b.ready == "step"]
+        late = [b for b in self.buckets if b.ready == "step" and b.index not in self._expert_buckets]  # tied copies
         if len(late) == 2:  # p = 1, interleaved: both copies on this rank
             first, second = (b.shard_grad for b in late)
             assert first is not None and second is not None
@@ -177,7 +184,7 @@ class ShardedGradSync(GradSync):
             b.shard_grad.mul_(1.0 / self.comm.size)
 
     def grad_range(self, bucket: Bucket, start: int, stop: int) -> torch.Tensor:
-        lo, _ = bucket.shard_range(self.dp_rank, self.comm.size)
+        lo, _ = self.shard_range(bucket)
         assert bucket.shard_grad is not None
         return bucket.shard_grad[start - lo:stop - lo]
 

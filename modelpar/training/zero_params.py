@@ -19,13 +19,14 @@ or two gathered buckets at a time; off, a stage's buckets stay gathered from its
 of the step until its last backward — one gather per step, the stage's whole parameters held
 through the step (as ZeRO-2 holds them, but only for that stage's part of the step).
 
-A recomputed forward (in the backward) gathers through the same pre-hooks and frees nothing.
+A recomputed forward (in the backward) gathers through the same pre-hooks and frees nothing. An
+expert bucket under ep > 1 is gathered from the d/ep replicas holding those experts (``shard_of``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,8 +46,10 @@ class ParamGather:
     """Gathers and frees the ZeRO-3 buckets of this rank's stage ``modules`` around their use."""
 
     def __init__(self, modules: Mapping[int, nn.Module], buckets: Sequence[Bucket], comm: DataParallelComm,
-                 meter: BufferMeter, reshard_after_forward: bool = True) -> None:
+                 meter: BufferMeter, reshard_after_forward: bool = True,
+                 shard_of: Callable[[Bucket], tuple[DataParallelComm, int]] | None = None) -> None:
         self.comm, self.meter, self.reshard = comm, meter, reshard_after_forward
+        self.shard_of = shard_of or (lambda bucket: (comm, 0))  # an expert bucket's group (``GradSync.shard_of``)
         of_param = {id(p): b for b in buckets for p in b.params}
         self._needs: dict[int, list[Bucket]] = {}  # id(module) -> buckets of its own parameters
         self._users = {b.index: 0 for b in buckets}  # modules using the bucket in one forward
@@ -92,7 +95,8 @@ class ParamGather:
         assert b.shard_data is not None
         self.meter.acquire(b.data)
         shard = b.shard_data if b.shard_data.dtype == b.data.dtype else b.shard_data.to(b.data.dtype)
-        pending = self.comm.all_gather(b.data, shard) if self.comm.size > 1 else None
+        comm, _ = self.shard_of(b)
+        pending = comm.all_gather(b.data, shard) if comm.size > 1 else None
         if pending is None:
             b.data.copy_(shard)
         self._gathered[b.index] = (b, pending, shard)
