@@ -1,6 +1,7 @@
 """Each layer of modelpar imports only from layers below it (docs/architecture.md names them)."""
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,9 @@ LAYERS = {
 PURE = {"_validate", "formulas", "schedules", "layer_split", "_options", "simulate", "costmodel"}
 
 
+@functools.cache
 def _imports() -> dict[str, set[str]]:
-    """Top-level modelpar package -> the other top-level packages it imports (lazily or not)."""
+    """Top-level modelpar package -> the other top-level packages it imports (lazily or not); parsed once."""
     edges: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         src = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
