@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", action="append", metavar="NAME",
                    help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
-    p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
+    p.add_argument("--ranks", default="4", metavar="K", help="pipeline stages = devices (default 4)")
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
                    help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
@@ -96,14 +96,14 @@ def run(args: argparse.Namespace) -> int:
             check_output_path(flag, path, suffixes)
     if args.unit:
         _float("--unit", args.unit, strict=True)
-    k = _int("--stages", args.stages, 1)
+    k = _int("--ranks", args.ranks, 1)
     m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)
     costs = Costs(transfer=_float("--transfer", args.transfer),
                   backward_ratio=_float("--backward-ratio", args.backward_ratio))
     if k * m * v > MAX_ACTIONS:
         raise ValueError(
-            f"--stages x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
+            f"--ranks x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
@@ -136,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
             raise ValueError(
-                f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
+                f"--microbatches ({m}) must be a multiple of --ranks ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
@@ -244,7 +244,7 @@ def _lower(schedule):
 
 def _record(tl, costs) -> dict:
     return {
-        "schedule": tl.name, "stages": tl.num_devices, "microbatches": tl.num_microbatches,
+        "schedule": tl.name, "stages": tl.num_ranks, "microbatches": tl.num_microbatches,
         "chunks": tl.chunks, "transfer": costs.transfer, "backward_ratio": costs.backward_ratio,
         **tl.metrics(),
     }
