@@ -25,6 +25,7 @@ MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes an
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from modelpar._renamed import RenamedFlag
     from modelpar.schedules.generators import SCHEDULES
 
     p = subparsers.add_parser(
@@ -34,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", action="append", metavar="NAME",
                    help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
-    p.add_argument("--ranks", default="4", metavar="K", help="pipeline stages = devices (default 4)")
+    p.add_argument("--ranks", default="4", metavar="K", help="pipeline ranks: processes along the pipeline (default 4)")
+    p.add_argument("--stages", dest="ranks", action=RenamedFlag, new="--ranks", help=argparse.SUPPRESS)  # rename: keep
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
                    help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
@@ -244,7 +246,8 @@ def _lower(schedule):
 
 def _record(tl, costs) -> dict:
     return {
-        "schedule": tl.name, "stages": tl.num_ranks, "microbatches": tl.num_microbatches,
+        "schedule": tl.name, "ranks": tl.num_ranks, "stages": tl.num_ranks,  # "stages": K under its old name
+        "microbatches": tl.num_microbatches,
         "chunks": tl.chunks, "transfer": costs.transfer, "backward_ratio": costs.backward_ratio,
         **tl.metrics(),
     }
@@ -307,7 +310,7 @@ def _sweep(args, names, k, v, costs) -> int:
         rows = []
         for c in settings:
             for (name, chunks, m), bubble in sweep(names, k, ms, c, chunks=v).items():
-                rows.append({"schedule": name, "stages": k, "microbatches": m, "chunks": chunks,
+                rows.append({"schedule": name, "ranks": k, "stages": k, "microbatches": m, "chunks": chunks,
                              "transfer": c.transfer, "bubble": bubble})
         print(json.dumps(rows, indent=1))
     else:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from modelpar._renamed import renamed_kwargs
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import run_blocking
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
@@ -176,6 +177,7 @@ def _hang_message(schedule: Schedule) -> str:
 
 
 # --- the rendezvous model ---------------------------------------------------------------------
+@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 

@@ -23,6 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
+from modelpar._renamed import renamed_attribute, renamed_kwargs, warn_renamed
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action
 from modelpar.schedules.memory import peak_held
@@ -44,6 +45,11 @@ class Event(NamedTuple):
     start: float
     end: float
 
+    @property
+    def device(self) -> int:  # rename: keep
+        warn_renamed("Event.device", "Event.rank", stacklevel=2)
+        return self.rank
+
 
 class CommSpan(NamedTuple):
     """Rank ``rank`` had collective ``label`` (e.g. "reduce-scatter") in flight from ``start`` to ``end``."""
@@ -52,6 +58,11 @@ class CommSpan(NamedTuple):
     label: str
     start: float
     end: float
+
+    @property
+    def device(self) -> int:  # rename: keep
+        warn_renamed("CommSpan.device", "CommSpan.rank", stacklevel=2)
+        return self.rank
 
 
 class Timeline:
@@ -84,6 +95,7 @@ class Timeline:
             raise ValueError(f"comm must hold one list per device ({len(self.actions)}), got {len(self.comm)}")
 
     @classmethod
+    @renamed_kwargs(num_devices="num_ranks")  # rename: keep
     def from_events(
         cls,
         events: Iterable[Event | tuple],
@@ -139,6 +151,10 @@ class Timeline:
     @property
     def num_ranks(self) -> int:
         return len(self.actions)
+
+    num_devices = renamed_attribute("num_ranks")  # rename: keep
+    stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
+    bubble_per_device = renamed_attribute("bubble_per_rank")  # rename: keep
 
     @property
     def name(self) -> str:
@@ -246,7 +262,8 @@ class Timeline:
         return {
             "step_time": self.step_time,
             "bubble": self.bubble,
-            "bubble_per_device": self.bubble_per_rank,
+            "bubble_per_rank": self.bubble_per_rank,
+            "bubble_per_device": self.bubble_per_rank,  # the same under its old key, which scripts read
             "peak_held": self.peak_held,
             "transfers": self.transfers,
             "speedup": self.speedup,
