@@ -55,12 +55,12 @@ def renamed_function(func: F, old: str) -> F:
 class renamed_attribute:  # lower case: used like property
     """A class attribute (property or method) read under its old name: ``num_devices = renamed_attribute("num_ranks")``."""
 
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str, old: str = "") -> None:
         self.new = new
-        self.old = ""
+        self.old = old  # "Class.name"; set from the class statement when empty
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.old = f"{owner.__name__}.{name}"
+        self.old = self.old or f"{owner.__name__}.{name}"
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:

@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from modelpar._validate import check_int, check_number, check_output_path
+from modelpar._validate import check_int, check_number
+from modelpar.commands.outputs import add_outputs, check_outputs
 
 DEFAULT_COMPARE = ("gpipe", "1f1b", "interleaved", "zb-h1")
 MAX_CHART_CELLS = 160  # wider charts are skipped in the terminal (use --png/--svg)
@@ -43,21 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
-    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]",
-                   help="forward, input-backward and weight-backward time of a whole stage: one triple for every "
-                        "stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
-    p.add_argument("--memory-limit", metavar="L",
-                   help="most activations a device may hold, in microbatches' worth of one stage (--schedule auto; "
-                        "default: no limit)")
-    p.add_argument("--pareto", action="store_true",
-                   help="step time vs peak held activations for the family and the synthesised schedules "
-                        "(--png draws it)")
-    p.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device, or torch's "
-                        "schedule CSV (FILE.csv: one row per rank)")
-    p.add_argument("--export-csv", metavar="FILE",
-                   help="write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per rank: "
-                        "compute_only, or compute_comms with --comm")
+    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]", help="forward, input-backward and weight-backward time of a "
+                   "whole stage: one triple for every stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
+    p.add_argument("--memory-limit", metavar="L", help="most activations a rank may hold, in microbatches' worth of "
+                   "one stage (--schedule auto; default: no limit)")
+    p.add_argument("--pareto", action="store_true", help="step time vs peak held activations for the family and the "
+                   "synthesised schedules (--png draws it)")
+    p.add_argument("--from", dest="from_file", metavar="FILE", help="a hand-written schedule, one line of actions "
+                   "(0F3 0B3 ...) per rank, or torch's schedule CSV (FILE.csv: one row per rank)")
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
@@ -65,10 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also print each device's lowered program: its actions with the sends and receives "
                         "they imply, in the order the runtime posts them (JSON: \"programs\")")
     p.add_argument("--unit", metavar="U", help="time per chart cell (default: the coarsest exact one)")
-    p.add_argument("--png", metavar="FILE", help="save the timelines as PNG")
-    p.add_argument("--svg", metavar="FILE", help="save the timelines as SVG")
-    p.add_argument("--trace", metavar="FILE", help="save a Chrome trace (Perfetto) JSON")
-    p.add_argument("--json", action="store_true", help="print metrics as JSON instead of charts")
+    add_outputs(p, "print metrics as JSON instead of charts", {
+        "--png": ((".png",), "save the timelines as PNG"),
+        "--svg": ((".svg",), "save the timelines as SVG"),
+        "--trace": ((".json",), "save a Chrome trace (Perfetto) JSON"),
+        "--export-csv": ((".csv",), "write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per "
+                                    "rank: compute_only, or compute_comms with --comm"),
+    })
     p.set_defaults(func=run)
 
 
@@ -92,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
     from modelpar.simulate import Costs, simulate
 
-    for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
-                                 ("--trace", args.trace, (".json",)), ("--export-csv", args.export_csv, (".csv",))):
-        if path:
-            check_output_path(flag, path, suffixes)
+    check_outputs(args)
     if args.unit:
         _float("--unit", args.unit, strict=True)
     k = _int("--ranks", args.ranks, 1)

@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
-from modelpar._renamed import renamed_attribute, renamed_kwargs, warn_renamed
+from modelpar._renamed import renamed_attribute, renamed_kwargs
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action
 from modelpar.schedules.memory import peak_held
@@ -45,11 +45,6 @@ class Event(NamedTuple):
     start: float
     end: float
 
-    @property
-    def device(self) -> int:  # rename: keep
-        warn_renamed("Event.device", "Event.rank", stacklevel=2)
-        return self.rank
-
 
 class CommSpan(NamedTuple):
     """Rank ``rank`` had collective ``label`` (e.g. "reduce-scatter") in flight from ``start`` to ``end``."""
@@ -59,10 +54,9 @@ class CommSpan(NamedTuple):
     start: float
     end: float
 
-    @property
-    def device(self) -> int:  # rename: keep
-        warn_renamed("CommSpan.device", "CommSpan.rank", stacklevel=2)
-        return self.rank
+
+Event.device = renamed_attribute("rank", "Event.device")  # type: ignore[attr-defined]  # rename: keep
+CommSpan.device = renamed_attribute("rank", "CommSpan.device")  # type: ignore[attr-defined]  # rename: keep
 
 
 class Timeline:
