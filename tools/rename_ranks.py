@@ -20,6 +20,13 @@ written by hand on lines carrying the marker ``rename: keep``, which this script
    and every other ``stages`` are left alone.
 4. ``modelpar simulate --stages`` -> ``--ranks``: in the command, its tests, and Markdown lines that
    run ``modelpar simulate``.
+5. A pipeline rank called ``device`` outside the pure layers, function by function (``SCOPED``:
+   ``split_stages``' parameter, ``dry_run``'s loop variable), and a few one-off texts (``EXTRA``: the
+   messages whose wording names the renamed argument, and the tests that match them).
+
+Not renamed (docs/notation.md says why): ``clock_cycles``' and ``Pipe``'s reference names, the
+one-chunk closed forms' ``stages``, ``modelpar bench pipeline/microbatch --stages``, the planner's
+``device_layers``, ``StageCosts.stages``, and prose saying "device" for a rank.
 """
 
 from __future__ import annotations
