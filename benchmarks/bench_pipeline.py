@@ -61,7 +61,7 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
     tsched, _ = _torch_schedule(torch_cls, theirs, s_count, cfg.microbatches)
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(cfg.rows, cfg.width, generator=gen), torch.randn(cfg.rows, cfg.width, generator=gen)
-    first, last = rank == schedule.device_of(0), rank == schedule.device_of(s_count - 1)
+    first, last = rank == schedule.rank_of(0), rank == schedule.rank_of(s_count - 1)
 
     def torch_step() -> None:
         torch_schedule_step(tsched, first, last, x, y)

@@ -36,7 +36,7 @@ def torch_dry_run(schedule) -> int:
     kinds = {"F": ts.FORWARD, "B": ts.FULL_BACKWARD, "I": ts.BACKWARD_INPUT, "W": ts.BACKWARD_WEIGHT}
     order = {d: [ts._Action(a.stage, kinds[a.kind.value], a.microbatch) for a in acts]
              for d, acts in enumerate(schedule.actions)}
-    stage_to_rank = schedule.stage_to_device.__getitem__
+    stage_to_rank = schedule.stage_to_rank.__getitem__
     with_comms = ts._add_send_recv(order, stage_to_rank, schedule.num_stages)
     steps = ts._simulate_comms_compute(with_comms, stage_to_rank, schedule.num_stages)
     return max(len(v) for v in steps.values())
@@ -58,7 +58,7 @@ def main() -> None:
     print(f"{'schedule':<12}{'K':>4}{'M':>6}{'v':>3}{'actions':>9}{'ours s':>10}{'torch s':>10}{'torch/ours':>12}")
     for name, k, m, v in [("1f1b", 4, 32, 1), ("interleaved", 8, 32, 2), ("zb-h1", 8, 64, 1),
                           ("interleaved", 16, 64, 2)]:
-        s = get_schedule(name, stages=k, microbatches=m, chunks=v)
+        s = get_schedule(name, ranks=k, microbatches=m, chunks=v)
         n = sum(map(len, s.actions))
         ours, _ = timed(lambda: full_pass(s), args.repeats)
         theirs, _ = timed(lambda: torch_dry_run(s), 1)
@@ -70,7 +70,7 @@ def main() -> None:
           f"{'cpu s':>8}{'us/action':>11}{'budget/ours':>13}")
     for name, k, m, v in [("interleaved", 64, 1024, 4), ("1f1b", 64, 1024, 1), ("gpipe", 64, 1024, 1),
                           ("zb-h1", 64, 1024, 1)]:
-        gen, s = timed(lambda: get_schedule(name, stages=k, microbatches=m, chunks=v), 1)
+        gen, s = timed(lambda: get_schedule(name, ranks=k, microbatches=m, chunks=v), 1)
         n = sum(map(len, s.actions))
         sim, t = timed(lambda: full_pass(s), args.repeats)
         cpu, _ = timed(lambda: full_pass(s), args.repeats, time.process_time)

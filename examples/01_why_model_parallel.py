@@ -34,10 +34,10 @@ def part1() -> None:
 def part2() -> None:
     """§1.2: naive model parallelism, K = 4 (one cell = half a forward, as the reference draws it)."""
     print("== Part 2: naive model parallelism, K = 4 (whole batch at once) ==")
-    timeline = simulate(naive(stages=4))
+    timeline = simulate(naive(ranks=4))
     print(ascii_chart(timeline, unit=0.5))
     print(f"utilisation per device: {1 - timeline.bubble:.0%} (= 1/K)")
-    with_transfer = simulate(naive(stages=4), Costs(transfer=0.5))
+    with_transfer = simulate(naive(ranks=4), Costs(transfer=0.5))
     print("with a transfer of half a forward between stages:")
     print(ascii_chart(with_transfer, unit=0.5))
     print(

@@ -32,11 +32,11 @@ def part1() -> None:
 def part2() -> None:
     """§2.3: GPipe K = 4, M = 8 takes 33 units with a 27.3% bubble; the formula agrees."""
     print("== Part 2: the bubble (backward = 2 x forward) ==")
-    timeline = simulate(gpipe(stages=4, microbatches=8))
+    timeline = simulate(gpipe(ranks=4, microbatches=8))
     print(f"K = 4, M = 8: step {timeline.step_time:g} units, bubble {timeline.bubble:.1%}")
     print(ascii_chart(timeline))
     diff = max(
-        abs(simulate(gpipe(stages=k, microbatches=m)).bubble - bubble_fraction_of_step(stages=k, microbatches=m))
+        abs(simulate(gpipe(ranks=k, microbatches=m)).bubble - bubble_fraction_of_step(stages=k, microbatches=m))
         for k in range(1, 9) for m in range(1, 65)
     )
     print(f"max |simulated - (K - 1)/(M + K - 1)| over K <= 8, M <= 64: {diff:.1e}")
@@ -55,7 +55,7 @@ def part3() -> None:
     for transfer in (0.0, 0.5):
         print(f"transfer = {transfer:g} forward".ljust(22) + "".join(f"{'M = ' + str(m):>9}" for m in ms))
         for k in (2, 4, 8):
-            cells = [simulate(gpipe(stages=k, microbatches=m), Costs(transfer=transfer)).speedup for m in ms]
+            cells = [simulate(gpipe(ranks=k, microbatches=m), Costs(transfer=transfer)).speedup for m in ms]
             print(f"  K = {k}".ljust(22) + "".join(f"{c:8.2f}x" for c in cells))
     print(f"formula K = 8, M = 32: {pipeline_speedup(stages=8, microbatches=32):.2f}x")
     print()

@@ -22,24 +22,24 @@ from modelpar.simulate.tables import headline, metrics_table, sweep_table
 def part1() -> None:
     """§4.1: 1F1B K = 4, M = 8: 33 units, 27.3%, peak held microbatches [4, 3, 2, 1]."""
     print("== Part 1: 1F1B (PipeDream-Flush) ==")
-    timeline = simulate(one_f_one_b(stages=4, microbatches=8))
+    timeline = simulate(one_f_one_b(ranks=4, microbatches=8))
     print(headline(timeline))
     print(ascii_chart(timeline))
-    print(f"GPipe holds {simulate(gpipe(stages=4, microbatches=8)).peak_held} on the same step")
+    print(f"GPipe holds {simulate(gpipe(ranks=4, microbatches=8)).peak_held} on the same step")
     print()
 
 
 def part2() -> None:
     """§4.2: interleaved K = 4, M = 8, v = 2: bubble time halved, device 0 holds 5.5."""
     print("== Part 2: interleaved 1F1B, v = 2 (lower case = second chunk) ==")
-    plain, inter = simulate(one_f_one_b(stages=4, microbatches=8)), simulate(interleaved_1f1b(stages=4, microbatches=8, chunks=2))
+    plain, inter = simulate(one_f_one_b(ranks=4, microbatches=8)), simulate(interleaved_1f1b(ranks=4, microbatches=8, chunks=2))
     print(headline(inter))
     print(ascii_chart(inter))
     print(f"bubble time per device: {plain.idle[0]:g} -> {inter.idle[0]:g} units (1/v)")
     print(f"device 0 peak: {plain.peak_held[0]:g} -> {inter.peak_held[0]:g}; "
           f"transfers: {plain.transfers} -> {inter.transfers}")
-    schedules = (gpipe(stages=4, microbatches=8), one_f_one_b(stages=4, microbatches=8),
-                 interleaved_1f1b(stages=4, microbatches=8, chunks=2), zb_h1(stages=4, microbatches=8))
+    schedules = (gpipe(ranks=4, microbatches=8), one_f_one_b(ranks=4, microbatches=8),
+                 interleaved_1f1b(ranks=4, microbatches=8, chunks=2), zb_h1(ranks=4, microbatches=8))
     print(metrics_table([simulate(s) for s in schedules]))
     print()
 

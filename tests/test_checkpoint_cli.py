@@ -16,6 +16,8 @@ import pytest
 
 from modelpar.checkpoint import DirLock
 from modelpar.cli import main
+from modelpar.training.config import TrainConfig
+from modelpar.training.resume import _layout
 
 TINY = ["--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2", "--layers", "2", "--seq-len", "16",
         "--batch-size", "4", "--microbatches", "2", "--eval-batches", "1", "--precision", "fp64", "--no-progress"]
@@ -93,7 +95,7 @@ def test_a_truncated_latest_checkpoint_is_skipped_and_the_run_continues_exactly(
     assert f"modelpar train: warning: skipping damaged checkpoint {str(ckpt / 'step_00000004')!r} (__0_0.distcp is " \
            f"{size // 2} bytes, {size} were written)" in err
     assert any(line.startswith(f"modelpar train: resuming from {str(ckpt / 'step_00000002')!r} at step 2 (written by "
-                               "t=1 p=1 d=1 1f1b, v=1; now t=1 p=2 d=1 1f1b, v=1)") for line in err), err
+                               "t=1, p=1, d=1, 1f1b, v=1; now t=1, p=2, d=1, 1f1b, v=1)") for line in err), err
     resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert resumed["start_step"] == 2 and resumed["config"]["model"] == full["config"]["model"]
     assert resumed["losses"][:2] == full["losses"][:2]
@@ -136,3 +138,9 @@ def test_export_refuses_what_is_not_a_checkpoint(capsys, tmp_path):
     assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "model.bin")]) == 2
     assert "--out must name a .safetensors file" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "empty"]  # nothing written
+
+
+def test_the_resume_note_names_cp_and_ep_when_used():
+    """The note's "written by ... now ..." layouts come from TrainConfig.layout(): cp and ep appear when above 1."""
+    assert _layout(TrainConfig(tp=1, cp=2, pp=2, dp=2, ep=2, schedule="zb-v", chunks=2)) == "t=1, cp=2, p=2, d=2, ep=2, zb-v, v=2"
+    assert _layout(TrainConfig(tp=2, pp=2, dp=1)) == "t=2, p=2, d=1, 1f1b, v=1"

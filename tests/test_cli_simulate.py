@@ -62,11 +62,11 @@ def test_from_file_table_and_outputs(capsys, tmp_path):
 
 
 def test_comm_prints_the_lowered_programs(capsys):
-    code, out, _ = run(capsys, "--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--comm")
+    code, out, _ = run(capsys, "--schedule", "1f1b", "--ranks", "2", "--microbatches", "3", "--comm")
     assert code == 0
     assert "device 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0F2 0SEND_F2 0RECV_B2 0B1 0B2" in out
     assert "device 1: 1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2" in out
-    code, out, _ = run(capsys, "--schedule", "interleaved", "--stages", "2", "--microbatches", "2", "--comm", "--json")
+    code, out, _ = run(capsys, "--schedule", "interleaved", "--ranks", "2", "--microbatches", "2", "--comm", "--json")
     programs = json.loads(out)[0]["programs"]
     assert code == 0 and sorted(programs) == ["0", "1"]
     assert programs["0"][:4] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1"]  # stage 0 -> 1 crosses devices
@@ -90,13 +90,13 @@ def test_sweep_prints_both_tables(capsys):
     [
         (["--schedule", "foo"], "--schedule must be one of {naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, "
                                 "zb-h2, zb-v, v-half, v-min, dualpipe-v} or auto, got 'foo'"),
-        (["--stages", "0"], "--stages must be >= 1, got 0"),
+        (["--ranks", "0"], "--ranks must be >= 1, got 0"),
         (["--microbatches", "2.5"], "--microbatches must be an integer, got '2.5'"),
-        (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be a multiple of --stages (4)"),
+        (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be a multiple of --ranks (4)"),
         (["--chunks", "0"], "--chunks must be >= 1, got 0"),
         (["--transfer", "-1"], "--transfer must be >= 0.0, got -1.0"),
         (["--from", "/no/such/file"], "--from must be a readable file, got '/no/such/file'"),
-        (["--stages", "100000", "--microbatches", "100000"], "must be <= 10,000,000"),
+        (["--ranks", "100000", "--microbatches", "100000"], "must be <= 10,000,000"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
@@ -126,7 +126,7 @@ def test_simulate_never_imports_torch():
 
 
 def test_python_dash_m_entry_point():
-    done = subprocess.run([sys.executable, "-m", "modelpar", "simulate", "--schedule", "naive", "--stages", "2"],
+    done = subprocess.run([sys.executable, "-m", "modelpar", "simulate", "--schedule", "naive", "--ranks", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Device 1 |··F0B0B0····|" in done.stdout
 
@@ -147,12 +147,12 @@ def test_output_and_unit_checked_before_any_work(capsys, args, message):
 
 def test_export_csv_and_read_it_back(capsys, tmp_path):
     path = tmp_path / "zbv.csv"
-    code, out, _ = run(capsys, "--schedule", "zb-v", "--stages", "2", "--microbatches", "4", "--export-csv", str(path))
+    code, out, _ = run(capsys, "--schedule", "zb-v", "--ranks", "2", "--microbatches", "4", "--export-csv", str(path))
     assert code == 0 and f"wrote {path} (compute_only)" in out
     assert path.read_text().splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0,")
     code, out, _ = run(capsys, "--from", str(path))
     assert code == 0 and "zbv (K = 2, M = 4, v = 2): step" in out
-    code, out, _ = run(capsys, "--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--export-csv",
+    code, out, _ = run(capsys, "--schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--export-csv",
                        str(path), "--comm", "--json")
     assert code == 0 and path.read_text() == "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0RECV_B1,0B0,0B1,0REDUCE_GRAD\n" \
         "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1B1,1SEND_B1,1REDUCE_GRAD\n"

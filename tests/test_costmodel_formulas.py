@@ -77,7 +77,7 @@ def test_section_2_3_closed_form_equals_simulated_gpipe(k, m, comm):
     from modelpar.schedules import gpipe
     from modelpar.simulate import Costs, simulate
 
-    timeline = simulate(gpipe(stages=k, microbatches=m), Costs(transfer=comm))
+    timeline = simulate(gpipe(ranks=k, microbatches=m), Costs(transfer=comm))
     single = 3 * k * m  # one GPU holding all K stages runs M·K·(forward + backward)
     assert single / timeline.step_time == pytest.approx(pipeline_speedup(k, m, comm), rel=1e-12)
 

@@ -88,7 +88,7 @@ def test_tensor_parallel_stage_never_syncs_once_checks_are_off(cluster):
 
 
 def _pipeline_step_ops():
-    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    schedule = get_schedule("1f1b", ranks=2, microbatches=2)
     rank = dist.get_rank()
     stage = build_stage(CFG, rank, 2, seed=1, dtype=torch.float64)
     set_shape_checks(stage, False)
@@ -147,7 +147,7 @@ def _runner_on_meta():
     with torch.device("meta"):
         stage = nn.Linear(3, 3)
     try:
-        PipelineRunner(get_schedule("gpipe", stages=2, microbatches=1), {rank: stage}, nn.functional.mse_loss,
+        PipelineRunner(get_schedule("gpipe", ranks=2, microbatches=1), {rank: stage}, nn.functional.mse_loss,
                        dist.group.WORLD)
     except ValueError as err:
         return str(err)
@@ -213,16 +213,16 @@ def test_critical_path_is_2_m_plus_p_minus_1_actions(name):
 
     for p in (1, 2, 3, 4):
         for m in (1, 2, 5, 8):
-            assert critical_path(get_schedule(name, stages=p, microbatches=m)) == 2 * (m + p - 1)
+            assert critical_path(get_schedule(name, ranks=p, microbatches=m)) == 2 * (m + p - 1)
 
 
 def test_step_timeout_hand_checked():
     from modelpar.pipeline.collectives import critical_path, step_timeout
 
     # GPipe, p = 2, M = 1: F on stage 0, F on stage 1, B on stage 1, B on stage 0, one after the other
-    assert critical_path(get_schedule("gpipe", stages=2, microbatches=1)) == 4
-    assert step_timeout(get_schedule("gpipe", stages=2, microbatches=1), 10.0) == 50.0
-    assert step_timeout(get_schedule("1f1b", stages=4, microbatches=8), 300.0) == 300.0 * 23
+    assert critical_path(get_schedule("gpipe", ranks=2, microbatches=1)) == 4
+    assert step_timeout(get_schedule("gpipe", ranks=2, microbatches=1), 10.0) == 50.0
+    assert step_timeout(get_schedule("1f1b", ranks=4, microbatches=8), 300.0) == 300.0 * 23
 
 
 @settings(max_examples=60, deadline=None)
@@ -239,7 +239,7 @@ def test_a_step_whose_actions_and_messages_fit_in_the_timeout_fits_in_the_step_t
     chunks = 2 if name == "interleaved" else 1
     if name == "interleaved" and m % p:
         m = p
-    schedule = get_schedule(name, stages=p, microbatches=m, **({"chunks": chunks} if chunks > 1 else {}))
+    schedule = get_schedule(name, ranks=p, microbatches=m, **({"chunks": chunks} if chunks > 1 else {}))
     longest = max(forward, backward) / chunks  # the longest action (F, or B = I + W)
     costs = Costs(forward=forward, backward=backward, transfer=max(0.0, share * (1.0 - longest)))
     assert simulate(schedule, costs).step_time <= critical_path(schedule) + 1e-9

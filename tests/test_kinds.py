@@ -54,7 +54,7 @@ def _reference_times(schedule, transfer):
     """Start times read straight off the table: repeat until every action sits at max(device free,
     each producer's end + transfer if it crosses devices). Slow and independent of ``execute``."""
     made = producers(schedule.style)
-    dev = schedule.stage_to_device
+    dev = schedule.stage_to_rank
     end: dict[Action, float] = {}
     starts = [[0.0] * len(acts) for acts in schedule.actions]
     while len(end) < sum(map(len, schedule.actions)):
@@ -74,7 +74,7 @@ def _reference_times(schedule, transfer):
 @SETTINGS
 @given(st.one_of(generated(), hand_written()), st.floats(0, 2))
 def test_timing_engine_equals_the_table(schedule, transfer):
-    x = [0.0] + [transfer if schedule.device_of(s) != schedule.device_of(s - 1) else 0.0
+    x = [0.0] + [transfer if schedule.rank_of(s) != schedule.rank_of(s - 1) else 0.0
                  for s in range(1, schedule.num_stages)]
     starts, _ = execute(schedule, transfer_in=x)
     ref = _reference_times(schedule, transfer)
@@ -93,7 +93,7 @@ def test_lowering_and_plan_follow_the_table(schedule):
     """Each value the table says crosses devices is one SEND and one RECV; the plan's sources and
     sinks are the table's: the batch, the loss, a hand-over on the device, or a message."""
     programs = lower(schedule)
-    dev, last = schedule.stage_to_device, schedule.num_stages - 1
+    dev, last = schedule.stage_to_rank, schedule.num_stages - 1
     sends = {(op.message) for p in programs for op in p if isinstance(op, Transfer) and op.is_send}
     expected = {(v.message, a.stage, a.microbatch) for acts in schedule.actions for a in acts
                 for v in SPECS[a.kind].produces if v.consumer and 0 <= a.stage + v.consumer <= last

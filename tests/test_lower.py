@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.schedules import SCHEDULES, Action, DeadlockError, Kind, Schedule, get_schedule, lower
-from modelpar.schedules.derive import forward_only, on_one_device
+from modelpar.schedules.derive import forward_only, on_one_rank
 from modelpar.schedules.lower import Comm, Transfer, parse_op, rendezvous
 
 SETTINGS = settings(max_examples=80, deadline=None)
@@ -18,11 +18,11 @@ def generated(draw):
     name = draw(st.sampled_from(SCHEDULES))
     k = draw(st.integers(1, 6))
     if name == "interleaved":
-        return get_schedule(name, stages=k, microbatches=k * draw(st.integers(1, 3)), chunks=draw(st.integers(1, 4)))
+        return get_schedule(name, ranks=k, microbatches=k * draw(st.integers(1, 3)), chunks=draw(st.integers(1, 4)))
     if name == "looped-bfs":
-        return get_schedule(name, stages=k, microbatches=draw(st.integers(1, 9)), chunks=draw(st.integers(1, 4)))
+        return get_schedule(name, ranks=k, microbatches=draw(st.integers(1, 9)), chunks=draw(st.integers(1, 4)))
     low = 2 * k if name == "dualpipe-v" else 1
-    return get_schedule(name, stages=k, microbatches=draw(st.integers(low, max(low, 9))))
+    return get_schedule(name, ranks=k, microbatches=draw(st.integers(low, max(low, 9))))
 
 
 @st.composite
@@ -55,8 +55,8 @@ def hand_written(draw):
         todo.remove(a)
         done.add(a)
         order.append(a)
-    per_device = [[a for a in order if placement[a.stage] == d] for d in range(len(used))]
-    return Schedule(tuple(placement), tuple(map(tuple, per_device)), f"random-{shape}")
+    per_rank = [[a for a in order if placement[a.stage] == d] for d in range(len(used))]
+    return Schedule(tuple(placement), tuple(map(tuple, per_rank)), f"random-{shape}")
 
 
 def _deps(schedule, a, kinds):
@@ -81,7 +81,7 @@ def _pair_messages(programs, placement, d, e):
 
 def check_lowering(schedule):
     programs = lower(schedule)
-    placement = schedule.stage_to_device
+    placement = schedule.stage_to_rank
     for d, program in enumerate(programs):
         # the compute actions are the schedule's, in its order
         assert [op for op in program if isinstance(op, Action)] == list(schedule.actions[d])
@@ -136,16 +136,16 @@ def test_random_hand_written_schedules_lower_to_matched_programs(schedule):
 @given(generated())
 def test_forward_only_and_one_device_schedules(schedule):
     fwd = forward_only(schedule)
-    assert fwd.forward_only and fwd.stage_to_device == schedule.stage_to_device
+    assert fwd.forward_only and fwd.stage_to_rank == schedule.stage_to_rank
     assert [[a for a in acts if a.kind is Kind.F] for acts in schedule.actions] == [list(a) for a in fwd.actions]
     check_lowering(fwd)
-    one = on_one_device(schedule)
+    one = on_one_rank(schedule)
     assert sorted(one.actions[0]) == sorted(a for acts in schedule.actions for a in acts)
     assert lower(one) == one.actions  # one device: no messages at all
 
 
 def test_reference_1f1b_program():
-    programs = lower(get_schedule("1f1b", stages=2, microbatches=2))
+    programs = lower(get_schedule("1f1b", ranks=2, microbatches=2))
     assert [" ".join(map(str, p)) for p in programs] == [
         "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0B1",
         "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
@@ -155,7 +155,7 @@ def test_reference_1f1b_program():
 def _tag_matched_posting_order(schedule, lookahead=3):
     """The order the tag-matched executor posted in: receives ``lookahead`` actions ahead, sends
     right after their producer."""
-    dev, last = schedule.stage_to_device, schedule.num_stages - 1
+    dev, last = schedule.stage_to_rank, schedule.num_stages - 1
 
     def recv_of(a):
         if a.kind is Kind.F and a.stage > 0 and dev[a.stage - 1] != dev[a.stage]:
@@ -184,25 +184,25 @@ def _tag_matched_posting_order(schedule, lookahead=3):
 
 
 def test_tag_matched_posting_order_hangs_under_ordered_matching():
-    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    schedule = get_schedule("1f1b", ranks=2, microbatches=2)
     old = _tag_matched_posting_order(schedule)
     assert [" ".join(map(str, p)) for p in old] == [
         "0RECV_B0 0RECV_B1 0F0 0SEND_F0 0F1 0SEND_F1 0B0 0B1",
         "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
     ]
-    assert rendezvous(old, schedule.stage_to_device) == (
+    assert rendezvous(old, schedule.stage_to_rank) == (
         "device 1's 1RECV_F0 (position 0) would be paired with device 0's 0RECV_B0 (position 0): "
         "the next operation between them is not one message's send and receive"
     )
-    assert rendezvous(lower(schedule), schedule.stage_to_device) is None
+    assert rendezvous(lower(schedule), schedule.stage_to_rank) is None
 
 
 def test_rendezvous_names_what_never_comes():
-    schedule = get_schedule("gpipe", stages=2, microbatches=1)
+    schedule = get_schedule("gpipe", ranks=2, microbatches=1)
     programs = [list(p) for p in lower(schedule)]
     programs[0].remove(Transfer(0, Comm.SEND_F, 0))  # the activation is never sent ...
     programs[1].remove(Transfer(1, Comm.RECV_F, 0))  # ... nor received
-    assert rendezvous(programs, schedule.stage_to_device) == (
+    assert rendezvous(programs, schedule.stage_to_rank) == (
         "device 0 never gets past 0B0 (position 2): it waits for the gradient of microbatch 0 from "
         "stage 1, which never comes"
     )

@@ -88,7 +88,7 @@ def _transparency(name, cases):
     out = []
     x, y = _batch()
     for k, m, v in cases:
-        schedule = get_schedule(name, stages=k, microbatches=m, chunks=v)
+        schedule = get_schedule(name, ranks=k, microbatches=m, chunks=v)
         group = _group(k)
         model, ref = _model(), _model()
         stages = split_stages(model, schedule, dist.get_rank(group), balance=[2 * 8 // (k * v)] * (k * v))
@@ -133,8 +133,8 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             assert c["param_err"] <= TOL, c  # two optimizer steps later, still the same model
             assert c["eval_err"] <= TOL and c["grads_untouched"], c  # evaluation: same loss, no gradient
             assert c["owned"] == 2 * 8 // k  # every parameter this rank holds got a gradient
-            schedule = get_schedule(name, stages=k, microbatches=m, chunks=v)
-            if schedule.device_of(schedule.num_stages - 1) == c["device"]:
+            schedule = get_schedule(name, ranks=k, microbatches=m, chunks=v)
+            if schedule.rank_of(schedule.num_stages - 1) == c["device"]:
                 assert c["microbatch_losses"] == m
             # held activations (F until B, or I when split), counted per chunk: the simulator's peak
             expected = simulate(schedule).peak_held[c["device"]] * schedule.chunks
@@ -171,7 +171,7 @@ def _token_model(seed=0):
 
 def _uneven_tokens(name, balance, recompute, microbatches=6):
     """Uneven stages, integer token ids in, NLL loss out; returns errors, peak, and the timeline."""
-    schedule = get_schedule(name, stages=4, microbatches=microbatches)
+    schedule = get_schedule(name, ranks=4, microbatches=microbatches)
     model, ref = _token_model(), _token_model()
     stages = split_stages(model, schedule, dist.get_rank(), balance=balance, recompute=recompute)
     runner = PipelineRunner(schedule, stages, F.nll_loss, dist.group.WORLD, timeout=30)
@@ -196,7 +196,7 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
         assert r["err"] <= TOL and r["loss_err"] <= TOL, (d, r["err"], r["loss_err"])
         assert r["owned"] == owned[d]
     # the gathered timeline: every device ran exactly its actions, in the schedule's order, one at a time
-    tl, schedule = per_rank[0]["timeline"], get_schedule(name, stages=4, microbatches=6)
+    tl, schedule = per_rank[0]["timeline"], get_schedule(name, ranks=4, microbatches=6)
     assert tl.actions == [list(a) for a in schedule.actions]
     for starts, ends in zip(tl.starts, tl.ends):
         assert all(s <= e for s, e in zip(starts, ends))
@@ -218,7 +218,7 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
                                                ("dualpipe-v", "full", 8), ("zb-h2", "sqrt", 6)])
 def test_v_shapes_uneven_stages_and_recompute(cluster, name, recompute, m):
     """V placements (both ends of the model on device 0), uneven layer counts, 9 rows in m microbatches."""
-    schedule = get_schedule(name, stages=4, microbatches=m)
+    schedule = get_schedule(name, ranks=4, microbatches=m)
     balance = [1, 1, 2, 2, 2, 2, 3, 3] if schedule.num_stages == 8 else [1, 2, 5, 8]
     per_rank = cluster.run(_uneven_tokens, name, balance, recompute, m)
     model = list(_token_model())
@@ -252,7 +252,7 @@ def _hand_written_v(schedule_text):
 
 def test_hand_written_v_schedule(cluster):
     schedule = Schedule.from_text(V_SCHEDULE).validate()
-    assert schedule.stage_to_device == (0, 1, 1, 0)
+    assert schedule.stage_to_rank == (0, 1, 1, 0)
     per_rank = cluster.run(_hand_written_v, V_SCHEDULE)
     for rank, ((err, owned), n_losses, peak) in enumerate(per_rank):
         device = rank // 2  # groups [0, 2] and [1, 3]
@@ -264,15 +264,15 @@ def test_hand_written_v_schedule(cluster):
 # --- bad input: the same clear error on every rank, before anything is sent -------------------
 def _error_on_every_rank(case):
     try:
-        schedule = get_schedule("1f1b", stages=4, microbatches=4)
+        schedule = get_schedule("1f1b", ranks=4, microbatches=4)
         model, x, y = _model(), *_batch()
         if case == "hang":  # valid on each device, but devices 0 and 1 wait on each other
             schedule = Schedule.from_text("0F0 0B0 0F1 0B1\n" + "\n".join(f"{d}F0 {d}F1 {d}B0 {d}B1" for d in (1, 2, 3)))
         if case == "stage count":
-            schedule = get_schedule("1f1b", stages=3, microbatches=4)
+            schedule = get_schedule("1f1b", ranks=3, microbatches=4)
         if case == "split":
             model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-        stages = split_stages(model, schedule, dist.get_rank() % schedule.num_devices)
+        stages = split_stages(model, schedule, dist.get_rank() % schedule.num_ranks)
         if case == "shapes" and 1 in stages:
             stages[1] = nn.Sequential(nn.Linear(9, 4), nn.Tanh()).double()  # stage 0 sends width 6
         runner = PipelineRunner(schedule, stages, F.mse_loss, dist.group.WORLD, timeout=30)
@@ -325,7 +325,7 @@ def _swapped_receives_and_a_missing_rank():
     """Two faults, each on its own new group, each ending every rank within a 1 s timeout."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = pairs[dist.get_rank() // 2]
-    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    schedule = get_schedule("1f1b", ranks=2, microbatches=2)
     runner = PipelineRunner(schedule, split_stages(_model(), schedule, dist.get_rank(group)), F.mse_loss, group,
                             timeout=LONG)
     # device 1 finds the fault in the message itself: its waits keep LONG; device 0's gradient never comes
@@ -342,8 +342,8 @@ def _swapped_receives_and_a_missing_rank():
         out["swapped"] = f"{type(err).__name__}: {err}"
     group = dist.new_group([0, 1, 2, 3])
     if dist.get_rank() != 3:  # rank 3 never calls step: the others time out in the batch exchange, their first wait
-        runner = PipelineRunner(get_schedule("gpipe", stages=4, microbatches=2), split_stages(
-            _model(), get_schedule("gpipe", stages=4, microbatches=2), dist.get_rank(group)), F.mse_loss, group,
+        runner = PipelineRunner(get_schedule("gpipe", ranks=4, microbatches=2), split_stages(
+            _model(), get_schedule("gpipe", ranks=4, microbatches=2), dist.get_rank(group)), F.mse_loss, group,
             timeout=1)
         start = time.monotonic()
         try:
@@ -375,7 +375,7 @@ def test_message_check_and_collective_timeout_name_the_fault(cluster):
 
 # --- a stage that raises: every rank ends, the caller sees the original error ------------------
 def _raise_on_rank_1(catch):
-    schedule = get_schedule("1f1b", stages=4, microbatches=4)
+    schedule = get_schedule("1f1b", ranks=4, microbatches=4)
     stages = split_stages(_model(), schedule, dist.get_rank())
     if 1 in stages:
         stages[1] = _BoomLater(stages[1])
@@ -432,7 +432,7 @@ def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
     found = re.search(r"waited 2 s for 2RECV_F([0-2]) \(the activation of microbatch \1 from stage 1\) from rank 1; "
                       r"the last operations it issued: (.*)\. The peer", results[2][1])
     assert found, results[2][1]
-    program = [str(op) for op in lower(get_schedule("1f1b", stages=4, microbatches=4))[2]]
+    program = [str(op) for op in lower(get_schedule("1f1b", ranks=4, microbatches=4))[2]]
     before = program[:program.index(f"2F{found[1]}")]
     assert found[2] == ", ".join(before[-8:]), results[2][1]
     for rank, result in enumerate(results):

@@ -15,7 +15,7 @@ from modelpar.pipeline import LocalStage, PipelineRunner, measured_durations, pr
 from modelpar.pipeline.measure import measured_timeline, message_delays
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.pipeline.split_backward import backward_input
-from modelpar.schedules import Action, Kind, get_schedule, on_one_device
+from modelpar.schedules import Action, Kind, get_schedule, on_one_rank
 from modelpar.simulate import Costs, Event, Timeline, pipeline_speedup, simulate
 
 pytestmark = pytest.mark.numerics  # float64 against one process at 1e-15
@@ -101,7 +101,7 @@ def test_microbatch_sizes_match_tensor_split(rows, m):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_one_process_runner_equals_the_plain_model(name):
     """group None: a schedule's work on one device, in the simulator's order, through the real runtime."""
-    schedule = on_one_device(get_schedule(name, stages=2, microbatches=4, chunks=2 if name == "interleaved" else 1))
+    schedule = on_one_rank(get_schedule(name, ranks=2, microbatches=4, chunks=2 if name == "interleaved" else 1))
     model, ref = _mlp([3, 5, 4, 6, 2], 0), _mlp([3, 5, 4, 6, 2], 0)
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(7, 3, generator=gen, dtype=torch.float64), torch.randn(7, 2, generator=gen, dtype=torch.float64)
@@ -134,7 +134,7 @@ def test_one_process_runner_equals_the_plain_model(name):
 
 
 def test_one_process_runner_needs_a_one_device_schedule():
-    schedule = get_schedule("1f1b", stages=2, microbatches=2)
+    schedule = get_schedule("1f1b", ranks=2, microbatches=2)
     with pytest.raises(ValueError, match=r"group None runs a one-device schedule in this process, but schedule "
                                          r"'1f1b' has 2 devices: pass the pipeline process group"):
         PipelineRunner(schedule, {0: nn.Linear(2, 2)}, torch.nn.functional.mse_loss, None)
@@ -142,7 +142,7 @@ def test_one_process_runner_needs_a_one_device_schedule():
 
 def test_split_stages_even_and_interleaved_placement():
     model = _mlp([2] * 9, 0)  # 16 layers
-    schedule = get_schedule("interleaved", stages=2, microbatches=4, chunks=2)
+    schedule = get_schedule("interleaved", ranks=2, microbatches=4, chunks=2)
     stages = split_stages(model, schedule, 1)
     assert sorted(stages) == [1, 3] and all(len(m) == 4 for m in stages.values())
     assert stages[1][0] is model[4] and stages[3][0] is model[12]
@@ -158,24 +158,24 @@ def test_split_stages_even_and_interleaved_placement():
 
 def test_prediction_from_measured_costs_reproduces_the_simulator():
     """Fed the durations of a simulated 1F1B run (F = 1, B = 2), predict redraws the reference's 33 units."""
-    schedule = get_schedule("1f1b", stages=4, microbatches=8)
+    schedule = get_schedule("1f1b", ranks=4, microbatches=8)
     sim = simulate(schedule, Costs())
     measured = Timeline.from_events(sim.events, 4, schedule)
     durations = measured_durations([measured])
     assert durations[Kind.F] == [1.0] * 4 and durations[Kind.B] == [2.0] * 4
     predicted = predict(schedule, durations)
     assert predicted.step_time == 33 and round(predicted.bubble, 3) == 0.273  # §4.1: 33 units, 27.3 %
-    gpipe = get_schedule("gpipe", stages=4, microbatches=8)
+    gpipe = get_schedule("gpipe", ranks=4, microbatches=8)
     with_transfer = predict(gpipe, durations, [0.0, 0.5, 0.5, 0.5])  # one message: 0.5 units
     assert with_transfer.step_time == 36 == 3 * 4 * 8 / pipeline_speedup(stages=4, microbatches=8, comm=0.5)
-    shifted = Timeline.from_events([Event(e.device, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
+    shifted = Timeline.from_events([Event(e.rank, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
     assert shifted.step_time == 33  # measured clocks start anywhere
 
 
 def test_message_delays_are_read_off_waiting_receivers_only():
     """GPipe K = 2, M = 2 by hand: device 1 waits 0.25 for each activation, device 0 waits 0.5 for
     the first gradient; the second gradient arrives while device 0 is busy, so it says nothing."""
-    schedule = get_schedule("gpipe", stages=2, microbatches=2)
+    schedule = get_schedule("gpipe", ranks=2, microbatches=2)
     F0, F1, B0, B1 = (Action(s, k, m) for s, k, m in ((0, Kind.F, 0), (0, Kind.F, 1), (0, Kind.B, 0), (0, Kind.B, 1)))
     events = [Event(0, F0, 0, 1), Event(0, F1, 1, 2),  # device 0: F0 F1 ... B1 B0
               Event(0, B1, 5.5, 7.5), Event(0, B0, 7.5, 9.5),

@@ -73,7 +73,7 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
     if cfg.schedule == "interleaved":
         cfg = dataclasses.replace(cfg, batch_size=8)
     run = local_run(cfg.check(4))
-    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    schedule = get_schedule(cfg.schedule, ranks=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
     for rank, params, grads, state, saved, held, act, sent in c4.run(_measured, cfg):
         where = cfg.dims.coordinates(rank)
         stages = schedule.stages_on(where["pp"])

@@ -29,7 +29,7 @@ def test_every_public_name_resolves():
 def test_reference_call_forms():
     assert list(modelpar.clock_cycles(2, 2)) == [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
     assert list(inspect.signature(modelpar.Pipe).parameters)[:3] == ["stages", "devices", "split_size"]
-    assert modelpar.Schedule is modelpar.get_schedule("gpipe", stages=2, microbatches=2).__class__
+    assert modelpar.Schedule is modelpar.get_schedule("gpipe", ranks=2, microbatches=2).__class__
 
 
 # internals a user has no business importing from a package (they stay importable from their module)

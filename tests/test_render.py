@@ -33,33 +33,33 @@ Device 3 |······F0B0B0F1B1B1F2B2B2F3B3B3F4B4B4F5B5B5F6B6B6F7B7B7·····
 
 
 def test_ascii_charts_are_the_reference_charts():
-    assert ascii_chart(simulate(naive(stages=4)), unit=0.5) == NAIVE
-    assert ascii_chart(simulate(gpipe(stages=4, microbatches=8))) == GPIPE
-    assert ascii_chart(simulate(one_f_one_b(stages=4, microbatches=8))) == ONE_F_ONE_B
+    assert ascii_chart(simulate(naive(ranks=4)), unit=0.5) == NAIVE
+    assert ascii_chart(simulate(gpipe(ranks=4, microbatches=8))) == GPIPE
+    assert ascii_chart(simulate(one_f_one_b(ranks=4, microbatches=8))) == ONE_F_ONE_B
 
 
 def test_ascii_chart_split_backward_chunks_and_wide_microbatch_numbers():
-    assert ascii_chart(simulate(zb_h1(stages=2, microbatches=2))).splitlines() == [
+    assert ascii_chart(simulate(zb_h1(ranks=2, microbatches=2))).splitlines() == [
         "Device 0 |F0F1··I0W0I1W1|",
         "Device 1 |··F0I0F1I1W0W1|",
     ]
-    inter = ascii_chart(simulate(interleaved_1f1b(stages=2, microbatches=2, chunks=2)))  # half-unit cells, chunk 1 lower case
+    inter = ascii_chart(simulate(interleaved_1f1b(ranks=2, microbatches=2, chunks=2)))  # half-unit cells, chunk 1 lower case
     assert inter.splitlines()[0].startswith("Device 0 |F0F1f0f1")
-    assert "F10" in ascii_chart(simulate(gpipe(stages=2, microbatches=11))).splitlines()[0]
-    assert ascii_chart(simulate(gpipe(stages=1, microbatches=11))).startswith("Device 0 |F00F01")
+    assert "F10" in ascii_chart(simulate(gpipe(ranks=2, microbatches=11))).splitlines()[0]
+    assert ascii_chart(simulate(gpipe(ranks=1, microbatches=11))).startswith("Device 0 |F00F01")
 
 
 def test_auto_unit_and_bad_unit():
-    assert auto_unit(simulate(gpipe(stages=4, microbatches=8))) == 1.0
-    assert auto_unit(simulate(gpipe(stages=2, microbatches=2), Costs(transfer=0.5))) == 0.5
-    assert auto_unit(simulate(interleaved_1f1b(stages=4, microbatches=8, chunks=4))) == 0.25
+    assert auto_unit(simulate(gpipe(ranks=4, microbatches=8))) == 1.0
+    assert auto_unit(simulate(gpipe(ranks=2, microbatches=2), Costs(transfer=0.5))) == 0.5
+    assert auto_unit(simulate(interleaved_1f1b(ranks=4, microbatches=8, chunks=4))) == 0.25
     with pytest.raises(ValueError, match="unit must be > 0, got 0"):
-        ascii_chart(simulate(gpipe(stages=2, microbatches=2)), unit=0)
+        ascii_chart(simulate(gpipe(ranks=2, microbatches=2)), unit=0)
 
 
 @pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG\r\n\x1a\n"), (".svg", b"<?xml")])
 def test_plot_writes_a_real_image(tmp_path, suffix, magic):
-    timelines = [simulate(gpipe(stages=4, microbatches=8)), simulate(zb_h1(stages=4, microbatches=8))]
+    timelines = [simulate(gpipe(ranks=4, microbatches=8)), simulate(zb_h1(ranks=4, microbatches=8))]
     path = plot_timelines(timelines, tmp_path / f"t{suffix}", "K = 4")
     data = path.read_bytes()
     assert data.startswith(magic)
@@ -82,11 +82,11 @@ def test_plot_writes_a_real_image(tmp_path, suffix, magic):
 
 def test_plot_rejects_other_formats(tmp_path):
     with pytest.raises(ValueError, match=r"plot path must end in .png or .svg, got '.*t.pdf'"):
-        plot_timelines([simulate(gpipe(stages=2, microbatches=2))], tmp_path / "t.pdf")
+        plot_timelines([simulate(gpipe(ranks=2, microbatches=2))], tmp_path / "t.pdf")
 
 
 def test_chrome_trace_structure(tmp_path):
-    tl = simulate(gpipe(stages=2, microbatches=2), Costs(transfer=0.5))
+    tl = simulate(gpipe(ranks=2, microbatches=2), Costs(transfer=0.5))
     trace = json.loads(write_trace([tl], tmp_path / "t.json").read_text())
     events = trace["traceEvents"]
     complete = [e for e in events if e["ph"] == "X"]
@@ -100,7 +100,7 @@ def test_chrome_trace_structure(tmp_path):
 
 
 def test_measured_timeline_renders():
-    s = one_f_one_b(stages=2, microbatches=1)
+    s = one_f_one_b(ranks=2, microbatches=1)
     tl = Timeline.from_events([(0, s.actions[0][0], 5.0, 6.0), (1, s.actions[1][0], 6.0, 7.0),
                    (1, s.actions[1][1], 7.0, 9.0), (0, s.actions[0][1], 9.0, 11.0)], 2)
     assert ascii_chart(tl) == "Device 0 |F0······B0B0|\nDevice 1 |··F0B0B0····|"
@@ -111,7 +111,7 @@ def test_measured_timeline_renders():
 
 def _measured(unit: str = "s") -> Timeline:
     """1F1B K=2, M=2 as a run might record it: uneven action times in seconds, clock not at 0."""
-    s = one_f_one_b(stages=2, microbatches=2)
+    s = one_f_one_b(ranks=2, microbatches=2)
     t = {  # device -> (start, end) per action, in the schedule's order: F0 F1 B0 B1 / F0 B0 F1 B1
         0: [(10.000, 10.002), (10.002, 10.0023), (10.006, 10.010), (10.011, 10.015)],
         1: [(10.003, 10.004), (10.004, 10.006), (10.006, 10.0064), (10.0064, 10.0104)],
@@ -120,7 +120,7 @@ def _measured(unit: str = "s") -> Timeline:
 
 
 def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_clock_unit(tmp_path):
-    sim, measured = simulate(gpipe(stages=4, microbatches=8)), _measured()
+    sim, measured = simulate(gpipe(ranks=4, microbatches=8)), _measured()
     assert sim.unit == "forward" == Timeline.from_events([], 1).unit
     assert headline(sim).startswith("gpipe (K = 4, M = 8): step 33 units, bubble 27.3%")
     assert measured.unit == "s" and "step 0.015 s, bubble" in headline(measured)
@@ -133,7 +133,7 @@ def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_cloc
     # Chrome trace: real durations in µs by default; simulated keeps 1 forward unit = 1 ms
     f0 = next(e for e in chrome_trace([measured])["traceEvents"] if e["ph"] == "X")
     assert f0["name"] == "F0" and f0["dur"] == pytest.approx(2000.0)
-    ms = Timeline.from_events([(0, naive(stages=1).actions[0][0], 0.0, 2.5)], 1, unit="ms")
+    ms = Timeline.from_events([(0, naive(ranks=1).actions[0][0], 0.0, 2.5)], 1, unit="ms")
     assert chrome_trace([ms])["traceEvents"][-1]["dur"] == 2500.0
     assert chrome_trace([sim])["traceEvents"][2]["dur"] == 1000.0
     with pytest.raises(ValueError, match=r"unit must be one of \{forward, s, ms, us\}, got 'sec'"):
@@ -171,7 +171,7 @@ def test_ascii_chart_shows_an_action_shorter_than_a_cell():
     cell=st.floats(1e-4, 1e-2),
 )
 def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cell):
-    s = get_schedule(name, stages=k, microbatches=m)
+    s = get_schedule(name, ranks=k, microbatches=m)
     durations = {kind: times[4 * i:4 * i + k] for i, kind in enumerate(Kind)}
     starts, ends = execute(s, durations, [0.0] + [times[-1] / 3] * (k - 1))
     tl = Timeline.from_events([(d, a, starts[d][i], ends[d][i]) for d in range(k) for i, a in enumerate(s.actions[d])],
@@ -183,7 +183,7 @@ def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cel
 
 
 def test_communication_spans_are_a_row_of_their_own_with_the_exposed_tail(tmp_path):
-    s = one_f_one_b(stages=2, microbatches=2)
+    s = one_f_one_b(ranks=2, microbatches=2)
     events = [(d, a, *t) for d, times in ((0, [(10.000, 10.002), (10.002, 10.003), (10.006, 10.010), (10.011, 10.015)]),
                                           (1, [(10.003, 10.004), (10.004, 10.006), (10.006, 10.007), (10.007, 10.0104)]))
               for a, t in zip(s.actions[d], times)]

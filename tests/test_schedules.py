@@ -26,36 +26,36 @@ def line(schedule, device):
 
 
 def test_gpipe_order_is_all_forwards_then_backwards_last_first():
-    assert line(gpipe(stages=4, microbatches=3), 2) == "2F0 2F1 2F2 2B2 2B1 2B0"
+    assert line(gpipe(ranks=4, microbatches=3), 2) == "2F0 2F1 2F2 2B2 2B1 2B0"
 
 
 def test_1f1b_order_matches_reference_chart_device_0():
     # §4.1: F0F1F2F3 ... B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
-    assert line(one_f_one_b(stages=4, microbatches=8), 0) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7"
-    assert line(one_f_one_b(stages=4, microbatches=8), 3) == " ".join(f"3F{j} 3B{j}" for j in range(8))
+    assert line(one_f_one_b(ranks=4, microbatches=8), 0) == "0F0 0F1 0F2 0F3 0B0 0F4 0B1 0F5 0B2 0F6 0B3 0F7 0B4 0B5 0B6 0B7"
+    assert line(one_f_one_b(ranks=4, microbatches=8), 3) == " ".join(f"3F{j} 3B{j}" for j in range(8))
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_is_still_valid():
-    s = one_f_one_b(stages=5, microbatches=2)
+    s = one_f_one_b(ranks=5, microbatches=2)
     validate_schedule(s)
     assert line(s, 0) == "0F0 0F1 0B0 0B1"  # warm-up capped at M
 
 
 def test_naive_is_one_microbatch_at_a_time():
-    assert naive(stages=3).actions == ((Action(0, Kind.F, 0), Action(0, Kind.B, 0)),
+    assert naive(ranks=3).actions == ((Action(0, Kind.F, 0), Action(0, Kind.B, 0)),
                                 (Action(1, Kind.F, 0), Action(1, Kind.B, 0)),
                                 (Action(2, Kind.F, 0), Action(2, Kind.B, 0)))
-    assert line(naive(stages=2, microbatches=2), 1) == "1F0 1B0 1F1 1B1"
+    assert line(naive(ranks=2, microbatches=2), 1) == "1F0 1B0 1F1 1B1"
 
 
 def test_interleaved_loop_map_and_megatron_warmup():
-    s = interleaved_1f1b(stages=4, microbatches=8, chunks=2)
-    assert s.stage_to_device == (0, 1, 2, 3, 0, 1, 2, 3)
+    s = interleaved_1f1b(ranks=4, microbatches=8, chunks=2)
+    assert s.stage_to_rank == (0, 1, 2, 3, 0, 1, 2, 3)
     assert s.stages_on(1) == [1, 5]
     assert s.chunks == 2
     # device 0: 2(K - 1) + (v - 1)K = 10 warm-up chunk-forwards, groups of K per chunk
     assert line(s, 0).split()[:12] == "0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6 4B0".split()
-    assert interleaved_1f1b(stages=4, microbatches=8, chunks=1).actions == one_f_one_b(stages=4, microbatches=8).actions
+    assert interleaved_1f1b(ranks=4, microbatches=8, chunks=1).actions == one_f_one_b(ranks=4, microbatches=8).actions
 
 
 def _megatron_interleaved(k, m, v):
@@ -77,7 +77,7 @@ def _megatron_interleaved(k, m, v):
 @pytest.mark.parametrize("k, v", [(1, 2), (2, 2), (3, 3), (4, 2), (4, 4), (5, 3)])
 def test_interleaved_matches_the_step_by_step_definition(k, v):
     for m in (k, 2 * k, 5 * k):
-        assert interleaved_1f1b(stages=k, microbatches=m, chunks=v).actions == _megatron_interleaved(k, m, v)
+        assert interleaved_1f1b(ranks=k, microbatches=m, chunks=v).actions == _megatron_interleaved(k, m, v)
 
 
 def test_action_is_a_cheap_immutable_named_tuple():
@@ -94,7 +94,7 @@ def test_action_is_a_cheap_immutable_named_tuple():
 
 
 def test_zb_h1_splits_backward_and_defers_w_by_device_index():
-    s = zb_h1(stages=4, microbatches=6)
+    s = zb_h1(ranks=4, microbatches=6)
     assert s.split_backward
     assert line(s, 0) == "0F0 0F1 0F2 0F3 0I0 0W0 0F4 0I1 0W1 0F5 0I2 0W2 0I3 0W3 0I4 0W4 0I5 0W5"
     assert line(s, 3) == "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"
@@ -102,28 +102,28 @@ def test_zb_h1_splits_backward_and_defers_w_by_device_index():
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_get_schedule_names(name):
-    s = get_schedule(name, stages=4, microbatches=8, chunks=2 if name in CHUNKED else None)
+    s = get_schedule(name, ranks=4, microbatches=8, chunks=2 if name in CHUNKED else None)
     assert s.name == name
-    assert s.num_devices == 4 and s.num_microbatches == 8
+    assert s.num_ranks == 4 and s.num_microbatches == 8
     validate_schedule(s)
 
 
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: get_schedule("pipedream", stages=4, microbatches=8),
+        (lambda: get_schedule("pipedream", ranks=4, microbatches=8),
          r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, "
          r"v-min, dualpipe-v\}, got 'pipedream'"),
-        (lambda: get_schedule("zb-v", stages=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
-        (lambda: get_schedule("dualpipe-v", stages=4, microbatches=7), r"microbatches must be >= 2 x stages \(8\)"),
-        (lambda: get_schedule("gpipe", stages=0, microbatches=8), r"stages must be >= 1, got 0"),
-        (lambda: get_schedule("1f1b", stages=4, microbatches=-2), r"microbatches must be >= 1, got -2"),
-        (lambda: get_schedule("gpipe", stages=2.5, microbatches=8), r"stages must be an integer, got 2.5"),
-        (lambda: get_schedule("interleaved", stages=4, microbatches=6, chunks=2),
-         r"microbatches \(6\) must be divisible by stages \(4\)"),
-        (lambda: get_schedule("interleaved", stages=4, microbatches=8, chunks=0), r"chunks must be >= 1, got 0"),
-        (lambda: get_schedule("gpipe", stages=4, microbatches=8, chunks=2), r"chunks must be 1 for schedule 'gpipe'.*got 2"),
-        (lambda: zb_h1(stages=4, microbatches=0), r"microbatches must be >= 1, got 0"),
+        (lambda: get_schedule("zb-v", ranks=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
+        (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7), r"microbatches must be >= 2 x ranks \(8\)"),
+        (lambda: get_schedule("gpipe", ranks=0, microbatches=8), r"ranks must be >= 1, got 0"),
+        (lambda: get_schedule("1f1b", ranks=4, microbatches=-2), r"microbatches must be >= 1, got -2"),
+        (lambda: get_schedule("gpipe", ranks=2.5, microbatches=8), r"ranks must be an integer, got 2.5"),
+        (lambda: get_schedule("interleaved", ranks=4, microbatches=6, chunks=2),
+         r"microbatches \(6\) must be divisible by ranks \(4\)"),
+        (lambda: get_schedule("interleaved", ranks=4, microbatches=8, chunks=0), r"chunks must be >= 1, got 0"),
+        (lambda: get_schedule("gpipe", ranks=4, microbatches=8, chunks=2), r"chunks must be 1 for schedule 'gpipe'.*got 2"),
+        (lambda: zb_h1(ranks=4, microbatches=0), r"microbatches must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments(call, match):
@@ -132,10 +132,10 @@ def test_bad_arguments(call, match):
 
 
 def test_text_form_round_trip_and_device_prefix():
-    s = one_f_one_b(stages=3, microbatches=4)
+    s = one_f_one_b(ranks=3, microbatches=4)
     assert Schedule.from_text(s.to_text()).actions == s.actions
     parsed = Schedule.from_text("# comment\ndevice 0: 0F0 0B0\n\ndevice 1: 1F0, 1B0  # tail\n")
-    assert parsed.stage_to_device == (0, 1)
+    assert parsed.stage_to_rank == (0, 1)
     assert str(parsed) == "0F0 0B0\n1F0 1B0"
 
 
@@ -169,7 +169,7 @@ def test_action_on_the_wrong_device():
 
 
 def test_schedule_table_places_actions_at_their_first_possible_step():
-    assert schedule_table(one_f_one_b(stages=2, microbatches=2)).splitlines() == [
+    assert schedule_table(one_f_one_b(ranks=2, microbatches=2)).splitlines() == [
         "Step  Device 0  Device 1",
         "   0  0F0",
         "   1  0F1       1F0",

@@ -47,7 +47,7 @@ def _torch_order(cls, k, m, chunks=2):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_orders_equal_torchs(name, cls, ms, k):
     for m in ms(k):
-        ours = get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+        ours = get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None)
         assert ours.actions == _torch_order(cls, k, m), (name, k, m)
 
 
@@ -57,16 +57,16 @@ def test_valid_and_lowered_programs_pass_the_rendezvous_model(name):
         for m in range(1, 13):
             if name == "dualpipe-v" and m < 2 * k:
                 continue
-            s = get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None).validate()
-            assert s.name == name and s.num_microbatches == m and s.num_devices == k
+            s = get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None).validate()
+            assert s.name == name and s.num_microbatches == m and s.num_ranks == k
             programs = lower(s)
-            assert rendezvous(programs, s.stage_to_device) is None
-            assert rendezvous(programs, s.stage_to_device, channel="device") is None
+            assert rendezvous(programs, s.stage_to_rank) is None
+            assert rendezvous(programs, s.stage_to_rank, channel="device") is None
 
 
 def test_v_placement_and_registry():
-    assert get_schedule("zb-v", stages=3, microbatches=4).stage_to_device == (0, 1, 2, 2, 1, 0)
-    assert get_schedule("looped-bfs", stages=2, microbatches=2, chunks=3).stage_to_device == (0, 1, 0, 1, 0, 1)
+    assert get_schedule("zb-v", ranks=3, microbatches=4).stage_to_rank == (0, 1, 2, 2, 1, 0)
+    assert get_schedule("looped-bfs", ranks=2, microbatches=2, chunks=3).stage_to_rank == (0, 1, 0, 1, 0, 1)
     assert set(NEW) <= set(SCHEDULES)
 
 
@@ -77,10 +77,10 @@ def test_zb_h2_only_the_fill_is_idle_with_2k_minus_1_in_flight(k, costs):
     only the (K − 1)T_F fill idle: step (K − 1)T_F + M(T_F + T_B + T_W), less than ZB-H1's
     M(T_F + T_B + T_W) + (K − 1)(T_F + T_B − T_W) whenever T_B > T_W."""
     for m in (2 * k, 4 * k):
-        tl = simulate(get_schedule("zb-h2", stages=k, microbatches=m), costs)
+        tl = simulate(get_schedule("zb-h2", ranks=k, microbatches=m), costs)
         assert tl.step_time == pytest.approx((k - 1) * costs.forward + m * (costs.forward + costs.full_backward))
         assert tl.peak_held == [2 * (k - d) - 1 for d in range(k)]
-        h1 = simulate(get_schedule("zb-h1", stages=k, microbatches=m), costs)
+        h1 = simulate(get_schedule("zb-h1", ranks=k, microbatches=m), costs)
         assert tl.step_time <= h1.step_time
 
 
@@ -90,23 +90,23 @@ def test_controllable_memory_claims(k):
     a step no longer than 1F1B's (equal F, I and W); ZB-V holds as much as 1F1B's first device,
     on every device, and (M ≥ 2K) has the shortest step of the V family, shorter than ZB-H1's."""
     for m in (k, 2 * k, 4 * k):
-        one = simulate(get_schedule("1f1b", stages=k, microbatches=m), EQUAL)
-        vmin = simulate(get_schedule("v-min", stages=k, microbatches=m), EQUAL)
-        vhalf = simulate(get_schedule("v-half", stages=k, microbatches=m), EQUAL)
-        zbv = simulate(get_schedule("zb-v", stages=k, microbatches=m), EQUAL)
+        one = simulate(get_schedule("1f1b", ranks=k, microbatches=m), EQUAL)
+        vmin = simulate(get_schedule("v-min", ranks=k, microbatches=m), EQUAL)
+        vhalf = simulate(get_schedule("v-half", ranks=k, microbatches=m), EQUAL)
+        zbv = simulate(get_schedule("zb-v", ranks=k, microbatches=m), EQUAL)
         assert max(vmin.peak_held) <= math.ceil((k + 2) / 3)
         assert max(vhalf.peak_held) <= math.ceil((k + 2) / 2)
         assert vmin.step_time <= one.step_time and vhalf.step_time <= vmin.step_time
         assert max(zbv.peak_held) <= k
         if m >= 2 * k:  # ZB-V is planned for at least 2K − 1 microbatches
             assert zbv.step_time <= vhalf.step_time
-            assert zbv.step_time < simulate(get_schedule("zb-h1", stages=k, microbatches=m), EQUAL).step_time
+            assert zbv.step_time < simulate(get_schedule("zb-h1", ranks=k, microbatches=m), EQUAL).step_time
 
 
 def test_looped_bfs_holds_every_microbatch_like_gpipe():
-    tl = simulate(get_schedule("looped-bfs", stages=4, microbatches=8, chunks=2))
+    tl = simulate(get_schedule("looped-bfs", ranks=4, microbatches=8, chunks=2))
     assert tl.peak_held == [8, 8, 8, 8]
-    assert tl.transfers == simulate(get_schedule("interleaved", stages=4, microbatches=8, chunks=2)).transfers
+    assert tl.transfers == simulate(get_schedule("interleaved", ranks=4, microbatches=8, chunks=2)).transfers
 
 
 @pytest.mark.parametrize("costs", [EQUAL, Costs(forward=1, backward=2, weight=0.5), Costs(forward=2, backward=3, weight=1)])
@@ -115,7 +115,7 @@ def test_looped_bfs_closed_form(costs):
     for k in (1, 2, 3, 4, 6):
         for m in range(k, 3 * k + 2):
             for v in (1, 2, 3):
-                tl = simulate(get_schedule("looped-bfs", stages=k, microbatches=m, chunks=v), costs)
+                tl = simulate(get_schedule("looped-bfs", ranks=k, microbatches=m, chunks=v), costs)
                 assert tl.step_time == pytest.approx((v * m + k - 1) * (costs.forward + costs.full_backward) / v)
 
 
@@ -125,5 +125,5 @@ def test_zb_v_and_dualpipe_v_closed_form_with_equal_times(name):
     forward per hop of the fill (a chunk is half a stage)."""
     for k in range(1, 9):
         for m in (2 * k, 2 * k + 1, 3 * k, 4 * k):
-            tl = simulate(get_schedule(name, stages=k, microbatches=m), EQUAL)
+            tl = simulate(get_schedule(name, ranks=k, microbatches=m), EQUAL)
             assert tl.step_time == pytest.approx(3 * m + (k - 1) / 2)

@@ -16,7 +16,7 @@ def _best_named(k, m, costs, limit):
     for name in SCHEDULES:
         if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
             continue
-        tl = costs.timeline(get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None))
+        tl = costs.timeline(get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None))
         if max(tl.peak_held) <= limit + 1e-9 and (best is None or tl.step_time < best.step_time):
             best = tl
     return best
@@ -31,7 +31,7 @@ def test_never_worse_than_the_best_named_schedule_within_the_limit(k, m, fiw, tr
     assert max(tl.peak_held) <= limit + 1e-9
     named = _best_named(k, m, costs, limit)
     assert named is None or tl.step_time <= named.step_time + 1e-9
-    assert rendezvous(lower(schedule), schedule.stage_to_device) is None  # it runs: valid, no hang
+    assert rendezvous(lower(schedule), schedule.stage_to_rank) is None  # it runs: valid, no hang
 
 
 def test_synthesis_beats_the_family_where_it_can():
@@ -48,7 +48,7 @@ def test_synthesis_beats_the_family_where_it_can():
 def test_per_stage_costs_cut_into_chunks():
     """Two whole stages (F 1 and 2, I 2 and 4, W 1): v = 2 cuts each into two halves."""
     costs = StageCosts((1, 2), (2, 4), (1, 1))
-    v = get_schedule("interleaved", stages=2, microbatches=4, chunks=2)  # stages 0..3: whole stages 0, 0, 1, 1
+    v = get_schedule("interleaved", ranks=2, microbatches=4, chunks=2)  # stages 0..3: whole stages 0, 0, 1, 1
     assert costs.durations(v)[Kind.F] == [0.5, 0.5, 1.0, 1.0]
     assert costs.durations(v)[Kind.B] == [1.5, 1.5, 2.5, 2.5]
 

@@ -33,7 +33,7 @@ WIDTHS = [5, 7, 6, 4, 8, 5, 6, 7, 3]
 
 
 def _all(k, m):
-    return [get_schedule(n, stages=k, microbatches=m, chunks=2 if n in CHUNKED else None)
+    return [get_schedule(n, ranks=k, microbatches=m, chunks=2 if n in CHUNKED else None)
             for n in SCHEDULES if not (n == "interleaved" and m % k) and not (n == "dualpipe-v" and m < 2 * k)]
 
 
@@ -42,7 +42,7 @@ def test_round_trip_and_torch_parses_every_cell(k, m):
     for s in _all(k, m):
         text = to_csv(s)
         back = from_csv(text)
-        assert back.actions == s.actions and back.stage_to_device == s.stage_to_device
+        assert back.actions == s.actions and back.stage_to_rank == s.stage_to_rank
         comm = to_csv(s, comm=True)
         assert from_csv(comm).actions == s.actions  # sends and receives are dropped, then derived again
         seen: list = []
@@ -64,7 +64,7 @@ def test_reads_what_torchs_dualpipe_v_writes():
         writer.writerow([None] + torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, rank) + [None])
     text = out.getvalue()
     assert "OVERLAP_F_B" in text and text.startswith(",")
-    assert from_csv(text).actions == get_schedule("dualpipe-v", stages=2, microbatches=5).actions
+    assert from_csv(text).actions == get_schedule("dualpipe-v", ranks=2, microbatches=5).actions
 
 
 @pytest.mark.parametrize("text, error, match", [
@@ -102,7 +102,7 @@ def _batch(rows=8):
 
 
 def _torch_step(tsched, schedule, rank, x, y):
-    torch_schedule_step(tsched, rank == schedule.device_of(0), rank == schedule.device_of(schedule.num_stages - 1), x, y)
+    torch_schedule_step(tsched, rank == schedule.rank_of(0), rank == schedule.rank_of(schedule.num_stages - 1), x, y)
 
 
 def _grad_diff(a, b):
@@ -144,9 +144,9 @@ def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
     m = 4
     if name == "auto":  # synthesised for I = 3 W, at most 2 microbatches held: a V order of the list scheduler
         schedule, _ = synthesize(2, m, StageCosts.uniform(2, 1, 1.5, 0.5), 2)
-        assert schedule.name == "auto" and schedule.stage_to_device == (0, 1, 1, 0)
+        assert schedule.name == "auto" and schedule.stage_to_rank == (0, 1, 1, 0)
     else:
-        schedule = get_schedule(name, stages=2, microbatches=m, chunks=2 if name in CHUNKED else None)
+        schedule = get_schedule(name, ranks=2, microbatches=m, chunks=2 if name in CHUNKED else None)
     text = to_csv(schedule, comm=fmt == "compute_comms")
     for ours_vs_torch, torch_vs_one in cluster.run(_torch_runs_our_csv, text, fmt, m):
         assert ours_vs_torch <= TOL and torch_vs_one <= TOL
@@ -155,7 +155,7 @@ def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
 def _we_run_torchs(cls_name, m):
     """torch builds its schedule and dumps the CSV; we read it, validate it and run it."""
     rank = dist.get_rank()
-    placement = get_schedule("zb-v", stages=2, microbatches=m)  # the V the torch classes use
+    placement = get_schedule("zb-v", ranks=2, microbatches=m)  # the V the torch classes use
     modules = split_stages(_model(), placement, rank)
     stages = [pipelining.PipelineStage(mod, s, 4, torch.device("cpu")) for s, mod in sorted(modules.items())]
     tsched = getattr(pipelining, cls_name)(stages, m, loss_fn=F.mse_loss)
@@ -170,11 +170,11 @@ def _we_run_torchs(cls_name, m):
     F.mse_loss(ref(x), y).backward()
     runner = PipelineRunner(schedule, split_stages(model, schedule, rank), F.mse_loss, dist.group.WORLD, timeout=30)
     runner.step(x, y)
-    return _grad_diff(model, ref), text, schedule.stage_to_device
+    return _grad_diff(model, ref), text, schedule.stage_to_rank
 
 
 @pytest.mark.parametrize("cls_name, ours", [("ScheduleZBVZeroBubble", "zb-v"), ("ScheduleDualPipeV", "dualpipe-v")])
 def test_torchs_zbv_and_dualpipe_v_run_in_modelpar(cluster, cls_name, ours):
     for err, text, placement in cluster.run(_we_run_torchs, cls_name, 4):
         assert err <= TOL and placement == (0, 1, 1, 0)
-        assert from_csv(text).actions == get_schedule(ours, stages=2, microbatches=4).actions
+        assert from_csv(text).actions == get_schedule(ours, ranks=2, microbatches=4).actions

@@ -16,7 +16,7 @@ from torch import nn
 from modelpar._validate import check_divisible, check_int
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.recompute.meter import ActivationMeter, HeldActivations
-from modelpar.schedules import gpipe, on_one_device
+from modelpar.schedules import gpipe, on_one_rank
 
 __all__ = ["GPipeReport", "measure_gpipe"]
 
@@ -50,7 +50,7 @@ def measure_gpipe(stages: Sequence[nn.Module], batch: torch.Tensor, microbatches
     """
     microbatches = check_int("microbatches", microbatches, minimum=1)
     check_divisible("batch rows", batch.shape[0], "microbatches", microbatches)
-    schedule = on_one_device(gpipe(stages=len(stages), microbatches=microbatches))
+    schedule = on_one_rank(gpipe(ranks=len(stages), microbatches=microbatches))
     modules = {s: nn.Sequential(_OwnStorage(), stage) if s == 0 else stage for s, stage in enumerate(stages)}
     runner = PipelineRunner(schedule, modules, _row_mean_of_sums, None)
     meters = [ActivationMeter() for _ in stages]

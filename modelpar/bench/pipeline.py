@@ -53,7 +53,7 @@ class MLPBench:
             raise ValueError(f"timeout must be <= 86400 seconds, got {self.timeout:g}")
 
     def build_schedule(self) -> Schedule:
-        return get_schedule(self.schedule, stages=self.stages, microbatches=self.microbatches, chunks=self.chunks)
+        return get_schedule(self.schedule, ranks=self.stages, microbatches=self.microbatches, chunks=self.chunks)
 
 
 def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:

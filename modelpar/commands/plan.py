@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from modelpar._validate import check_int, check_output_path
+from modelpar._validate import check_int
+from modelpar.commands.outputs import add_outputs, check_outputs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,10 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("plan", help="pick (t, p, d) for a model on a cluster with a cost model",
                               description=__doc__.splitlines()[0])
     add_plan_arguments(p)
-    out = p.add_argument_group("output")
+    out = add_outputs(p, "print the ranked list (or the accuracy table) as JSON",
+                      {"--plot": ((".png", ".svg"), "draw step time and memory over (t, p) to a PNG or SVG")})
     out.add_argument("--top", type=int, default=5, help="rows to print (default 5)")
-    out.add_argument("--plot", metavar="FILE", help="draw step time and memory over (t, p) to a PNG or SVG")
-    out.add_argument("--json", action="store_true", help="print the ranked list (or the accuracy table) as JSON")
     out.add_argument("--validate", action="store_true",
                      help="predict every published run the package ships and print predicted vs measured")
     out.add_argument("--validate-local", action="store_true",
@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return validate_local(args)
     req = request_from_args(args)
     top = check_int("--top", args.top, minimum=1)
-    if args.plot:  # fail before the search, in one line, not deep inside matplotlib
-        check_output_path("--plot", args.plot, (".png", ".svg"))
+    check_outputs(args)  # fail before the search, in one line, not deep inside matplotlib
     result = req.search()
     model, cluster = req.model, req.cluster
     if not result.ranked:

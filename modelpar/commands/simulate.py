@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from modelpar._validate import check_int, check_number, check_output_path
+from modelpar._validate import check_int, check_number
+from modelpar.commands.outputs import add_outputs, check_outputs
 
 DEFAULT_COMPARE = ("gpipe", "1f1b", "interleaved", "zb-h1")
 MAX_CHART_CELLS = 160  # wider charts are skipped in the terminal (use --png/--svg)
@@ -25,6 +26,7 @@ MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes an
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from modelpar._renamed import RenamedFlag
     from modelpar.schedules.generators import SCHEDULES
 
     p = subparsers.add_parser(
@@ -34,28 +36,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", action="append", metavar="NAME",
                    help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
-    p.add_argument("--stages", default="4", metavar="K", help="pipeline stages = devices (default 4)")
+    p.add_argument("--ranks", default="4", metavar="K", help="pipeline ranks: processes along the pipeline (default 4)")
+    p.add_argument("--stages", dest="ranks", action=RenamedFlag, new="--ranks", help=argparse.SUPPRESS)  # rename: keep
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
                    help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
-    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]",
-                   help="forward, input-backward and weight-backward time of a whole stage: one triple for every "
-                        "stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
-    p.add_argument("--memory-limit", metavar="L",
-                   help="most activations a device may hold, in microbatches' worth of one stage (--schedule auto; "
-                        "default: no limit)")
-    p.add_argument("--pareto", action="store_true",
-                   help="step time vs peak held activations for the family and the synthesised schedules "
-                        "(--png draws it)")
-    p.add_argument("--from", dest="from_file", metavar="FILE",
-                   help="a hand-written schedule, one line of actions (0F3 0B3 ...) per device, or torch's "
-                        "schedule CSV (FILE.csv: one row per rank)")
-    p.add_argument("--export-csv", metavar="FILE",
-                   help="write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per rank: "
-                        "compute_only, or compute_comms with --comm")
+    p.add_argument("--costs", metavar="F:I:W[,F:I:W...]", help="forward, input-backward and weight-backward time of a "
+                   "whole stage: one triple for every stage or one per stage (default 1:R/2:R/2 with R = --backward-ratio)")
+    p.add_argument("--memory-limit", metavar="L", help="most activations a rank may hold, in microbatches' worth of "
+                   "one stage (--schedule auto; default: no limit)")
+    p.add_argument("--pareto", action="store_true", help="step time vs peak held activations for the family and the "
+                   "synthesised schedules (--png draws it)")
+    p.add_argument("--from", dest="from_file", metavar="FILE", help="a hand-written schedule, one line of actions "
+                   "(0F3 0B3 ...) per rank, or torch's schedule CSV (FILE.csv: one row per rank)")
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
@@ -63,10 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also print each device's lowered program: its actions with the sends and receives "
                         "they imply, in the order the runtime posts them (JSON: \"programs\")")
     p.add_argument("--unit", metavar="U", help="time per chart cell (default: the coarsest exact one)")
-    p.add_argument("--png", metavar="FILE", help="save the timelines as PNG")
-    p.add_argument("--svg", metavar="FILE", help="save the timelines as SVG")
-    p.add_argument("--trace", metavar="FILE", help="save a Chrome trace (Perfetto) JSON")
-    p.add_argument("--json", action="store_true", help="print metrics as JSON instead of charts")
+    add_outputs(p, "print metrics as JSON instead of charts", {
+        "--png": ((".png",), "save the timelines as PNG"),
+        "--svg": ((".svg",), "save the timelines as SVG"),
+        "--trace": ((".json",), "save a Chrome trace (Perfetto) JSON"),
+        "--export-csv": ((".csv",), "write the (one) schedule as torch's _PipelineScheduleRuntime CSV, one row per "
+                                    "rank: compute_only, or compute_comms with --comm"),
+    })
     p.set_defaults(func=run)
 
 
@@ -90,20 +89,17 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
     from modelpar.simulate import Costs, simulate
 
-    for flag, path, suffixes in (("--png", args.png, (".png",)), ("--svg", args.svg, (".svg",)),
-                                 ("--trace", args.trace, (".json",)), ("--export-csv", args.export_csv, (".csv",))):
-        if path:
-            check_output_path(flag, path, suffixes)
+    check_outputs(args)
     if args.unit:
         _float("--unit", args.unit, strict=True)
-    k = _int("--stages", args.stages, 1)
+    k = _int("--ranks", args.ranks, 1)
     m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)
     costs = Costs(transfer=_float("--transfer", args.transfer),
                   backward_ratio=_float("--backward-ratio", args.backward_ratio))
     if k * m * v > MAX_ACTIONS:
         raise ValueError(
-            f"--stages x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
+            f"--ranks x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
@@ -136,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
         m_here = 1 if name == "naive" and args.microbatches is None else m
         if name == "interleaved" and m % k:
             raise ValueError(
-                f"--microbatches ({m}) must be a multiple of --stages ({k}) for interleaved"
+                f"--microbatches ({m}) must be a multiple of --ranks ({k}) for interleaved"
             )
-        schedules.append(get_schedule(name, stages=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
@@ -244,7 +240,8 @@ def _lower(schedule):
 
 def _record(tl, costs) -> dict:
     return {
-        "schedule": tl.name, "stages": tl.num_devices, "microbatches": tl.num_microbatches,
+        "schedule": tl.name, "ranks": tl.num_ranks, "stages": tl.num_ranks,  # "stages": K under its old name
+        "microbatches": tl.num_microbatches,
         "chunks": tl.chunks, "transfer": costs.transfer, "backward_ratio": costs.backward_ratio,
         **tl.metrics(),
     }
@@ -307,7 +304,7 @@ def _sweep(args, names, k, v, costs) -> int:
         rows = []
         for c in settings:
             for (name, chunks, m), bubble in sweep(names, k, ms, c, chunks=v).items():
-                rows.append({"schedule": name, "stages": k, "microbatches": m, "chunks": chunks,
+                rows.append({"schedule": name, "ranks": k, "stages": k, "microbatches": m, "chunks": chunks,
                              "transfer": c.transfer, "bubble": bubble})
         print(json.dumps(rows, indent=1))
     else:

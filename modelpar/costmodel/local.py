@@ -276,7 +276,7 @@ def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
     """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
     from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
     if run.schedule != "auto":
-        return get_schedule(run.schedule, stages=run.p, microbatches=run.microbatches, chunks=run.v)
+        return get_schedule(run.schedule, ranks=run.p, microbatches=run.microbatches, chunks=run.v)
     return auto_schedule(run, hw, (run.v,))[0]
 
 
@@ -314,7 +314,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
             durations[Kind.I][s] += gather if again else 0.0
             durations[Kind.W][s] += scatter
     hop = _hop(run, hw)
-    transfer = [0.0] + [hop if schedule.stage_to_device[s] != schedule.stage_to_device[s - 1] else 0.0
+    transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)
     timeline = Timeline(schedule.actions, starts, ends, schedule)

@@ -117,7 +117,7 @@ def _builds(schedule: str, p: int, m: int, v: int) -> bool:
     if schedule == "auto":
         return True
     try:
-        get_schedule(schedule, stages=p, microbatches=m, chunks=v)
+        get_schedule(schedule, ranks=p, microbatches=m, chunks=v)
     except ValueError:
         return False
     return True

@@ -69,7 +69,7 @@ def choose_schedule(costs: StageCosts, microbatches: int, limit: float, own: tup
     microbatches per device, and ``own`` timed alike. ValueError naming the least limit any schedule meets
     when none fits."""
     k = costs.stages
-    mine = costs.timeline(get_schedule(own[0], stages=k, microbatches=microbatches,
+    mine = costs.timeline(get_schedule(own[0], ranks=k, microbatches=microbatches,
                                        chunks=own[1] if own[0] in ("interleaved", "looped-bfs") else None))
     own_fits = max(mine.peak_held) <= limit + 1e-9
     if synthesise:

@@ -42,7 +42,7 @@ def measured_timeline(runner: PipelineRunner, comm: Sequence[tuple[str, float, f
 def message_bytes(runner: PipelineRunner) -> list[float]:
     """Bytes of one message into each stage (its activation, and the gradient going back), the mean
     over microbatches; 0 where the stage before is on the same device. After a step."""
-    dev = runner.schedule.stage_to_device
+    dev = runner.schedule.stage_to_rank
     out = [0.0] * len(dev)
     for s in range(1, len(dev)):
         if dev[s] != dev[s - 1]:
@@ -77,7 +77,7 @@ def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Sch
     everyone = all_gather_object(mine, group, timeout, "the timeline gather", recorder)
     return Timeline.from_events(
         [Event(d, Action.parse(a), s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
-        schedule.num_devices,
+        schedule.num_ranks,
         schedule,
         unit="s",
         comm=[CommSpan(d, c, s, e) for d, (_, spans) in enumerate(everyone) for c, s, e in spans],
@@ -93,7 +93,7 @@ def measured_durations(timelines: Iterable[Timeline]) -> dict[Kind, list[float]]
     timelines = list(timelines)
     if not timelines:
         raise ValueError("timelines must hold at least one measured timeline, got none")
-    stages = len(timelines[0].stage_to_device)
+    stages = len(timelines[0].stage_to_rank)
     samples: dict[Kind, list[list[float]]] = {k: [[] for _ in range(stages)] for k in Kind}
     for tl in timelines:
         for e in tl.events:
@@ -114,7 +114,7 @@ def message_delays(timelines: Iterable[Timeline]) -> list[float]:
     if not timelines or timelines[0].schedule is None:
         raise ValueError("timelines must hold at least one measured timeline with its schedule")
     schedule = timelines[0].schedule
-    dev = schedule.stage_to_device
+    dev = schedule.stage_to_rank
     samples: list[list[float]] = [[] for _ in dev]
     for tl in timelines:
         where = {a: (d, i) for d, acts in enumerate(tl.actions) for i, a in enumerate(acts)}
@@ -190,7 +190,7 @@ def predict(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
     the same device), e.g. from ``PipelineRunner.transfer_times``; a number applies to every
     boundary that crosses devices.
     """
-    dev = schedule.stage_to_device
+    dev = schedule.stage_to_rank
     if isinstance(transfer_in, (int, float)):
         transfer_in = [float(transfer_in) if s and dev[s] != dev[s - 1] else 0.0 for s in range(len(dev))]
     starts, ends = execute(schedule, durations, transfer_in)

@@ -59,7 +59,7 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
     ZeRO-2/3 hooks took it for an input gradient that writes no weight gradient, so a bucket they
     had freed after the previous backward received the gradients: a write into freed storage.)
     """
-    dev, last = schedule.stage_to_device, schedule.num_stages - 1
+    dev, last = schedule.stage_to_rank, schedule.num_stages - 1
     final = {}
     for i, op in enumerate(program):
         if isinstance(op, Action) and SPECS[op.kind].weight_grads:

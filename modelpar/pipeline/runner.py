@@ -82,16 +82,16 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.recorder = FlightRecorder(rank, self.group_rank)
         compute_device = _device_of(stage_modules.values())
-        if schedule.num_devices > 1:  # sends and receives leave from the group's device
+        if schedule.num_ranks > 1:  # sends and receives leave from the group's device
             for s, m in sorted(stage_modules.items()):
                 if any(True for _ in (*m.parameters(), *m.buffers())):  # a stage without tensors computes anywhere
                     check_stage_device(_device_of([m]), comm_device(self.group), f"stage {s}'s parameters")
         if check_messages is None:
             check_messages = os.environ.get(CHECK_MESSAGES_ENV, "") not in ("", "0")
         self.p2p = (P2P(self.group, self.timeout, compute_device, self.recorder, check_messages)
-                    if schedule.num_devices > 1 else None)
+                    if schedule.num_ranks > 1 else None)
         self.timer = timer_for(compute_device)
-        self._owners = (schedule.device_of(0), schedule.device_of(last))  # group ranks
+        self._owners = (schedule.rank_of(0), schedule.rank_of(last))  # group ranks
         self._hooks: OrderedDict[int, ActionHook] = OrderedDict()  # a dict RemovableHandle can refer to weakly
         self._batch: BatchSpec | None = None
         self._specs: dict[tuple[int, int], TensorSpec] = {}
@@ -104,16 +104,16 @@ class PipelineRunner:
     def _check_group(self, schedule: Schedule) -> tuple[int, int]:
         """This rank's (group rank, global rank); ValueError unless the group fits the schedule."""
         if self.group is None:
-            if schedule.num_devices != 1:
+            if schedule.num_ranks != 1:
                 raise ValueError(f"group None runs a one-device schedule in this process, but schedule "
-                                 f"{schedule.name!r} has {schedule.num_devices} devices: pass the pipeline process group")
+                                 f"{schedule.name!r} has {schedule.num_ranks} devices: pass the pipeline process group")
             return 0, dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("torch.distributed must be initialised before a PipelineRunner is built on a group "
                              "(init_process_group, or modelpar.distributed.launch / LocalCluster)")
         size = dist.get_world_size(self.group)
-        if size != schedule.num_devices:
-            raise ValueError(f"schedule {schedule.name or ''!s} has {schedule.num_devices} devices but the pipeline "
+        if size != schedule.num_ranks:
+            raise ValueError(f"schedule {schedule.name or ''!s} has {schedule.num_ranks} devices but the pipeline "
                              f"group has {size} processes; they must be equal")
         me = dist.get_rank(self.group)
         if me < 0:
@@ -229,12 +229,12 @@ class PipelineRunner:
         m = self.schedule.num_microbatches
         batch = exchange_batch(inputs, targets, self._owners, m, self.group, self.timeout, self.recorder)
         modules = {s: st.module for s, st in self.stages.items()}
-        self._specs = dry_run(modules, self.schedule.stage_to_device, batch, m, self.loss_fn, self.group,
+        self._specs = dry_run(modules, self.schedule.stage_to_rank, batch, m, self.loss_fn, self.group,
                               self.timeout, self.recorder)
         if self._clock is None:
             self._clock = clock_offset(self.group, self.timeout, self.recorder)
             if self.p2p is not None:
-                dev = self.schedule.stage_to_device
+                dev = self.schedule.stage_to_rank
                 self.p2p.connect(sorted({dev[op.peer_stage] for op in self.programs[self.group_rank]
                                          if isinstance(op, Transfer)}))
         self._batch, self._plans = batch, {}

@@ -100,7 +100,7 @@ def _global(group: Any, group_rank: int) -> int:
 
 def dry_run(
     modules: dict[int, nn.Module],
-    stage_to_device: Sequence[int],
+    stage_to_rank: Sequence[int],
     batch: BatchSpec,
     num_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -115,21 +115,21 @@ def dry_run(
     """
     me = dist.get_rank(group) if group is not None else 0
     (in_shape, in_dtype), (tg_shape, tg_dtype) = batch
-    last = len(stage_to_device) - 1
+    last = len(stage_to_rank) - 1
     specs: dict[tuple[int, int], TensorSpec] = {}
     for rows in sorted(set(microbatch_sizes(in_shape[0], num_microbatches))):
         spec: TensorSpec = ((rows, *in_shape[1:]), in_dtype)
-        for s, device in enumerate(stage_to_device):
+        for s, rank in enumerate(stage_to_rank):
             result: Any = None
-            if me == device:
+            if me == rank:
                 target = ((rows, *tg_shape[1:]), tg_dtype) if s == last else None
                 result = _try_stage(modules[s], spec, target, loss_fn)
-            kind, value = broadcast_object(result, device, group, timeout,
+            kind, value = broadcast_object(result, rank, group, timeout,
                                            f"the dry run's output shape of stage {s}", recorder)
             if kind == "error":
                 source = "the inputs" if s == 0 else f"stage {s - 1}"
                 raise ValueError(
-                    f"stage {s} (rank {_global(group, device)}) cannot run on the output of {source} "
+                    f"stage {s} (rank {_global(group, rank)}) cannot run on the output of {source} "
                     f"(shape {tuple(spec[0])}, {spec[1]}): {value}"
                 )
             if s < last:

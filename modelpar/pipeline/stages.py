@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.layer_split import split_layers
 from modelpar.pipeline.partition import split_sequential
@@ -20,10 +21,11 @@ from modelpar.schedules.schedule import Schedule
 __all__ = ["split_stages"]
 
 
+@renamed_kwargs(device="rank")  # rename: keep
 def split_stages(
     model: nn.Sequential,
     schedule: Schedule,
-    device: int,
+    rank: int,
     balance: Sequence[int] | None = None,
     recompute: Strategy = "none",
 ) -> dict[int, nn.Module]:
@@ -36,12 +38,12 @@ def split_stages(
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"model must be an nn.Sequential to be split into stages, got {type(model).__name__}")
     n, stages = len(model), schedule.num_stages
-    check_int("device", device, minimum=0, maximum=schedule.num_devices - 1)
+    check_int("rank", rank, minimum=0, maximum=schedule.num_ranks - 1)
     if balance is None:
         if n < stages:
             raise ValueError(
                 f"model has {n} layers and cannot be split into {stages} stages "
-                f"({schedule.num_devices} devices × {schedule.chunks} chunks); each stage needs a layer"
+                f"({schedule.num_ranks} devices × {schedule.chunks} chunks); each stage needs a layer"
             )
         balance = split_layers(n, stages)
     elif isinstance(balance, (str, bytes)) or len(balance) != stages:
@@ -51,4 +53,4 @@ def split_stages(
         from modelpar.recompute import recompute_stage
 
         parts = [recompute_stage(p, recompute) for p in parts]
-    return {s: parts[s] for s in schedule.stages_on(device)}
+    return {s: parts[s] for s in schedule.stages_on(rank)}

@@ -2,7 +2,8 @@
 
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.clock_cycles import clock_cycles
-from modelpar.schedules.derive import forward_only, on_one_device
+from modelpar.schedules.derive import forward_only, on_one_rank
+from modelpar.schedules.derive import on_one_device as on_one_device  # rename: keep (deprecated, not in __all__)
 from modelpar.schedules.execute import execute
 from modelpar.schedules.generators import (
     SCHEDULES,
@@ -43,7 +44,7 @@ __all__ = [
     "looped_bfs",
     "lower",
     "naive",
-    "on_one_device",
+    "on_one_rank",
     "one_f_one_b",
     "schedule_table",
     "v_half",

@@ -1,18 +1,19 @@
 """Schedules derived from another one: its forward half (evaluation), or all of it on one device.
 
 ``forward_only`` keeps each device's forwards in their order: evaluation then runs through the
-same runtime and the same lowered communication as training. ``on_one_device`` puts every stage
+same runtime and the same lowered communication as training. ``on_one_rank`` puts every stage
 on device 0, actions in the order the simulator runs them (unit costs, ties by device): the
 schedule's work done by one process, e.g. to measure its memory without starting processes.
 """
 
 from __future__ import annotations
 
+from modelpar._renamed import renamed_function
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
 
-__all__ = ["forward_only", "on_one_device"]
+__all__ = ["forward_only", "on_one_rank"]
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -21,11 +22,11 @@ def forward_only(schedule: Schedule) -> Schedule:
     Dropping actions only removes waits, so a valid schedule gives a valid forward-only one.
     """
     f = Kind.F
-    per_device = tuple(tuple(a for a in acts if a.kind is f) for acts in schedule.validate().actions)
-    return Schedule(schedule.stage_to_device, per_device, f"{schedule.name or 'schedule'} (forward only)")
+    per_rank = tuple(tuple(a for a in acts if a.kind is f) for acts in schedule.validate().actions)
+    return Schedule(schedule.stage_to_rank, per_rank, f"{schedule.name or 'schedule'} (forward only)")
 
 
-def on_one_device(schedule: Schedule) -> Schedule:
+def on_one_rank(schedule: Schedule) -> Schedule:
     """Every action of ``schedule`` on one device, in simulated start order (ties: lower device first)."""
     starts, _ = execute(schedule)
     order = sorted(
@@ -33,3 +34,6 @@ def on_one_device(schedule: Schedule) -> Schedule:
     )
     actions = (tuple(schedule.actions[d][i] for _, d, i in order),)
     return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one device)")
+
+
+on_one_device = renamed_function(on_one_rank, "on_one_device")  # rename: keep

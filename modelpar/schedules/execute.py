@@ -76,8 +76,8 @@ def _complete(schedule: Schedule) -> bool:
 
 def _run(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None,
          transfer_in: Sequence[float] | None, trace: bool) -> Run:
-    S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_devices
-    dev = schedule.stage_to_device
+    S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
+    dev = schedule.stage_to_rank
     style = schedule.style
     block = {k: i for i, k in enumerate(style)}
     made = producers(style)

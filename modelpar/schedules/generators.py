@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_choice, check_divisible, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map
@@ -34,54 +35,58 @@ __all__ = [
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 
 
-def _counts(stages: int, microbatches: int) -> tuple[int, int]:
-    return check_int("stages", stages, minimum=1), check_int("microbatches", microbatches, minimum=1)
+def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
+    return check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
 
 
-def _frozen(per_device: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
-    return tuple(map(tuple, per_device))
+def _frozen(per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(map(tuple, per_rank))
 
 
-def naive(*, stages: int, microbatches: int = 1) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     """Naive model parallelism (§1.2): one microbatch at a time goes all the way down and back.
 
     With M = 1 (the whole batch at once) only one device works at any moment: utilisation 1/K.
     """
-    k, m = _counts(stages, microbatches)
-    per_device = [[a for j in range(m) for a in (Action(d, _F, j), Action(d, _B, j))] for d in range(k)]
-    return Schedule(contiguous_map(k), _frozen(per_device), "naive")
+    k, m = _counts(ranks, microbatches)
+    per_rank = [[a for j in range(m) for a in (Action(d, _F, j), Action(d, _B, j))] for d in range(k)]
+    return Schedule(contiguous_map(k), _frozen(per_rank), "naive")
 
 
-def gpipe(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def gpipe(*, ranks: int, microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019; §2.3): all M forwards, then all M backwards, last microbatch first."""
-    k, m = _counts(stages, microbatches)
-    per_device = [
+    k, m = _counts(ranks, microbatches)
+    per_rank = [
         [Action(d, _F, j) for j in range(m)] + [Action(d, _B, j) for j in reversed(range(m))]
         for d in range(k)
     ]
-    return Schedule(contiguous_map(k), _frozen(per_device), "gpipe")
+    return Schedule(contiguous_map(k), _frozen(per_rank), "gpipe")
 
 
-def one_f_one_b(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2019; §4.1).
 
     Device d runs K - d - 1 warm-up forwards, then alternates one forward and one backward, then
     drains the remaining backwards, so at most K - d microbatches are in flight on it. With
     M < K the warm-up is capped at M: the schedule degrades to GPipe's order, still valid.
     """
-    k, m = _counts(stages, microbatches)
-    per_device = []
+    k, m = _counts(ranks, microbatches)
+    per_rank = []
     for d in range(k):
         warm = min(k - d - 1, m)
         acts = [Action(d, _F, j) for j in range(warm)]
         for j in range(m - warm):
             acts += [Action(d, _F, warm + j), Action(d, _B, j)]
         acts += [Action(d, _B, j) for j in range(m - warm, m)]
-        per_device.append(acts)
-    return Schedule(contiguous_map(k), _frozen(per_device), "1f1b")
+        per_rank.append(acts)
+    return Schedule(contiguous_map(k), _frozen(per_rank), "1f1b")
 
 
-def interleaved_1f1b(*, stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 §2.2.2; §4.2) with v chunks per device.
 
     Device d holds virtual stages d, d + K, ..., d + (v - 1)K (the "loop" map). Microbatches go
@@ -89,28 +94,29 @@ def interleaved_1f1b(*, stages: int, microbatches: int, chunks: int = 2) -> Sche
     2(K - d - 1) + (v - 1)K chunk-forwards, then one forward / one backward, as in Megatron.
     ``chunks=1`` gives plain 1F1B.
     """
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     v = check_int("chunks", chunks, minimum=1)
     if v == 1:
-        return Schedule(contiguous_map(k), one_f_one_b(stages=k, microbatches=m).actions, "interleaved")
-    check_divisible("microbatches", m, "stages", k)
+        return Schedule(contiguous_map(k), one_f_one_b(ranks=k, microbatches=m).actions, "interleaved")
+    check_divisible("microbatches", m, "ranks", k)
     total = m * v
 
     # step j of a device's F (or B) sequence: chunk (j // K) % v (B: counted from the last
     # chunk), microbatch (j // Kv) K + j % K; built in comprehensions, no call per action
     chunk_f = [(j // k) % v for j in range(total)]
     mb = [(j // (k * v)) * k + j % k for j in range(total)]
-    per_device = []
+    per_rank = []
     for d in range(k):
         fwd = [Action(c * k + d, _F, j) for c, j in zip(chunk_f, mb)]
         bwd = [Action((v - 1 - c) * k + d, _B, j) for c, j in zip(chunk_f, mb)]
         warm = min(2 * (k - d - 1) + (v - 1) * k, total)
         steady = [a for pair in zip(fwd[warm:], bwd) for a in pair]
-        per_device.append(fwd[:warm] + steady + bwd[total - warm:])
-    return Schedule(loop_map(k, v), _frozen(per_device), "interleaved")
+        per_rank.append(fwd[:warm] + steady + bwd[total - warm:])
+    return Schedule(loop_map(k, v), _frozen(per_rank), "interleaved")
 
 
-def zb_h1(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024 §3.1): 1F1B with the backward split into I and a deferred W.
 
     I (input gradient) is on the critical path; W (weight gradient) is not. Device d runs 1F1B
@@ -119,8 +125,8 @@ def zb_h1(*, stages: int, microbatches: int) -> Schedule:
     instead of (K - 1)(T_F + T_B + T_W). In-flight microbatches (F done, I not yet) stay at
     K - d, as in 1F1B. This is torch.distributed.pipelining's ZB1P order with one chunk.
     """
-    k, m = _counts(stages, microbatches)
-    per_device = []
+    k, m = _counts(ranks, microbatches)
+    per_rank = []
     for d in range(k):
         warm = min(k - d - 1, m)
         acts = [Action(d, _F, j) for j in range(warm)]
@@ -133,23 +139,24 @@ def zb_h1(*, stages: int, microbatches: int) -> Schedule:
                 acts.append(Action(d, _W, next_w))
                 next_w += 1
         acts += [Action(d, _W, j) for j in range(next_w, m)]
-        per_device.append(acts)
-    return Schedule(contiguous_map(k), _frozen(per_device), "zb-h1")
+        per_rank.append(acts)
+    return Schedule(contiguous_map(k), _frozen(per_rank), "zb-h1")
 
 
-def looped_bfs(*, stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def looped_bfs(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each device
     runs all M forwards of its first chunk, then of the next, ..., then the backwards in reverse
     (last chunk first, last microbatch first). GPipe's order, chunk by chunk: memory M per device."""
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     v = check_int("chunks", chunks, minimum=1)
-    per_device = []
+    per_rank = []
     for d in range(k):
         mine = range(d, k * v, k)
         acts = [Action(s, _F, j) for s in mine for j in range(m)]
         acts += [Action(s, _B, j) for s in reversed(mine) for j in reversed(range(m))]
-        per_device.append(acts)
-    return Schedule(loop_map(k, v), _frozen(per_device), "looped-bfs")
+        per_rank.append(acts)
+    return Schedule(loop_map(k, v), _frozen(per_rank), "looped-bfs")
 
 
 _BUILD: dict[str, Callable[..., Schedule]] = {
@@ -178,13 +185,14 @@ def check_chunks(name: str, chunks: int | None) -> int:
     return v
 
 
-def get_schedule(name: str, *, stages: int, microbatches: int, chunks: int | None = None) -> Schedule:
-    """Build schedule ``name`` (one of ``SCHEDULES``) for K devices and M microbatches.
+@renamed_kwargs(stages="ranks")  # rename: keep
+def get_schedule(name: str, *, ranks: int, microbatches: int, chunks: int | None = None) -> Schedule:
+    """Build schedule ``name`` (one of ``SCHEDULES``) for K pipeline ranks and M microbatches.
 
     ``chunks`` (v): any for "interleaved" and "looped-bfs" (default 1), 2 for the V shapes
-    (default 2), 1 for the others (``check_chunks``).
+    (default 2), 1 for the others (``check_chunks``). ``stages=K`` is the deprecated old name of ``ranks=K``.
     """
     v = check_chunks(name, chunks)
     if name in CHUNKED:
-        return _BUILD[name](stages=stages, microbatches=microbatches, chunks=v)
-    return _BUILD[name](stages=stages, microbatches=microbatches)
+        return _BUILD[name](ranks=ranks, microbatches=microbatches, chunks=v)
+    return _BUILD[name](ranks=ranks, microbatches=microbatches)

@@ -24,6 +24,7 @@ import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
@@ -33,15 +34,16 @@ __all__ = ["greedy"]
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 
-def greedy(stage_to_device: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
+@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
+def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
            durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
            name: str = "greedy") -> Schedule:
-    """The schedule the list scheduler above builds for ``stage_to_device`` and M microbatches.
+    """The schedule the list scheduler above builds for ``stage_to_rank`` and M microbatches.
 
     ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
     the costs it plans with, as in ``execute``.
     """
-    dev = tuple(stage_to_device)
+    dev = tuple(stage_to_rank)
     S, M = len(dev), check_int("microbatches", microbatches, minimum=1)
     D = 1 + max(dev)
     caps = [float(x) for x in limit] if isinstance(limit, Sequence) else [float(limit)] * D
@@ -101,7 +103,7 @@ def greedy(stage_to_device: Sequence[int], microbatches: int, limit: float | Seq
                 heapq.heappush(heap, (wake, e))
     if any(left):
         stuck = next(d for d in range(D) if left[d])
-        raise ValueError(f"stage_to_device {dev} leaves device {stuck} unable to finish: its first chunk "
+        raise ValueError(f"stage_to_rank {dev} leaves device {stuck} unable to finish: its first chunk "
                          f"must be stages 0..{D - 1} on devices 0..{D - 1}")
     return Schedule(dev, tuple(map(tuple, lists)), name)
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
+from modelpar._renamed import renamed_kwargs
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import run_blocking
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
@@ -117,7 +118,7 @@ def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
 
 def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
     """For each other device that needs ``a``'s output: (that device, our SEND, its RECV)."""
-    dev, s, m = schedule.stage_to_device, a.stage, a.microbatch
+    dev, s, m = schedule.stage_to_rank, a.stage, a.microbatch
     out = []
     for v in SPECS[a.kind].produces:
         t = s + v.consumer
@@ -129,8 +130,8 @@ def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Trans
 def _programs(schedule: Schedule) -> list[list[Op]]:
     """Each action appended when it runs (blocking execution), its SENDs after it, their RECVs at
     the receivers at the same moment."""
-    programs: list[list[Op]] = [[] for _ in range(schedule.num_devices)]
-    dev = schedule.stage_to_device
+    programs: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
+    dev = schedule.stage_to_rank
     for a in run_blocking(schedule).order:
         d = dev[a.stage]
         programs[d].append(a)
@@ -176,7 +177,8 @@ def _hang_message(schedule: Schedule) -> str:
 
 
 # --- the rendezvous model ---------------------------------------------------------------------
-def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int], channel: str = "pair") -> str | None:
+@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
+def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 
     Each device walks its program: a SEND or RECV is posted (it does not block the device; a
@@ -191,7 +193,7 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_device: Sequence[int],
     if channel not in ("pair", "device"):
         raise ValueError(f"channel must be one of {{pair, device}}, got {channel!r}")
     per_pair = channel == "pair"
-    dev = tuple(stage_to_device)
+    dev = tuple(stage_to_rank)
     last = len(dev) - 1
     made = producers(style_of({op.kind for p in programs for op in p if isinstance(op, Action)}) or STYLES[-1])
     n = len(programs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
@@ -22,16 +23,17 @@ from modelpar.schedules.schedule import Schedule
 __all__ = ["periodic"]
 
 
-def periodic(stage_to_device: Sequence[int], microbatches: int, name: str = "periodic") -> Schedule:
-    """Repeat the compact building block of ``stage_to_device`` for M microbatches (split backward)."""
-    dev = tuple(stage_to_device)
+@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
+def periodic(stage_to_rank: Sequence[int], microbatches: int, name: str = "periodic") -> Schedule:
+    """Repeat the compact building block of ``stage_to_rank`` for M microbatches (split backward)."""
+    dev = tuple(stage_to_rank)
     m = check_int("microbatches", microbatches, minimum=1)
-    devices = 1 + max(dev)
-    counts = [dev.count(d) for d in range(devices)]
+    ranks = 1 + max(dev)
+    counts = [dev.count(d) for d in range(ranks)]
     if len(set(counts)) != 1:
-        raise ValueError(f"stage_to_device must give every device as many stages, got {dev}")
+        raise ValueError(f"stage_to_rank must give every device as many stages, got {dev}")
     period = 3 * counts[0]
-    used: list[set[int]] = [set() for _ in range(devices)]
+    used: list[set[int]] = [set() for _ in range(ranks)]
     start: dict[Action, int] = {}
 
     def place(a: Action, ready: int) -> int:
@@ -49,8 +51,8 @@ def periodic(stage_to_device: Sequence[int], microbatches: int, name: str = "per
         t = place(Action(s, Kind.I, 0), max(t, start[Action(s, Kind.F, 0)] + 1))
     for s in reversed(range(len(dev))):
         place(Action(s, Kind.W, 0), start[Action(s, Kind.I, 0)] + 1)
-    per_device: list[list[tuple[int, Action]]] = [[] for _ in range(devices)]
+    per_rank: list[list[tuple[int, Action]]] = [[] for _ in range(ranks)]
     for a, t0 in start.items():
         for j in range(m):
-            per_device[dev[a.stage]].append((t0 + j * period, Action(a.stage, a.kind, j)))
-    return Schedule(dev, tuple(tuple(a for _, a in sorted(p)) for p in per_device), name)
+            per_rank[dev[a.stage]].append((t0 + j * period, Action(a.stage, a.kind, j)))
+    return Schedule(dev, tuple(tuple(a for _, a in sorted(p)) for p in per_rank), name)

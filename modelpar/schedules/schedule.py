@@ -1,7 +1,7 @@
-"""A pipeline schedule as data: the stage -> device map and one ordered action list per device.
+"""A pipeline schedule as data: the stage -> rank map and one ordered action list per pipeline rank.
 
 Generators produce it, the simulator times it, the runtime executes it and the renderers draw
-it. Communication is not written into it: it follows from dependencies that cross devices, and
+it. Communication is not written into it: it follows from dependencies that cross ranks, and
 ``modelpar.schedules.lower`` makes it explicit.
 """
 
@@ -11,43 +11,51 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from modelpar._renamed import renamed_attribute, renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.kinds import STYLES, inputs_of, producers, style_of
 
 
-def contiguous_map(num_devices: int) -> tuple[int, ...]:
+@renamed_kwargs(num_devices="num_ranks")  # rename: keep
+def contiguous_map(num_ranks: int) -> tuple[int, ...]:
     """Stage s on device s: one stage per device."""
-    return tuple(range(check_int("num_devices", num_devices, minimum=1)))
+    return tuple(range(check_int("num_ranks", num_ranks, minimum=1)))
 
 
-def loop_map(num_devices: int, chunks: int) -> tuple[int, ...]:
+@renamed_kwargs(num_devices="num_ranks")  # rename: keep
+def loop_map(num_ranks: int, chunks: int) -> tuple[int, ...]:
     """Megatron's interleaved ("loop") placement: device d holds stages d, d + K, d + 2K, ..."""
-    k = check_int("num_devices", num_devices, minimum=1)
+    k = check_int("num_ranks", num_ranks, minimum=1)
     v = check_int("chunks", chunks, minimum=1)
     return tuple(s % k for s in range(k * v))
 
 
-def v_map(num_devices: int) -> tuple[int, ...]:
+@renamed_kwargs(num_devices="num_ranks")  # rename: keep
+def v_map(num_ranks: int) -> tuple[int, ...]:
     """The V placement of ZB-V and DualPipe-V: 2K stages, device d holds d and 2K − 1 − d."""
-    k = check_int("num_devices", num_devices, minimum=1)
+    k = check_int("num_ranks", num_ranks, minimum=1)
     return tuple(range(k)) + tuple(range(k - 1, -1, -1))
 
 
 @dataclass(frozen=True, eq=True)
 class Schedule:
-    """Ordered actions per device, with virtual stage ``s`` living on ``stage_to_device[s]``."""
+    """Ordered actions per pipeline rank, with virtual stage ``s`` living on rank ``stage_to_rank[s]``.
 
-    stage_to_device: tuple[int, ...]
+    A rank is a position along the pipeline (0..K−1), a stage a virtual stage of the model (0..S−1,
+    S = K·v); docs/notation.md lists the names and their deprecated old ones.
+    """
+
+    stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     name: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage_to_device", tuple(self.stage_to_device))
+        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
         if not self.actions:
             raise ValueError("a schedule needs at least one device, got 0 action lists")
-        for s, d in enumerate(self.stage_to_device):
+        for s, d in enumerate(self.stage_to_rank):
             if not 0 <= d < len(self.actions):
                 raise ValueError(
                     f"stage {s} is mapped to device {d}, but devices are 0..{len(self.actions) - 1}"
@@ -55,18 +63,18 @@ class Schedule:
 
     # --- shape -----------------------------------------------------------------------------
     @property
-    def num_devices(self) -> int:
+    def num_ranks(self) -> int:
         return len(self.actions)
 
     @property
     def num_stages(self) -> int:
         """Number of virtual stages (K · v with interleaving)."""
-        return len(self.stage_to_device)
+        return len(self.stage_to_rank)
 
     @property
     def chunks(self) -> int:
         """Model chunks per device (v): 1 unless interleaved."""
-        return max(1, self.num_stages // self.num_devices)
+        return max(1, self.num_stages // self.num_ranks)
 
     @cached_property
     def num_microbatches(self) -> int:
@@ -95,12 +103,17 @@ class Schedule:
     def _producer(self) -> dict:
         return producers(self.style)
 
-    def device_of(self, stage: int) -> int:
-        return self.stage_to_device[stage]
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds virtual stage ``stage``."""
+        return self.stage_to_rank[stage]
 
-    def stages_on(self, device: int) -> list[int]:
+    num_devices = renamed_attribute("num_ranks")  # rename: keep
+    device_of = renamed_attribute("rank_of")  # rename: keep
+    stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
+
+    def stages_on(self, rank: int) -> list[int]:
         """The virtual stages device ``device`` holds, in model order."""
-        return [s for s, d in enumerate(self.stage_to_device) if d == device]
+        return [s for s, d in enumerate(self.stage_to_rank) if d == rank]
 
     # --- dependencies ------------------------------------------------------------------------
     def dependencies(self, action: Action) -> list[Action]:
@@ -113,7 +126,7 @@ class Schedule:
 
     def is_transfer(self, producer: Action, consumer: Action) -> bool:
         """True when ``consumer`` depends on ``producer`` across devices (a send/recv)."""
-        return self.device_of(producer.stage) != self.device_of(consumer.stage)
+        return self.rank_of(producer.stage) != self.rank_of(consumer.stage)
 
     # --- text form ---------------------------------------------------------------------------
     def to_text(self) -> str:
@@ -140,11 +153,11 @@ class Schedule:
         return cls.from_actions(lines, name=name)
 
     @classmethod
-    def from_actions(cls, per_device: Sequence[Iterable[Action]], name: str = "") -> Schedule:
+    def from_actions(cls, per_rank: Sequence[Iterable[Action]], name: str = "") -> Schedule:
         """Build a schedule from action lists, inferring the stage -> device map from them."""
-        per_device = [list(acts) for acts in per_device]
+        per_rank = [list(acts) for acts in per_rank]
         owner: dict[int, int] = {}
-        for d, acts in enumerate(per_device):
+        for d, acts in enumerate(per_rank):
             for a in acts:
                 if owner.setdefault(a.stage, d) != d:
                     raise ValueError(
@@ -155,7 +168,7 @@ class Schedule:
         missing = [s for s in range(num_stages) if s not in owner]
         if missing:
             raise ValueError(f"stages {missing} have no actions; stages must be 0..{num_stages - 1}")
-        return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_device)), name)
+        return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_rank)), name)
 
     def validate(self) -> Schedule:
         """Check completeness, per-device order and freedom from deadlock; return self."""

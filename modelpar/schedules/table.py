@@ -16,11 +16,11 @@ def schedule_table(schedule: Schedule, label: str = "Device") -> str:
     """Rows are steps, columns devices, cells the ``0F3``-style actions (validates the schedule)."""
     starts, _ = execute(schedule)
     steps = 1 + int(max((max(s) for s in starts if s), default=-1))
-    grid = [[""] * schedule.num_devices for _ in range(steps)]
+    grid = [[""] * schedule.num_ranks for _ in range(steps)]
     for d, (acts, times) in enumerate(zip(schedule.actions, starts)):
         for a, t in zip(acts, times):
             grid[int(t)][d] = str(a)
-    headers = [f"{label} {d}" for d in range(schedule.num_devices)]
+    headers = [f"{label} {d}" for d in range(schedule.num_ranks)]
     width = max(len(h) for h in headers + [c for row in grid for c in row])
     step_w = max(4, len(str(steps - 1)))
     lines = ["Step".rjust(step_w) + "  " + "  ".join(h.ljust(width) for h in headers).rstrip()]

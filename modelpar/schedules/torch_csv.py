@@ -54,19 +54,19 @@ def to_csv(schedule: Schedule, comm: bool = False) -> str:
 
 def from_csv(text: str, name: str = "") -> Schedule:
     """The schedule a torch schedule CSV describes (row r = device r); ValueError naming the first bad cell."""
-    per_device: list[list[Action]] = []
+    per_rank: list[list[Action]] = []
     for r, row in enumerate(csv.reader(io.StringIO(text))):
         acts: list[Action] = []
         for c, cell in enumerate(row):
             acts.extend(_cell(cell.strip(), r, c))
-        per_device.append(acts)
-    while per_device and not per_device[-1]:
-        per_device.pop()
-    if any(a.kind in (Kind.I, Kind.W) for acts in per_device for a in acts):
-        per_device = [[x for a in acts for x in ((Action(a.stage, Kind.I, a.microbatch),
+        per_rank.append(acts)
+    while per_rank and not per_rank[-1]:
+        per_rank.pop()
+    if any(a.kind in (Kind.I, Kind.W) for acts in per_rank for a in acts):
+        per_rank = [[x for a in acts for x in ((Action(a.stage, Kind.I, a.microbatch),
                                                    Action(a.stage, Kind.W, a.microbatch))
-                                                  if a.kind is Kind.B else (a,))] for acts in per_device]
-    return Schedule.from_actions(per_device, name=name)
+                                                  if a.kind is Kind.B else (a,))] for acts in per_rank]
+    return Schedule.from_actions(per_rank, name=name)
 
 
 def _cell(cell: str, row: int, column: int) -> list[Action]:

@@ -48,10 +48,10 @@ def _placement(schedule: Schedule) -> str:
                     f"action {a} (device {d}, position {p}) is out of range: stages are "
                     f"0..{schedule.num_stages - 1}, microbatches >= 0"
                 )
-            if schedule.device_of(a.stage) != d:
+            if schedule.rank_of(a.stage) != d:
                 return (
                     f"action {a} is in device {d}'s list (position {p}), but stage {a.stage} "
-                    f"lives on device {schedule.device_of(a.stage)}"
+                    f"lives on device {schedule.rank_of(a.stage)}"
                 )
     return ""
 
@@ -96,7 +96,7 @@ def _missing(schedule: Schedule) -> str:
                 a = Action(s, k, m)
                 if a not in present:
                     return (
-                        f"action {a} is missing (device {schedule.device_of(s)}): every stage "
+                        f"action {a} is missing (device {schedule.rank_of(s)}): every stage "
                         f"0..{schedule.num_stages - 1} needs {names} for every microbatch "
                         f"0..{schedule.num_microbatches - 1}"
                     )
@@ -131,7 +131,7 @@ def deadlock_chain(schedule: Schedule) -> list[tuple[int, int, Action, Action, i
     while d in stuck and d not in seen:
         seen.add(d)
         position, need = stuck[d]
-        owner = schedule.device_of(need.stage)
+        owner = schedule.rank_of(need.stage)
         chain.append((d, position, schedule.actions[d][position], need, owner))
         d = owner
     return chain

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.greedy import greedy
@@ -32,47 +33,51 @@ __all__ = ["dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 
 
-def _counts(stages: int, microbatches: int) -> tuple[int, int]:
-    return check_int("stages", stages, minimum=1), check_int("microbatches", microbatches, minimum=1)
+def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
+    return check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
 
 
-def zb_h2(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H2: more warm-up forwards (device d holds up to 2(K − d) − 1) so W's fill the whole drain.
 
     Step (K − 1)T_F + M(T_F + T_B + T_W) with equal times and M ≥ 2K: only the unavoidable fill
     before the last device's first forward is idle.
     """
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     return greedy(contiguous_map(k), m, [2 * (k - d) - 1 for d in range(k)], name="zb-h2")
 
 
-def v_half(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def v_half(*, ranks: int, microbatches: int) -> Schedule:
     """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any device.
 
     The fastest (equal F, I, W) of V-Min's order and the list scheduler at admission limits
     1, 1.5, ... that stays within that bound; where none of the latter does better, V-Min's order.
     """
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     limit = math.ceil((k + 2) / 2)
     candidates = [periodic(v_map(k), m)] + [greedy(v_map(k), m, x / 2) for x in range(2, 2 * limit + 1)]
     best = fastest_within(candidates, limit)
     assert best is not None  # V-Min's order holds about K/3 <= the limit
-    return Schedule(best[0].stage_to_device, best[0].actions, "v-half")
+    return Schedule(best[0].stage_to_rank, best[0].actions, "v-half")
 
 
-def v_min(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def v_min(*, ranks: int, microbatches: int) -> Schedule:
     """V-Min: V placement, the compact repeated building block (``periodic``): about K/3
     microbatches' activations held per device, a step no longer than 1F1B's."""
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     return periodic(v_map(k), m, name="v-min")
 
 
-def zb_v(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def zb_v(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-V (Qi et al. 2024a §6), as torch's ``ScheduleZBVZeroBubble``: V placement, warm-up on
     chunk 0, then chunk 1 with its I and W right behind, then F/I/W of both chunks in turn."""
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     n = max(2 * k - 1, m)  # torch plans at least 2K − 1 microbatches and drops the extra ones
-    per_device = []
+    per_rank = []
     for d in range(k):
         c0, c1 = d, 2 * k - 1 - d
         acts: list[Action] = []
@@ -102,24 +107,25 @@ def zb_v(*, stages: int, microbatches: int) -> Schedule:
             b0, w0 = b0 + 1, w0 + 1
         acts += [Action(c1, _W, j) for j in range(w1, b1)]
         acts += [Action(c0, _W, j) for j in range(w0, b0)]
-        per_device.append(tuple(a for a in acts if a.microbatch < m))
-    return Schedule(v_map(k), tuple(per_device), "zb-v")
+        per_rank.append(tuple(a for a in acts if a.microbatch < m))
+    return Schedule(v_map(k), tuple(per_rank), "zb-v")
 
 
-def dualpipe_v(*, stages: int, microbatches: int) -> Schedule:
+@renamed_kwargs(stages="ranks")  # rename: keep
+def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
     """DualPipe-V (DeepSeek's DualPipe folded onto a V), as torch's ``ScheduleDualPipeV``.
 
     Needs M ≥ 2K. The main phase pairs a chunk-0 forward with a chunk-1 backward and vice versa
     (DualPipe overlaps each pair's compute and communication; here they run back to back); the
     last microbatches' backwards are split into I and W, the W's filling the drain.
     """
-    k, m = _counts(stages, microbatches)
+    k, m = _counts(ranks, microbatches)
     if m < 2 * k:
-        raise ValueError(f"microbatches must be >= 2 x stages ({2 * k}) for schedule 'dualpipe-v', got {m}")
-    return Schedule(v_map(k), tuple(_dualpipe_device(k, m, d) for d in range(k)), "dualpipe-v")
+        raise ValueError(f"microbatches must be >= 2 x ranks ({2 * k}) for schedule 'dualpipe-v', got {m}")
+    return Schedule(v_map(k), tuple(_dualpipe_rank(k, m, d) for d in range(k)), "dualpipe-v")
 
 
-def _dualpipe_device(k: int, m: int, d: int) -> tuple[Action, ...]:
+def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
     """Device d's actions, step by step as torch's ``ScheduleDualPipeV`` writes them."""
     s0, s1 = d, 2 * k - 1 - d
     acts: list[Action] = []

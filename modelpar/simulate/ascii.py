@@ -42,10 +42,10 @@ def ascii_chart(timeline: Timeline, unit: float | None = None, label: str = "Dev
         raise ValueError(f"unit must be > 0, got {unit}")
     digits = len(str(max(timeline.num_microbatches - 1, 0)))
     width = 1 + digits
-    name_w = len(str(timeline.num_devices - 1))
+    name_w = len(str(timeline.num_ranks - 1))
     idle = IDLE * width
     rows = []
-    for d in range(timeline.num_devices):
+    for d in range(timeline.num_ranks):
         row: list[str] = []
         for a, s, e in zip(timeline.actions[d], timeline.starts[d], timeline.ends[d]):
             if not e > s:

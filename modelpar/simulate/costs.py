@@ -73,5 +73,5 @@ class Costs:
 
     def transfer_in(self, schedule: Schedule) -> list[float]:
         """``transfer_in[s]``: time to cross from stage s - 1 to stage s (0 on the same device)."""
-        dev = schedule.stage_to_device
+        dev = schedule.stage_to_rank
         return [0.0] + [self.transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]

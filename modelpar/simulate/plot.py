@@ -83,11 +83,11 @@ def _end(tl: Timeline) -> float:
 
 
 def _rows(tl: Timeline) -> float:
-    return tl.num_devices * (1.5 if _has_comm(tl) else 1)
+    return tl.num_ranks * (1.5 if _has_comm(tl) else 1)
 
 
 def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
-    n = tl.num_devices
+    n = tl.num_ranks
     few = sum(len(a) for a in tl.actions) <= _MAX_LABELS
     pitch = 1.5 if _has_comm(tl) else 1.0  # a device row, and its collectives' row under it
     ticks, names = [], []

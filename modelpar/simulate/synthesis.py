@@ -17,6 +17,7 @@ import functools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
+from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
@@ -73,7 +74,7 @@ class StageCosts:
         return {kind: [xs[s // v] / v for s in range(n)] for kind, xs in per.items()}
 
     def transfer_in(self, schedule: Schedule) -> list[float]:
-        dev = schedule.stage_to_device
+        dev = schedule.stage_to_rank
         return [0.0] + [self.transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]
 
     def timeline(self, schedule: Schedule) -> Timeline:
@@ -82,16 +83,17 @@ class StageCosts:
         return Timeline(schedule.actions, starts, ends, schedule)
 
 
-def candidates(stages: int, microbatches: int, costs: StageCosts, chunks: Collection[int] = (1, 2),
+@renamed_kwargs(stages="ranks")  # rename: keep
+def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collection[int] = (1, 2),
                ) -> Iterator[Schedule]:
     """The named family at (K, M) where it applies, then the list scheduler and repeated blocks; only
     those with v in ``chunks`` (a model too short for 2K chunks, or a split given per stage, allows v = 1 only)."""
-    k, m = check_int("stages", stages, minimum=1), check_int("microbatches", microbatches, minimum=1)
+    k, m = check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
     for name in SCHEDULES:
         if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
             continue
         if (2 if name in CHUNKED + V_SHAPED else 1) in chunks:
-            yield get_schedule(name, stages=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+            yield get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None)
     for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
         if len(placement) // k not in chunks:
             continue
@@ -103,7 +105,8 @@ def candidates(stages: int, microbatches: int, costs: StageCosts, chunks: Collec
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice
-def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float | None = None,
+@renamed_kwargs(stages="ranks")  # rename: keep
+def synthesize(ranks: int, microbatches: int, costs: StageCosts, limit: float | None = None,
                chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
     """The fastest candidate whose peak held activations per device are ≤ ``limit`` (None: any).
 
@@ -111,13 +114,13 @@ def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float |
     when a synthesised candidate wins, else keeps the winning schedule's name. ``chunks``: the v
     allowed (``candidates``; a tuple: the result is cached).
     """
-    if costs.stages != stages:
-        raise ValueError(f"costs must give {stages} stages' times (one per stage), got {costs.stages}")
+    if costs.stages != ranks:
+        raise ValueError(f"costs must give {ranks} stages' times (one per stage), got {costs.stages}")
     if limit is not None:
         check_number("limit", limit, strict=True)
     best: tuple[float, Schedule, Timeline] | None = None
     smallest = float("inf")
-    for s in candidates(stages, microbatches, costs, chunks):
+    for s in candidates(ranks, microbatches, costs, chunks):
         peak = max(peak_held(s.actions, s.chunks))
         smallest = min(smallest, peak)
         if limit is not None and peak > limit + 1e-9:
@@ -127,7 +130,7 @@ def synthesize(stages: int, microbatches: int, costs: StageCosts, limit: float |
             best = (tl.step_time, s, tl)
     if best is None:
         raise ValueError(f"memory limit must be >= {smallest:g} microbatches' activations per device (the least "
-                         f"any schedule for K = {stages}, M = {microbatches} holds), got {limit:g}")
+                         f"any schedule for K = {ranks}, M = {microbatches} holds), got {limit:g}")
     return best[1], best[2]
 
 

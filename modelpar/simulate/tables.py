@@ -22,7 +22,7 @@ def headline(timeline: Timeline) -> str:
     peaks = ", ".join(f"{p:g}" for p in timeline.peak_held)
     v = f", v = {timeline.chunks}" if timeline.chunks > 1 else ""
     return (
-        f"{timeline.name or 'schedule'} (K = {timeline.num_devices}, "
+        f"{timeline.name or 'schedule'} (K = {timeline.num_ranks}, "
         f"M = {timeline.num_microbatches}{v}): step {timeline.format_time(timeline.step_time)}, bubble "
         f"{timeline.bubble:.1%}, peak held microbatches per device [{peaks}]"
     )
@@ -35,7 +35,7 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
     for t in timelines:
         rows.append((
             label(t.name or "schedule", t.chunks),
-            str(t.num_devices),
+            str(t.num_ranks),
             str(t.num_microbatches),
             str(t.chunks),
             f"{t.step_time:.4g}" if t.unit == FORWARD else t.format_time(t.step_time, ".4g"),
@@ -65,7 +65,7 @@ def _specs(schedules: Sequence[str | tuple[str, int]], chunks: int) -> list[tupl
 
 def sweep(
     schedules: Sequence[str | tuple[str, int]],
-    stages: int,
+    ranks: int,
     microbatches: Sequence[int],
     costs: Costs,
     chunks: int = 2,
@@ -75,25 +75,25 @@ def sweep(
     out: dict[tuple[str, int, int], float | None] = {}
     for name, v in _specs(schedules, chunks):
         for m in microbatches:
-            if (name == "interleaved" and v > 1 and m % stages) or (name == "dualpipe-v" and m < 2 * stages):
+            if (name == "interleaved" and v > 1 and m % ranks) or (name == "dualpipe-v" and m < 2 * ranks):
                 out[name, v, m] = None
             else:
-                out[name, v, m] = simulate(get_schedule(name, stages=stages, microbatches=m, chunks=v), costs).bubble
+                out[name, v, m] = simulate(get_schedule(name, ranks=ranks, microbatches=m, chunks=v), costs).bubble
     return out
 
 
 def sweep_table(
     schedules: Sequence[str | tuple[str, int]],
-    stages: int,
+    ranks: int,
     microbatches: Sequence[int],
     costs: Sequence[Costs] = (Costs(),),
     chunks: int = 2,
 ) -> str:
     """Bubble vs M, one block per cost setting (e.g. without / with transfer), one column per schedule."""
     specs = _specs(schedules, chunks)
-    blocks = [f"Bubble (idle / total) vs microbatches M, K = {stages}"]
+    blocks = [f"Bubble (idle / total) vs microbatches M, K = {ranks}"]
     for c in costs:
-        res = sweep(specs, stages, microbatches, c)
+        res = sweep(specs, ranks, microbatches, c)
         rows = [("M",) + tuple(label(n, v) for n, v in specs)]
         for m in microbatches:
             cells = ["-" if res[n, v, m] is None else f"{res[n, v, m]:.1%}" for n, v in specs]

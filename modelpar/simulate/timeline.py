@@ -23,6 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
+from modelpar._renamed import renamed_attribute, renamed_kwargs
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action
 from modelpar.schedules.memory import peak_held
@@ -37,21 +38,25 @@ _UNIT_NAMES = {FORWARD: "units of one microbatch's forward through one stage", "
 
 
 class Event(NamedTuple):
-    """Device ``device`` ran ``action`` from ``start`` to ``end``."""
+    """Rank ``rank`` ran ``action`` from ``start`` to ``end``."""
 
-    device: int
+    rank: int
     action: Action
     start: float
     end: float
 
 
 class CommSpan(NamedTuple):
-    """Device ``device`` had collective ``label`` (e.g. "reduce-scatter") in flight from ``start`` to ``end``."""
+    """Rank ``rank`` had collective ``label`` (e.g. "reduce-scatter") in flight from ``start`` to ``end``."""
 
-    device: int
+    rank: int
     label: str
     start: float
     end: float
+
+
+Event.device = renamed_attribute("rank", "Event.device")  # type: ignore[attr-defined]  # rename: keep
+CommSpan.device = renamed_attribute("rank", "CommSpan.device")  # type: ignore[attr-defined]  # rename: keep
 
 
 class Timeline:
@@ -84,31 +89,32 @@ class Timeline:
             raise ValueError(f"comm must hold one list per device ({len(self.actions)}), got {len(self.comm)}")
 
     @classmethod
+    @renamed_kwargs(num_devices="num_ranks")  # rename: keep
     def from_events(
         cls,
         events: Iterable[Event | tuple],
-        num_devices: int,
+        num_ranks: int,
         schedule: Schedule | None = None,
         unit: str = FORWARD,
         comm: Iterable[CommSpan | tuple] = (),
     ) -> Timeline:
         """Sort each device's events (and ``comm`` spans) by start and shift times so that the
         earliest action starts at 0 (measured clocks start anywhere)."""
-        d_count = check_int("num_devices", num_devices, minimum=1)
+        d_count = check_int("num_ranks", num_ranks, minimum=1)
         rows: list[list[Event]] = [[] for _ in range(d_count)]
         for raw in events:
             e = Event(*raw)
-            if not 0 <= e.device < d_count:
-                raise ValueError(f"event device must be in 0..{d_count - 1}, got {e.device} ({e.action})")
+            if not 0 <= e.rank < d_count:
+                raise ValueError(f"event rank must be in 0..{d_count - 1}, got {e.rank} ({e.action})")
             if not e.end >= e.start:
                 raise ValueError(f"event end must be >= start, got {e.action} from {e.start} to {e.end}")
-            rows[e.device].append(e)
+            rows[e.rank].append(e)
         spans: list[list[CommSpan]] = [[] for _ in range(d_count)]
         for raw in comm:
             c = CommSpan(*raw)
-            if not 0 <= c.device < d_count or not c.end >= c.start:
+            if not 0 <= c.rank < d_count or not c.end >= c.start:
                 raise ValueError(f"comm span must have a device in 0..{d_count - 1} and end >= start, got {c}")
-            spans[c.device].append(c)
+            spans[c.rank].append(c)
         rows = [sorted(r, key=lambda e: (e.start, e.end)) for r in rows]
         t0 = min((r[0].start for r in rows if r), default=0.0)
         return cls(
@@ -137,31 +143,35 @@ class Timeline:
 
     # --- shape ---------------------------------------------------------------------------------
     @property
-    def num_devices(self) -> int:
+    def num_ranks(self) -> int:
         return len(self.actions)
+
+    num_devices = renamed_attribute("num_ranks")  # rename: keep
+    stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
+    bubble_per_device = renamed_attribute("bubble_per_rank")  # rename: keep
 
     @property
     def name(self) -> str:
         return self.schedule.name if self.schedule is not None else ""
 
     @cached_property
-    def stage_to_device(self) -> tuple[int, ...]:
+    def stage_to_rank(self) -> tuple[int, ...]:
         if self.schedule is not None:
-            return self.schedule.stage_to_device
+            return self.schedule.stage_to_rank
         owner = {a.stage: d for d, acts in enumerate(self.actions) for a in acts}
         return tuple(owner.get(s, 0) for s in range(1 + max(owner, default=-1)))
 
     @property
     def chunks(self) -> int:
         """v: virtual stages per device (1 unless interleaved)."""
-        return max(1, len(self.stage_to_device) // self.num_devices)
+        return max(1, len(self.stage_to_rank) // self.num_ranks)
 
     @cached_property
     def chunk_of(self) -> list[int]:
         """Stage -> which of its device's chunks it is (0 for the device's first stage, 1, ...)."""
         seen: dict[int, int] = {}
         out = []
-        for d in self.stage_to_device:
+        for d in self.stage_to_rank:
             out.append(seen.get(d, 0))
             seen[d] = out[-1] + 1
         return out
@@ -182,7 +192,7 @@ class Timeline:
         """All events, device by device, in start order."""
         return [
             Event(d, a, s, e)
-            for d in range(self.num_devices)
+            for d in range(self.num_ranks)
             for a, s, e in zip(self.actions[d], self.starts[d], self.ends[d])
         ]
 
@@ -202,7 +212,7 @@ class Timeline:
         return [self.step_time - b for b in self.busy]
 
     @property
-    def bubble_per_device(self) -> list[float]:
+    def bubble_per_rank(self) -> list[float]:
         """Idle / total for each device."""
         t = self.step_time
         return [1 - b / t if t else 0.0 for b in self.busy]
@@ -211,7 +221,7 @@ class Timeline:
     def bubble(self) -> float:
         """Idle / total over all devices: 1 - sum(busy) / (devices × step time)."""
         t = self.step_time
-        return 1 - sum(self.busy) / (t * self.num_devices) if t else 0.0
+        return 1 - sum(self.busy) / (t * self.num_ranks) if t else 0.0
 
     @property
     def speedup(self) -> float:
@@ -231,7 +241,7 @@ class Timeline:
     @cached_property
     def transfers(self) -> int:
         """Cross-device dependencies: per crossing boundary, M activations forward, M gradients back."""
-        dev = self.stage_to_device
+        dev = self.stage_to_rank
         crossings = sum(dev[s] != dev[s - 1] for s in range(1, len(dev)))
         return 2 * self.num_microbatches * crossings
 
@@ -246,7 +256,8 @@ class Timeline:
         return {
             "step_time": self.step_time,
             "bubble": self.bubble,
-            "bubble_per_device": self.bubble_per_device,
+            "bubble_per_rank": self.bubble_per_rank,
+            "bubble_per_device": self.bubble_per_rank,  # the same under its old key, which scripts read
             "peak_held": self.peak_held,
             "transfers": self.transfers,
             "speedup": self.speedup,

@@ -35,7 +35,7 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float | None = None
         name = label(tl.name or f"timeline {pid}", tl.chunks)
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         where: dict = {}
-        for d in range(tl.num_devices):
+        for d in range(tl.num_ranks):
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": d, "args": {"name": f"Device {d}"}})
             for a, s, e in zip(tl.actions[d], tl.starts[d], tl.ends[d]):
                 where[a] = (d, s, e)
@@ -45,7 +45,7 @@ def chrome_trace(timelines: Sequence[Timeline], us_per_unit: float | None = None
                     "args": {"stage": a.stage, "kind": a.kind.value, "microbatch": a.microbatch},
                 })
             if tl.comm[d]:
-                tid = tl.num_devices + d
+                tid = tl.num_ranks + d
                 events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                                "args": {"name": f"Device {d} dp comm"}})
                 events += [{"name": what, "cat": "dp", "ph": "X", "pid": pid, "tid": tid, "ts": s * scale,

@@ -227,8 +227,8 @@ class _Run:
                                   tokens_per_byte=self.corpus.tokens_per_byte)
         self.result.saved_bytes = saved_bytes(cfg, {s: wrap_stage(m, cfg.precision, last=s == stages - 1)
                                                     for s, m in self.modules.items()}, self.loss_fn, cfg.tp, rs.device)
-        self.first = rs.pp_rank == self.schedule.device_of(0)
-        self.last = rs.pp_rank == self.schedule.device_of(stages - 1)
+        self.first = rs.pp_rank == self.schedule.rank_of(0)
+        self.last = rs.pp_rank == self.schedule.rank_of(stages - 1)
         # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
         self.loss_weight = 1.0 / (cfg.dp * cfg.cp) if (self.last and rs.tp_rank == 0) else 0.0
         self.emit = report if (report is not None and dist.get_rank() == 0) else None

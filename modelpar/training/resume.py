@@ -25,11 +25,15 @@ def fits(cfg: TrainConfig) -> Callable[[Path, list[str]], None]:
     def check(path: Path, notes: list[str]) -> None:
         meta = read_meta(path)
         check_meta(meta, cfg, str(path))
-        was = meta["config"]
-        notes.append(f"resuming from {str(path)!r} at step {meta['step']} (written by t={was['tp']} p={was['pp']} "
-                     f"d={was['dp']} {was['schedule']}, v={was['chunks']}; now t={cfg.tp} p={cfg.pp} d={cfg.dp} "
-                     f"{cfg.schedule}, v={cfg.chunks})")
+        was = TrainConfig.from_dict(meta["config"])
+        notes.append(f"resuming from {str(path)!r} at step {meta['step']} (written by {_layout(was)}; "
+                     f"now {_layout(cfg)})")
     return check
+
+
+def _layout(cfg: TrainConfig) -> str:
+    """The split and schedule in words: ``t=1, cp=2, p=2, d=1, 1f1b, v=1`` (``TrainConfig.layout``, cp and ep when used)."""
+    return f"{cfg.layout()}, {cfg.schedule}, v={cfg.chunks}"
 
 
 def _root(cfg: TrainConfig) -> Path:
