@@ -96,7 +96,7 @@ def test_zero_with_expert_parallel_equals_one_process(c4, changes):
     results = c4.run(_train_bytes, cfg)
     _check(cfg, results, oracle)
     run = local_run(cfg.check(4))
-    schedule = get_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
+    schedule = get_schedule(cfg.schedule, ranks=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
     for *_, (rank, params, grads, state) in results:  # what each rank holds is what the cost model prices
         where = cfg.dims.coordinates(rank)
         want = state_bytes(run, schedule.stages_on(where["pp"]), where["dp"])
