@@ -27,6 +27,11 @@ messages are those of a rank's s/cp tokens, attention still sees the whole seque
 (4·b·(s/cp)·s·h/t FLOPs forward); the key/value traffic and what attention hides of it are
 ``costmodel.context``'s rules (``cp_blocks``, ``cp_exposed``: the ring's hops beside a block's attention,
 the all-gather's not); gradients are reduced, and ZeRO-1 shards, over the d·cp ranks.
+
+Mixture of experts (one marked place in ``_stage_costs``, the terms in ``costmodel.moe``): a MoE
+layer's router, experts at their uniform-routing rows and shared experts in place of the SwiGLU's
+GEMMs, its extra dispatched ops, and its two all-to-alls each way (ep = 2: a pair's exchange, the
+busy p2p fit; more: the ep group's all-gather fit at the same bytes per rank), exposed.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalRun,
     activation_bytes,
+    moe_layers_of,
     stage_buckets,
     stage_tensors,
     state_bytes,
 )
 from modelpar.costmodel.measured import layer_gemms
+from modelpar.costmodel.moe import MoESeconds, moe_layer_seconds
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
@@ -54,7 +61,7 @@ from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_layer_seconds", "dp_bytes_step",
-           "dp_traffic", "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
+           "dp_traffic", "moe_stage_seconds", "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -209,6 +216,25 @@ def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tupl
     return cp_exposed(run.cp, run.cp_comm, "none", comm, block_s)  # a recomputed forward: priced with it
 
 
+def _all_to_all(run: LocalRun, hw: HardwareProfile, sent: float) -> float:
+    """Seconds of an expert all-to-all in which each rank sends ``sent`` bytes: over two ranks a pair's exchange
+    (the busy p2p fit), over more the all-gather fit of the ep group (the same bytes leave each rank)."""
+    return _comm(run, hw, "p2p" if run.ep == 2 else "all_gather", run.ep, sent)
+
+
+def moe_stage_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[int, MoESeconds | None]:
+    """(MoE layers of ``stage``, what each adds over a dense layer: ``costmodel.moe.moe_layer_seconds`` on this
+    profile; None for a dense stage). ``simulate`` draws its all-to-alls inside the F and B boxes."""
+    n = moe_layers_of(run, stage)
+    if not n or run.moe is None:
+        return 0, None
+    m, ranks = run.model, min(run.world, hw.devices_per_node)
+    latency = (hw.op_latency(ranks) or 0.0) * core_share(run, hw)
+    mlp = layer_gemms(m, run.tokens, run.t)[2:]  # the SwiGLU's two GEMMs this layer does not have
+    return n, moe_layer_seconds(run.moe, run.tokens, m.hidden, run.t, run.ep, COMPUTE_BYTES[run.precision], mlp,
+                                lambda a, b, c: _matmul(run, hw, a, b, c), lambda x: _all_to_all(run, hw, x), latency)
+
+
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
     m, t = run.model, run.t
@@ -241,6 +267,12 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     elif run.recompute == "selective":
         b_layer += attention / 3 + cp_f  # the core again: with cp its ring or gather too
     forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
+    n_moe, moe = moe_stage_seconds(run, hw, stage)  # --- mixture of experts (costmodel.moe): in place of the MLP ---
+    if moe is not None:
+        f_moe = moe.forward + moe.a2a_forward
+        forward += n_moe * f_moe
+        backward += n_moe * (moe.dgrad + moe.wgrad + moe.a2a_backward + (f_moe if run.recompute == "full" else 0.0))
+        weight += n_moe * moe.wgrad
     for op, phase, nbytes in ends:  # the embedding's, the head's and the cross entropy's
         if phase == "forward":
             forward += _tp_time(run, hw, op, nbytes)
