@@ -123,6 +123,10 @@ def format_accuracy(rows: list[Validation]) -> str:
     worst = lambda group: max(abs(r.error) for r in group)  # noqa: E731
     head = [f"test set (held out, nothing fitted on them): {mean_abs_error(test_set):.1%} mean absolute step-time "
             f"error over {len(test_set)} runs, worst {worst(test_set):.1%}"] if test_set else []
+    priced = [r for r in test_set if not r.run.unmodelled]
+    if len(priced) < len(test_set):
+        head[0] += (f"; {mean_abs_error(priced):.1%} over the {len(priced)} whose features the model prices, worst "
+                    f"{worst(priced):.1%} (apart: " + ", ".join(r.run.name for r in test_set if r.run.unmodelled) + ")")
     head += [f"fit set (a parameter was fitted on them): {mean_abs_error(fit_set):.1%} over {len(fit_set)} runs, "
              f"worst {worst(fit_set):.1%}"] if fit_set else []
     lines = head + ([""] if head else []) + [
@@ -130,7 +134,8 @@ def format_accuracy(rows: list[Validation]) -> str:
              "-" * 100]
     for r in rows:
         c = r.best.config
-        layout = f"t{c.t} p{c.p} d{c.d} b{c.micro_batch} v{c.v} {c.recompute}{' sp' if c.sequence_parallel else ''}"
+        layout = (f"t{c.t} p{c.p} d{c.d}{f' ep{c.ep}' if c.ep > 1 else ''} b{c.micro_batch} v{c.v} {c.recompute}"
+                  f"{' sp' if c.sequence_parallel else ''}")
         lines.append(f"{r.run.name:<34} {unit[r.run.convention]:>7} {show(r.run.measured, r.run.convention):>9} "
                      f"{show(r.predicted, r.run.convention):>9} {r.error:>+7.1%}  {'*' if r.run.fitted else '':<3} "
                      f"{layout}")
