@@ -50,7 +50,7 @@ from modelpar.costmodel.local_memory import (
     state_bytes,
 )
 from modelpar.costmodel.measured import layer_gemms
-from modelpar.costmodel.moe import MoESeconds, moe_layer_seconds
+from modelpar.costmodel.moe import MoESeconds, moe_layer_seconds, moe_spans
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
@@ -61,7 +61,8 @@ from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_layer_seconds", "dp_bytes_step",
-           "dp_traffic", "moe_stage_seconds", "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
+           "dp_traffic", "moe_stage_seconds", "predict_local",
+           "predicted_timeline", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -328,8 +329,10 @@ def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = 
     return min(found, key=lambda pair: pair[1].step_time)
 
 
-def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
-    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
+def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[float, float, float]],
+                                                           list[tuple[float, float, float]], Timeline]:
+    """The run's schedule timed by the simulator with the priced actions: (schedule, stage costs, ZeRO times,
+    timeline in seconds)."""
     schedule = run_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
@@ -349,7 +352,31 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     transfer = [0.0] + [hop if schedule.stage_to_device[s] != schedule.stage_to_device[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)
-    timeline = Timeline(schedule.actions, starts, ends, schedule)
+    return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
+
+
+def predicted_timeline(run: LocalRun, hw: HardwareProfile) -> Timeline:
+    """The pipeline ``predict_local`` times, in ms, with each MoE layer's expert all-to-alls inside its F and
+    B (I) boxes (``Timeline.inner``, placed by ``costmodel.moe.moe_spans`` at the lengths priced here)."""
+    schedule, _, _, tl = _timeline(run, hw)
+    per = run.model.layers // run.stages
+    moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
+    inner: list[list[tuple[str, float, float]]] = [[] for _ in tl.actions]
+    for d, actions in enumerate(tl.actions):
+        for a, s, e in zip(actions, tl.starts[d], tl.ends[d]):
+            _, sec = moe_stage_seconds(run, hw, a.stage)
+            if sec is None or a.kind is Kind.W:
+                continue
+            flags = [i in moe for i in range(a.stage * per, (a.stage + 1) * per)]
+            inner[d] += [("all-to-all", 1e3 * x, 1e3 * y) for x, y in
+                         moe_spans(s, e, flags, sec, "F" if a.kind is Kind.F else "B", run.recompute == "full")]
+    ms = [[1e3 * x for x in row] for row in tl.starts], [[1e3 * x for x in row] for row in tl.ends]
+    return Timeline(tl.actions, *ms, schedule, unit="ms", inner=inner)
+
+
+def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
+    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
+    schedule, costs, dp_stage, timeline = _timeline(run, hw)
     pipeline = timeline.step_time
 
     stages = schedule.stages_on(0)
@@ -373,7 +400,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
         if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
-        dp += sum(tp_sync[s] for s in stages)
+        dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
     latency = hw.op_latency(ranks) or 0.0
     share = core_share(run, hw)
     norm = grads / hw.elementwise_bytes_per_s(ranks) * share

@@ -42,6 +42,7 @@ __all__ = [
     "moe_layer_seconds",
     "moe_layer_tensors",
     "moe_layers",
+    "moe_spans",
 ]
 
 ALL_TO_ALLS_PER_LAYER = 4  # per MoE layer and micro-batch: dispatch and combine, forward and backward
@@ -185,3 +186,27 @@ def moe_layer_seconds(spec: MoESpec, tokens: int, hidden: int, t: int, ep: int, 
     for phase, sent in all_to_alls(spec, tokens, hidden, ep, bytes_per_element):
         comm[phase] += all_to_all(sent)
     return MoESeconds(fwd + ops, dgrad + 2 * ops, wgrad, comm["forward"], comm["backward"])
+
+
+def moe_spans(start: float, end: float, moe_flags: list[bool], sec: MoESeconds, kind: str,
+              recomputed: bool = False) -> list[tuple[float, float]]:
+    """Where a stage's expert all-to-alls fall inside one of its actions (``kind`` "F", or "B"/"I": the backward
+    through the input), as (start, end): for drawing, the lengths the cost model priced. The action's other time
+    is spread evenly over the stage's layers (``moe_flags``: which are MoE, in forward order); in a MoE layer
+    the forward runs attention and router, dispatch, experts, combine (halves of its compute, halves of
+    ``a2a_forward``), the backward the reverse, after the recomputed forward's two when ``recomputed``."""
+    f, b = sec.a2a_forward / 2, sec.a2a_backward / 2
+    if kind == "F":
+        pieces: list[tuple[str, float]] = [("c", 0.5), ("a", f), ("c", 0.5), ("a", f)]
+    else:
+        again = [("c", 0.25), ("a", f), ("c", 0.25), ("a", f)] if recomputed else []
+        pieces = again + [("a", b), ("c", 0.5 if not recomputed else 0.25), ("a", b), ("c", 0.5 if not recomputed else 0.25)]
+    comm = sum(x for k, x in pieces if k == "a") * sum(moe_flags)
+    compute = max(0.0, end - start - comm) / max(1, len(moe_flags))
+    spans, t = [], start
+    for is_moe in (moe_flags if kind == "F" else moe_flags[::-1]):
+        for k, x in (pieces if is_moe else [("c", 1.0)]):
+            if k == "a":
+                spans.append((t, t + x))
+            t += x if k == "a" else x * compute
+    return spans
