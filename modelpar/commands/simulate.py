@@ -305,7 +305,8 @@ def _print(args, timelines) -> None:
         print()
     print(metrics_table(timelines))
     print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "
-          "time unit = one microbatch's forward through one whole stage")
+          "time unit = " + ("one microbatch's forward through one whole stage" if not timelines
+                            or timelines[0].unit == "forward" else timelines[0].unit_name))
 
 
 def _save(args, timelines) -> None:
