@@ -396,9 +396,12 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     elif g > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
         dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
     elif g > 1:
-        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads, g))
+        experts = _expert_bytes(run, stages)  # under ep > 1: their own all-reduce over g/ep, after the step
+        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads - experts, g))
         if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
+        if experts and g // run.ep > 1:
+            dp += _comm(run, hw, "all_reduce", g // run.ep, allreduce_bytes(experts, g // run.ep))
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
         dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
     latency = hw.op_latency(ranks) or 0.0
@@ -412,6 +415,14 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]))
+
+
+def _expert_bytes(run: LocalRun, stages: list[int]) -> float:
+    """Gradient bytes of the routed experts a rank holding ``stages`` reduces apart (ep > 1: over the replicas
+    holding the same experts, ``training.grads``); 0 without expert parallelism."""
+    if run.ep == 1:
+        return 0.0
+    return float(sum(x.numel for s in stages for x in stage_tensors(run, s) if x.expert) * run.param_bytes)
 
 
 def rank_parameters(run: LocalRun, stages: list[int]) -> int:

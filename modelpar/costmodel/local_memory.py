@@ -120,6 +120,7 @@ class _Tensor:
     numel: int
     partial: bool  # its gradient is summed over the tensor-parallel group first (own bucket group)
     tied: bool = False  # a copy of a tied embedding split across stages, or expert weights under ep > 1 (a bucket of its own)
+    expert: bool = False  # routed expert weights: under ep > 1 reduced over the d·cp/ep replicas holding them
 
 
 def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
@@ -145,7 +146,7 @@ def _layer(run: LocalRun, index: int) -> list[_Tensor]:
     out += _norm(run, sp)
     if run.moe is not None and index in run.moe.layers(m.layers):
         e = run.moe
-        return out + [_Tensor(n, False, kind == "expert" and run.ep > 1)
+        return out + [_Tensor(n, False, kind == "expert" and run.ep > 1, kind == "expert")
                       for kind, n in moe_layer_tensors(h, e.experts, e.ffn, e.shared, t, run.ep)]
     up = (2 if m.gated_mlp else 1) * f // t
     out += [_Tensor(up * h, False)] + ([_Tensor(up, False)] if bias else [])
