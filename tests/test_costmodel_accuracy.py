@@ -17,7 +17,7 @@ def rows():
 
 
 def test_every_published_run_is_a_plan_command_line_and_validate_runs_it_that_way(rows, capsys):
-    assert len(rows) == len(PUBLISHED) == 31
+    assert len(rows) == len(PUBLISHED) == 32
     for r in rows:
         assert main(["plan", *shlex.split(r.run.command), "--json", "--top", "1"]) == 0
         best = json.loads(capsys.readouterr().out)[0]
@@ -27,7 +27,7 @@ def test_every_published_run_is_a_plan_command_line_and_validate_runs_it_that_wa
 
 
 def test_held_out_runs_within_5_percent_on_average_and_10_percent_each(rows):
-    held = [r for r in rows if not r.run.fitted]
+    held = [r for r in rows if not r.run.fitted and not r.run.unmodelled]
     assert len(held) == 13  # SC'21 Table 2 PTD-P ×6, Korthikanti full recomputation ×4, BLOOM, Llama 3 ×2
     assert mean_abs_error(held) <= 0.05
     worst = max(held, key=lambda r: abs(r.error))
@@ -59,7 +59,17 @@ def test_validate_prints_the_table_with_fits_marked_and_errors_per_source(capsys
     assert "held out (nothing fitted on them)" in out and f"{GRID}: 15 runs" in out and f"{ENGINE}: 3 runs" in out
     assert main(["plan", "--validate", "--json"]) == 0
     table = json.loads(capsys.readouterr().out)
-    assert len(table["runs"]) == 31 and all(r["command"].startswith("modelpar plan --") for r in table["runs"])
+    assert len(table["runs"]) == 32 and all(r["command"].startswith("modelpar plan --") for r in table["runs"])
     summary = accuracy_summary(validate())
     assert table["mean_abs_error"] == pytest.approx(summary)
     assert set(summary) >= {"held out (nothing fitted on them)", "fitted", "all", "Korthikanti et al. 2022 Tables 3, 5"}
+
+
+def test_deepseek_v3_is_held_out_and_reported_not_bounded(rows):
+    """The MoE run is in the test set with what the model does not price named; its error is what it is (the
+    all-to-alls priced exposed where DualPipe hides them, 16-bit GEMMs where it ran FP8): reported, not bounded."""
+    (ds,) = [r for r in rows if r.run.name.startswith("DeepSeek-V3")]
+    assert ds.run.split == "test" and "MLA" in ds.run.unmodelled and "FP8" in ds.run.unmodelled
+    c = ds.best.config
+    assert (c.t, c.p, c.d, c.ep, c.zero) == (1, 16, 128, 64, 1)
+    assert ds.best.time["ep"] > 0 and ds.error > 0  # slower than the run: nothing it hides is hidden here

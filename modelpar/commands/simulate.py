@@ -8,7 +8,11 @@ CSV when FILE ends in .csv); ``--export-csv FILE`` writes the schedule as torch'
 ``--comm`` prints each device's lowered program (compute plus SEND/RECV, matched by order);
 ``--schedule auto`` builds the fastest schedule within ``--memory-limit`` for ``--costs``;
 ``--pareto`` prints (``--png`` draws) step time against peak held activations for the whole
-family and the synthesised schedules; ``--json`` is for scripts.
+family and the synthesised schedules; ``--json`` is for scripts. ``--train-config FILE`` draws the
+schedule a ``modelpar train --config FILE`` run executes, timed with the cost model's priced actions on
+its hardware (``costmodel.local.predicted_timeline``): for a mixture of experts each MoE layer's
+all-to-alls inside its F and B boxes. That path reads a TrainConfig, so it imports torch; the
+others never do.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "synthesised schedules (--png draws it)")
     p.add_argument("--from", dest="from_file", metavar="FILE", help="a hand-written schedule, one line of actions "
                    "(0F3 0B3 ...) per rank, or torch's schedule CSV (FILE.csv: one row per rank)")
+    p.add_argument("--train-config", metavar="FILE", help="a modelpar train --config file (TOML/JSON): its schedule "
+                   "with the cost model's predicted times on its hardware, MoE all-to-alls drawn inside F and B "
+                   "(imports torch)")
     p.add_argument("--sweep", nargs="?", const="1,2,4,8,16,32,64", metavar="M,M,...",
                    help="print the bubble vs M table, without and with transfer cost")
     p.add_argument("--table", action="store_true", help="also print the step x device table")
@@ -92,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     check_outputs(args)
     if args.unit:
         _float("--unit", args.unit, strict=True)
+    if args.train_config:
+        return _train_config(args)
     k = _int("--ranks", args.ranks, 1)
     m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)
@@ -154,6 +163,28 @@ def run(args: argparse.Namespace) -> int:
         Path(args.export_csv).write_text(to_csv(schedules[0], comm=args.comm))
         if not args.json:
             print(f"wrote {args.export_csv} ({'compute_comms' if args.comm else 'compute_only'})")
+    return 0
+
+
+def _train_config(args: argparse.Namespace) -> int:
+    """``--train-config``: the run's own schedule, timed by the cost model (ms), printed and saved as asked."""
+    if not Path(args.train_config).is_file():
+        raise ValueError(f"--train-config must be a readable file, got {args.train_config!r}")
+    from modelpar.commands.train import build_config
+    from modelpar.costmodel.local import predicted_timeline
+    from modelpar.training.prediction import local_run, profile_of
+
+    cfg = build_config(argparse.Namespace(config=args.train_config))
+    cfg = cfg.check(cfg.dims.world_size)
+    timeline = predicted_timeline(local_run(cfg), profile_of(cfg))
+    if args.json:
+        record = {"schedule": timeline.name, "ranks": timeline.num_ranks, "stages": timeline.num_ranks, "unit": timeline.unit,
+                  "microbatches": timeline.num_microbatches, "chunks": timeline.chunks, **timeline.metrics()}
+        record["all_to_all_ms"] = [sum(e - s for _, s, e in row) for row in timeline.inner]
+        print(json.dumps([record], indent=1))
+    else:
+        _print(args, [timeline])
+    _save(args, [timeline])
     return 0
 
 
@@ -271,7 +302,8 @@ def _print(args, timelines) -> None:
         print()
     print(metrics_table(timelines))
     print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "
-          "time unit = one microbatch's forward through one whole stage")
+          "time unit = " + ("one microbatch's forward through one whole stage" if not timelines
+                            or timelines[0].unit == "forward" else timelines[0].unit_name))
 
 
 def _save(args, timelines) -> None:

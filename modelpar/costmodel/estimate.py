@@ -18,15 +18,29 @@ from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
+from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
 from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
-__all__ = ["PARTS", "Estimate", "check_config", "estimate", "estimate_checked", "layer_time", "matmul_efficiency",
-           "microbatch_times", "optimizer_time", "output_layer_time", "tp_collectives", "transfer_time"]
+__all__ = [
+    "PARTS",
+    "Estimate",
+    "check_config",
+    "ep_layer_time",
+    "estimate",
+    "estimate_checked",
+    "layer_time",
+    "matmul_efficiency",
+    "microbatch_times",
+    "optimizer_time",
+    "output_layer_time",
+    "tp_collectives",
+    "transfer_time",
+]
 
-PARTS = ("compute", "bubble", "tp", "cp", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
+PARTS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")  # where the step time goes; they add up to it
 
 
 @dataclass(frozen=True)
@@ -59,7 +73,7 @@ class Estimate:
         """The flat record ``modelpar plan --json`` prints."""
         c = self.config
         return {
-            "t": c.t, "cp": c.cp, "cp_comm": c.cp_comm, "p": c.p, "d": c.d, "micro_batch": c.micro_batch, "v": c.v,
+            "t": c.t, "cp": c.cp, "cp_comm": c.cp_comm, "p": c.p, "d": c.d, "ep": c.ep, "micro_batch": c.micro_batch, "v": c.v,
             "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "zero": c.zero,
             "device_layers": list(self.device_layers),
             "microbatches": self.microbatches, "step_time_s": self.step_time_s,
@@ -96,6 +110,9 @@ def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, ba
         return f"interleaving (v = {cfg.v}) needs p > 1 and microbatches divisible by p = {cfg.p}"
     if cfg.sequence_parallel and cfg.t == 1:
         return "sequence parallelism needs t > 1"
+    if cfg.ep > 1 and (model.moe is None or cfg.d % cfg.ep or model.moe.experts % cfg.ep):
+        return (f"ep = {cfg.ep} needs a mixture of experts whose experts and d = {cfg.d} it divides"
+                + (f" (experts {model.moe.experts})" if model.moe is not None else " (the model is dense)"))
     return None
 
 
@@ -129,7 +146,8 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
     tokens = b * s / cfg.cp
     full = cfg.recompute == "full"
     passes = 3 + full
-    flops = tokens * model.layer_flops_per_token / t * passes
+    routed = model.expert_flops_per_token  # router and routed experts: whole on every tensor-parallel rank
+    flops = tokens * ((model.layer_flops_per_token - routed) / t + routed) * passes
     stream = activation_bytes_per_layer(s, b, h, model.heads, t, cfg.sequence_parallel, "none",
                                         model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff) / cfg.cp
     hbm = a.elementwise_passes * stream * passes
@@ -142,6 +160,21 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
         return compute, 0.0
     one = collective_time(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
     return compute, tp_collectives(cfg, a) * one
+
+
+def ep_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
+    """Expert-parallel all-to-alls of one layer (averaged over the layers) and microbatch, exposed: dispatch and
+    combine forward (again in a full recomputation) and their gradients backward (``costmodel.moe.all_to_alls``),
+    over the ep ranks t apart (ranks ordered t, d, p: the link of a span of t·ep)."""
+    if cfg.ep == 1 or model.moe is None:
+        return 0.0
+    tokens = cfg.micro_batch * model.seq // cfg.cp
+    span = cfg.t * cfg.ep
+    total = 0.0
+    for phase, sent in all_to_alls(model.moe, tokens, model.hidden, cfg.ep, a.param_bytes):
+        one = collective_time(sent, cluster.link_gbps(span), a, cluster, "all_to_all", cfg.ep, span)
+        total += one * (2 if phase == "forward" and cfg.recompute == "full" else 1)
+    return model.moe_share * total
 
 
 def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
@@ -254,11 +287,12 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     eff = matmul_efficiency(model, cluster, cfg, a)
     layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
     layer_cp = cp_layer_time(model, cluster, cfg, a, eff)
+    layer_ep = ep_layer_time(model, cluster, cfg, a)
     logits = output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
     loads = device_loads(model.layers, cfg)
-    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a, layer_compute + layer_tp + layer_cp,
-                                                            logits, loads)
+    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a,
+                                                            layer_compute + layer_tp + layer_cp + layer_ep, logits, loads)
 
     # --- the pipelined microbatches (SC'21 §2.2: the busiest device sets the pace), then the step's end ---
     p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
@@ -275,9 +309,10 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
 
     layers = model.layers / p
     time = {
-        "compute": m * (average - layers * (layer_tp + layer_cp)),
+        "compute": m * (average - layers * (layer_tp + layer_cp + layer_ep)),
         "tp": m * layers * layer_tp,
         "cp": m * layers * layer_cp,
+        "ep": m * layers * layer_ep,
         "pp": m * p2p + fill,
         "dp": dp_end + m * sharded_dp,
         "optimizer": optimizer,
@@ -299,6 +334,7 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
         links={"tp": cluster.link_name(cfg.t) if cfg.t > 1 else "-",
                "pp": cluster.link_name(cluster.gpus) if p > 1 else "-",
                "dp": cluster.link_name(cfg.t * g) if g > 1 else "-",
+               **({"ep": cluster.link_name(cfg.t * cfg.ep)} if cfg.ep > 1 else {}),
                **({"cp": cluster.link_name(cfg.t * cfg.cp)} if cfg.cp > 1 else {})},
         device_layers=loads,
     )

@@ -27,6 +27,11 @@ messages are those of a rank's s/cp tokens, attention still sees the whole seque
 (4·b·(s/cp)·s·h/t FLOPs forward); the key/value traffic and what attention hides of it are
 ``costmodel.context``'s rules (``cp_blocks``, ``cp_exposed``: the ring's hops beside a block's attention,
 the all-gather's not); gradients are reduced, and ZeRO-1 shards, over the d·cp ranks.
+
+Mixture of experts (one marked place in ``_stage_costs``, the terms in ``costmodel.moe``): a MoE
+layer's router, experts at their uniform-routing rows and shared experts in place of the SwiGLU's
+GEMMs, its extra dispatched ops, and its two all-to-alls each way (ep = 2: a pair's exchange, the
+busy p2p fit; more: the ep group's all-gather fit at the same bytes per rank), exposed.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalRun,
     activation_bytes,
+    moe_layers_of,
     stage_buckets,
     stage_tensors,
     state_bytes,
 )
 from modelpar.costmodel.measured import layer_gemms
+from modelpar.costmodel.moe import MoESeconds, moe_layer_seconds, moe_spans
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
@@ -54,7 +61,8 @@ from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_layer_seconds", "dp_bytes_step",
-           "dp_traffic", "predict_local", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
+           "dp_traffic", "moe_stage_seconds", "predict_local",
+           "predicted_timeline", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 _OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -209,6 +217,25 @@ def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tupl
     return cp_exposed(run.cp, run.cp_comm, "none", comm, block_s)  # a recomputed forward: priced with it
 
 
+def _all_to_all(run: LocalRun, hw: HardwareProfile, sent: float) -> float:
+    """Seconds of an expert all-to-all in which each rank sends ``sent`` bytes: over two ranks a pair's exchange
+    (the busy p2p fit), over more the all-gather fit of the ep group (the same bytes leave each rank)."""
+    return _comm(run, hw, "p2p" if run.ep == 2 else "all_gather", run.ep, sent)
+
+
+def moe_stage_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[int, MoESeconds | None]:
+    """(MoE layers of ``stage``, what each adds over a dense layer: ``costmodel.moe.moe_layer_seconds`` on this
+    profile; None for a dense stage). ``simulate`` draws its all-to-alls inside the F and B boxes."""
+    n = moe_layers_of(run, stage)
+    if not n or run.moe is None:
+        return 0, None
+    m, ranks = run.model, min(run.world, hw.devices_per_node)
+    latency = (hw.op_latency(ranks) or 0.0) * core_share(run, hw)
+    mlp = layer_gemms(m, run.tokens, run.t)[2:]  # the SwiGLU's two GEMMs this layer does not have
+    return n, moe_layer_seconds(run.moe, run.tokens, m.hidden, run.t, run.ep, COMPUTE_BYTES[run.precision], mlp,
+                                lambda a, b, c: _matmul(run, hw, a, b, c), lambda x: _all_to_all(run, hw, x), latency)
+
+
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
     m, t = run.model, run.t
@@ -241,6 +268,12 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     elif run.recompute == "selective":
         b_layer += attention / 3 + cp_f  # the core again: with cp its ring or gather too
     forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
+    n_moe, moe = moe_stage_seconds(run, hw, stage)  # --- mixture of experts (costmodel.moe): in place of the MLP ---
+    if moe is not None:
+        f_moe = moe.forward + moe.a2a_forward
+        forward += n_moe * f_moe
+        backward += n_moe * (moe.dgrad + moe.wgrad + moe.a2a_backward + (f_moe if run.recompute == "full" else 0.0))
+        weight += n_moe * moe.wgrad
     for op, phase, nbytes in ends:  # the embedding's, the head's and the cross entropy's
         if phase == "forward":
             forward += _tp_time(run, hw, op, nbytes)
@@ -296,8 +329,10 @@ def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = 
     return min(found, key=lambda pair: pair[1].step_time)
 
 
-def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
-    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
+def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[float, float, float]],
+                                                           list[tuple[float, float, float]], Timeline]:
+    """The run's schedule timed by the simulator with the priced actions: (schedule, stage costs, ZeRO times,
+    timeline in seconds)."""
     schedule = run_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
     durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
@@ -317,7 +352,31 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
     starts, ends = execute(schedule, durations, transfer)
-    timeline = Timeline(schedule.actions, starts, ends, schedule)
+    return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
+
+
+def predicted_timeline(run: LocalRun, hw: HardwareProfile) -> Timeline:
+    """The pipeline ``predict_local`` times, in ms, with each MoE layer's expert all-to-alls inside its F and
+    B (I) boxes (``Timeline.inner``, placed by ``costmodel.moe.moe_spans`` at the lengths priced here)."""
+    schedule, _, _, tl = _timeline(run, hw)
+    per = run.model.layers // run.stages
+    moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
+    inner: list[list[tuple[str, float, float]]] = [[] for _ in tl.actions]
+    for d, actions in enumerate(tl.actions):
+        for a, s, e in zip(actions, tl.starts[d], tl.ends[d]):
+            _, sec = moe_stage_seconds(run, hw, a.stage)
+            if sec is None or a.kind is Kind.W:
+                continue
+            flags = [i in moe for i in range(a.stage * per, (a.stage + 1) * per)]
+            inner[d] += [("all-to-all", 1e3 * x, 1e3 * y) for x, y in
+                         moe_spans(s, e, flags, sec, "F" if a.kind is Kind.F else "B", run.recompute == "full")]
+    ms = [[1e3 * x for x in row] for row in tl.starts], [[1e3 * x for x in row] for row in tl.ends]
+    return Timeline(tl.actions, *ms, schedule, unit="ms", inner=inner)
+
+
+def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
+    """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
+    schedule, costs, dp_stage, timeline = _timeline(run, hw)
     pipeline = timeline.step_time
 
     stages = schedule.stages_on(0)
@@ -337,11 +396,14 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     elif g > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
         dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
     elif g > 1:
-        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads, g))
+        experts = _expert_bytes(run, stages)  # under ep > 1: their own all-reduce over g/ep, after the step
+        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads - experts, g))
         if run.overlap:  # reduced during the last backward; what outlasts it is exposed
             dp = max(0.0, dp - costs[stages[0]][1])
+        if experts and g // run.ep > 1:
+            dp += _comm(run, hw, "all_reduce", g // run.ep, allreduce_bytes(experts, g // run.ep))
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
-        dp += sum(tp_sync[s] for s in stages)
+        dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
     latency = hw.op_latency(ranks) or 0.0
     share = core_share(run, hw)
     norm = grads / hw.elementwise_bytes_per_s(ranks) * share
@@ -353,6 +415,14 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]))
+
+
+def _expert_bytes(run: LocalRun, stages: list[int]) -> float:
+    """Gradient bytes of the routed experts a rank holding ``stages`` reduces apart (ep > 1: over the replicas
+    holding the same experts, ``training.grads``); 0 without expert parallelism."""
+    if run.ep == 1:
+        return 0.0
+    return float(sum(x.numel for s in stages for x in stage_tensors(run, s) if x.expert) * run.param_bytes)
 
 
 def rank_parameters(run: LocalRun, stages: list[int]) -> int:

@@ -8,7 +8,8 @@ layer (``moe``) holds ``costmodel.moe.moe_layer_tensors`` in place of the MLP: t
 routed experts replicated over t, E/ep experts each; under ep > 1 each expert tensor is a bucket of
 its own, reduced after the step (``GradSync``), as a tied copy is, and over the d/ep replicas holding
 the same experts only: under ZeRO its state, gradient and parameters are cut into d/ep ranges
-(``bucket_shards``, the one place that rule lives here). ``LocalRun`` states
+(``bucket_shards``, the one place that rule lives here); it keeps ``costmodel.moe.moe_activation_bytes``
+in place of the SwiGLU's 4·ffn/t per token (uniform routing). ``LocalRun`` states
 a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
 and these functions give the bytes its ranks measure (tests assert equality, and activations
 within 10%).
@@ -45,11 +46,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from modelpar.costmodel.moe import MoESpec, moe_layer_tensors, moe_layers
+from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tensors
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import optimizer_state_bytes_per_param
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "bucket_shards", "stage_buckets",
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "bucket_shards", "moe_layers_of",
+           "stage_buckets",
            "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
@@ -145,7 +147,7 @@ def _layer(run: LocalRun, index: int) -> list[_Tensor]:
         out += [_Tensor(h // t * h, False), _Tensor(2 * max(1, kv // t) * d * h, t > 1 and kv_replicated)]
     out += [_Tensor(h * h // t, False)] + ([_Tensor(h, sp)] if bias else [])
     out += _norm(run, sp)
-    if run.moe is not None and index in moe_layers(m.layers, run.moe.every):
+    if run.moe is not None and index in run.moe.layers(m.layers):
         e = run.moe
         split = run.ep > 1
         return out + [_Tensor(n, False, kind == "expert" and split, kind == "expert" and split)
@@ -263,6 +265,25 @@ def _layer_elements(run: LocalRun) -> float:
     return (4 * h + 2) / (t if sp else 1) + linear_inputs + attention + h / t + lse + 4 * f / t
 
 
+def moe_layers_of(run: LocalRun, stage: int) -> int:
+    """How many of ``stage``'s layers are mixtures of experts."""
+    if run.moe is None:
+        return 0
+    per = run.model.layers // run.stages
+    return sum(1 for i in run.moe.layers(run.model.layers) if stage * per <= i < (stage + 1) * per)
+
+
+def _moe_bytes(run: LocalRun, stage: int) -> float:
+    """What ``stage``'s MoE layers keep beyond a dense layer: ``costmodel.moe.moe_activation_bytes`` less the
+    SwiGLU's 4·ffn/t per token that ``_layer_elements`` counted (the router keeps the same input)."""
+    n = moe_layers_of(run, stage)
+    if not n or run.moe is None:
+        return 0.0
+    e, m = COMPUTE_BYTES[run.precision], run.model
+    moe = moe_activation_bytes(run.moe, run.tokens, run.micro_batch, m.hidden, run.t, e)
+    return n * (moe - run.tokens * 4 * m.ffn_size / run.t * e)
+
+
 def activation_bytes(run: LocalRun, stage: int) -> float:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
     m, t = run.model, run.t
@@ -275,6 +296,7 @@ def activation_bytes(run: LocalRun, stage: int) -> float:
     else:
         rope = 0 if not m.gated_mlp else 2 * m.seq // run.cp * (m.hidden // m.heads)
         body = layers * (tokens * _layer_elements(run) + rope) * e
+        body += _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
     if stage == 0:
         body += tokens * _IDS
         body += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index

@@ -28,7 +28,7 @@ from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, che
 from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
-__all__ = ["Capabilities", "LocalPlan", "held_limit", "plan_local", "why_schedule"]
+__all__ = ["Capabilities", "LocalPlan", "held_limit", "plan_local", "why_ep", "why_schedule"]
 
 
 @dataclass(frozen=True)
@@ -95,12 +95,19 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
                         continue
                     for rc in caps.recompute:
                         for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
-                            for zero in (z for z in caps.zero if z == 0 or d * base.cp > 1):
+                            for zero, ep in ((z, e) for z in caps.zero if z == 0 or d * base.cp > 1
+                                             for e in _expert_splits(base, d)):
                                 run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
                                               microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
-                                              zero=zero)
+                                              zero=zero, ep=ep)
                                 if _shards_fit(run) and _context_runs(model, base.cp, zero, t, sp):
                                     yield run
+
+
+def _expert_splits(base: LocalRun, d: int) -> list[int]:
+    """The ep to try at d replicas: the divisors of d that divide the experts (1 for a dense model). Which of
+    them the trainer runs with the rest of the layout (ZeRO with ep, ...) is ``accept``'s: ``TrainConfig.check``."""
+    return [e for e in divisors(d) if base.moe.experts % e == 0] if base.moe is not None else [1]
 
 
 def _shards_fit(run: LocalRun) -> bool:
@@ -199,3 +206,17 @@ def why_schedule(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
     return (f"{name}: {100 * pred.bubble:.1f}% bubble vs 1f1b {100 * base.bubble:.1f}%, step "
             f"{1e3 * pred.step_time_s:,.2f} vs {1e3 * base.step_time_s:,.2f} ms, busiest rank "
             f"{mib(pred.memory_bytes)} vs {mib(base.memory_bytes)} MiB")
+
+
+def why_ep(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
+    """Why the plan's expert parallelism: the fastest plan at every other ep beside it ("" for a dense model)."""
+    if run.moe is None:
+        return ""
+    best: dict[int, LocalPrediction] = {}
+    for r, p in plan.ranked:  # fastest first
+        best.setdefault(r.ep, p)
+    others = [f"ep={e} {100 * (p.step_time_s / pred.step_time_s - 1):+.1f}% step, busiest rank "
+              f"{p.memory_bytes / 2**20:,.2f} MiB" for e, p in sorted(best.items()) if e != run.ep]
+    what = (f"ep={run.ep}: {run.moe.experts // run.ep} of {run.moe.experts} experts per rank, "
+            f"busiest rank {pred.memory_bytes / 2**20:,.2f} MiB")
+    return what + (" vs the best at " + "; ".join(others) if others else "; no other ep fits or is accepted")

@@ -11,6 +11,7 @@ the largest taken. The training state per GPU is ``zero.py``'s, the figures the 
 from __future__ import annotations
 
 from modelpar.costmodel.assumptions import Assumptions
+from modelpar.costmodel.moe import moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import busiest_candidates, device_loads
 from modelpar.costmodel.zero import training_state_bytes
@@ -18,9 +19,11 @@ from modelpar.costmodel.zero import training_state_bytes
 __all__ = [
     "activation_bytes_per_layer",
     "device_params",
+    "expert_params",
     "in_flight",
     "layerwise_stage_gb",
     "memory_breakdown",
+    "moe_activation_delta",
     "stages_needed",
 ]
 
@@ -80,12 +83,28 @@ def device_params(model: ModelSpec, cfg: ParallelConfig, layers: int, rank: int,
     if uniform:
         return model.params / (cfg.t * cfg.p)
     word = model.vocab * model.hidden
-    params = layers * model.layer_params
+    params = layers * (model.layer_params - model.expert_layer_params)
     if rank == 0:
         params += model.embedding_params - (0 if model.tied_embeddings else word)
     if rank == cfg.p - 1 and (cfg.p > 1 or not model.tied_embeddings):
         params += word
-    return params / cfg.t
+    return params / cfg.t + expert_params(model, cfg, layers)
+
+
+def expert_params(model: ModelSpec, cfg: ParallelConfig, layers: float) -> float:
+    """The routed experts' weights among ``device_params``: E/ep of them per MoE layer, whole over t (the
+    trainer's layout, Megatron's expert-tensor-parallel size 1); their gradients are reduced over d·cp/ep."""
+    return layers * model.expert_layer_params / cfg.ep
+
+
+def moe_activation_delta(model: ModelSpec, cfg: ParallelConfig) -> float:
+    """16-bit bytes a layer (averaged) keeps beyond the dense accounting for its experts:
+    ``costmodel.moe.moe_activation_bytes`` in place of the SwiGLU's 6·ffn/t per token (0 for full recomputation)."""
+    if model.moe is None or cfg.recompute == "full":
+        return 0.0
+    tokens = cfg.micro_batch * model.seq // cfg.cp
+    moe = moe_activation_bytes(model.moe, tokens, cfg.micro_batch, model.hidden, cfg.t, 2)
+    return model.moe_share * (moe - tokens * 6 * model.ffn_size / cfg.t)
 
 
 def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a: Assumptions) -> dict[str, float]:
@@ -100,18 +119,22 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
     coeffs = (model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
     # context parallelism: s/cp tokens per rank, each attending to all s (the s² term's share too): ÷ cp
     per_layer = activation_bytes_per_layer(s, b, h, model.heads, t, sp, cfg.recompute, *coeffs) / cfg.cp
+    per_layer += moe_activation_delta(model, cfg)
     working = (activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none", *coeffs) / cfg.cp
                if cfg.recompute == "full" else 0.0)
     if cfg.zero == 3:
-        working += 2 * model.layer_params / t * (a.param_bytes + a.grad_bytes)
+        layer = (model.layer_params - model.expert_layer_params) / t + model.expert_layer_params / cfg.ep
+        working += 2 * layer * (a.param_bytes + a.grad_bytes)
     p, v = cfg.p, cfg.v
     loads = device_loads(model.layers, cfg)
     best: dict[str, float] = {}
     for rank in busiest_candidates(loads):
         layers = model.layers / p if a.uniform_stages else loads[rank]
+        params = device_params(model, cfg, loads[rank], rank, a.uniform_stages)
+        experts = expert_params(model, cfg, loads[rank])  # sharded over the d·cp/ep replicas that hold them
         mem = {
-            "state": training_state_bytes(device_params(model, cfg, loads[rank], rank, a.uniform_stages), cfg.grad_ranks,
-                                          cfg.zero, a.param_bytes, a.grad_bytes),
+            "state": training_state_bytes(params - experts, cfg.grad_ranks, cfg.zero, a.param_bytes, a.grad_bytes)
+            + training_state_bytes(experts, cfg.grad_ranks // cfg.ep, cfg.zero, a.param_bytes, a.grad_bytes),
             "activations": per_layer * layers * in_flight(p, v, microbatches, rank),
             "working": working,
             "reserve": a.memory_reserve_gb * 1e9,

@@ -2,8 +2,12 @@
 
 Models: GPT-3 175B (Brown et al. 2020, as Megatron trains it: V padded to 51200), the 1T model of
 Megatron SC'21 Table 1 (the reference's §6.2), BLOOM-176B, OPT-175B and Llama-3 8B/70B/405B
-(their model cards). Nodes: DGX-style 8-GPU boxes, per-GPU NVLink bandwidth in one direction and
-one 200 Gb/s (A100) or 400 Gb/s (H100/H200) InfiniBand NIC per GPU.
+(their model cards), and two mixtures of experts: Mixtral 8x7B (Jiang et al. 2024, arXiv:2401.04088,
+Table 1) and DeepSeek-V3 (DeepSeek-AI 2024, arXiv:2412.19437, §4.2 and its config.json) — their shape
+figures entered from memory of those sources, not re-read (docs/costmodel.md marks them); DeepSeek-V3's
+multi-head latent attention is modelled as plain attention of 128 heads over h (not modelled: MLA,
+FP8, multi-token prediction). Nodes: DGX-style 8-GPU boxes, per-GPU NVLink bandwidth in one direction
+and one 200 Gb/s (A100) or 400 Gb/s (H100/H200/H800) InfiniBand NIC per GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from modelpar.costmodel.moe import MoESpec
 from modelpar.costmodel.profiles import HardwareProfile, node_profile
 from modelpar.costmodel.specs import ClusterSpec, GPUSpec, ModelSpec
 
@@ -28,6 +33,14 @@ MODELS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec(32, 4096, 32, 8192, 128256, ffn=14336, name="llama3-8b", **_LLAMA),
     "llama3-70b": ModelSpec(80, 8192, 64, 8192, 128256, ffn=28672, name="llama3-70b", **_LLAMA),
     "llama3-405b": ModelSpec(126, 16384, 128, 8192, 128256, ffn=53248, name="llama3-405b", **_LLAMA),
+    # from memory: h 4096, 32 layers, 32 heads, 8 kv heads, 8 experts of 14336, top-2, V 32000, s 4096 (46.7B / 12.9B)
+    "mixtral-8x7b": ModelSpec(32, 4096, 32, 4096, 32000, ffn=14336, name="mixtral-8x7b",
+                              moe=MoESpec(8, 14336, top_k=2), **_LLAMA),
+    # from memory (config.json): 61 layers, h 7168, 128 heads, the first 3 dense (FFN 18432), then 256 routed experts
+    # of 2048 + 1 shared, top-8, sigmoid router, V 129280, pre-training s 4096; MLA as plain multi-head attention
+    "deepseek-v3": ModelSpec(61, 7168, 128, 4096, 129280, ffn=18432, name="deepseek-v3",
+                             moe=MoESpec(256, 2048, shared=1, top_k=8, router="sigmoid", first_dense=3),
+                             **{**_LLAMA, "kv_heads": 0}),
 }
 
 
@@ -52,6 +65,9 @@ PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": node_profile("h100-sxm", 989.0, 80.0, 3.35, 0.72, 8, 450.0, 50.0),
     # H200: the H100 die with 141 GB of HBM3e at 4.8 TB/s.
     "h200": node_profile("h200", 989.0, 141.0, 4.8, 0.72, 8, 450.0, 50.0),
+    # H800 (the export variant DeepSeek-V3 trained on): H100 SXM compute and memory, NVLink cut to 400 GB/s
+    # bidirectional (200 per direction), 400 Gb/s InfiniBand per GPU (DeepSeek-V3 §3.1: 8 NICs per node).
+    "h800": node_profile("h800", 989.0, 80.0, 3.35, 0.72, 8, 200.0, 50.0),
 }
 
 

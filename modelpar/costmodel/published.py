@@ -34,6 +34,7 @@ class PublishedRun:
     measured: float  # TFLOP/s per GPU, MFU as a fraction, or seconds per step
     convention: str = "tflops"  # "tflops", "mfu" or "step_s"
     fitted: str = ""  # the parameter fitted on this run, "" if none (held out)
+    unmodelled: str = ""  # what the run does that the model does not price ("" if nothing known); reported apart
 
     @property
     def split(self) -> str:
@@ -104,6 +105,14 @@ PUBLISHED: list[PublishedRun] = [
                    f"--model llama3-405b --gpu h100-sxm --gpus {g} --batch 2048 --tp 8 --pp 16 --zero 2 --engine pytorch",
                    mfu, "mfu")
       for g, mfu in ((8192, 0.43), (16384, 0.41))),
+    # DeepSeek-AI 2024 (arXiv:2412.19437) §3.2, §4.2, Table 1 — figures entered from memory, not re-read: 2048 H800s,
+    # 16-way pipeline (DualPipe), 64-way expert parallelism over 8 nodes, ZeRO-1 data parallelism, no tensor
+    # parallelism; batch 15360 sequences of 4096 tokens after the ramp-up; 180K H800 GPU-hours per trillion tokens,
+    # i.e. 1e12 / (180e3 · 3600) = 1543 tokens/s per GPU and 15360 · 4096 / (2048 · 1543) = 19.9 s per step.
+    PublishedRun("DeepSeek-V3 671B, 2048 H800s", "DeepSeek-AI 2024 (arXiv:2412.19437) §3.2, §4.2 (from memory)",
+                 "--model deepseek-v3 --gpu h800 --gpus 2048 --batch 15360 --tp 1 --pp 16 --ep 64 --zero 1", 19.9,
+                 "step_s", unmodelled="MLA attention, FP8 GEMMs and activations, multi-token prediction, DualPipe's "
+                                      "overlap of the all-to-alls, node-limited routing"),
 ]
 
 

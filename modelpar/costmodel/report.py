@@ -16,7 +16,7 @@ __all__ = ["accuracy_summary", "best_by_tp", "explain", "format_accuracy", "form
 
 def format_table(estimates: list[Estimate]) -> str:
     """One row per estimate: layout, step time, TFLOP/s per GPU, MFU, memory and the step's breakdown in %."""
-    head = (f"{'#':>3} {'t':>3} {'cp':>3} {'p':>4} {'d':>5} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
+    head = (f"{'#':>3} {'t':>3} {'cp':>3} {'p':>4} {'d':>5} {'ep':>3} {'b':>3} {'v':>3} {'recompute':>9} {'sp':>3} {'zero':>4} "
             f"{'step s':>9} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} | "
             + " ".join(f"{k[:7]:>7}" for k in PARTS))
     lines = [head, "-" * len(head)]
@@ -24,7 +24,7 @@ def format_table(estimates: list[Estimate]) -> str:
         c = e.config
         parts = " ".join(f"{100 * e.time[k] / e.step_time_s:6.1f}%" for k in PARTS)
         lines.append(
-            f"{i:>3} {c.t:>3} {c.cp:>3} {c.p:>4} {c.d:>5} {c.micro_batch:>3} {c.v:>3} {c.recompute:>9} "
+            f"{i:>3} {c.t:>3} {c.cp:>3} {c.p:>4} {c.d:>5} {c.ep:>3} {c.micro_batch:>3} {c.v:>3} {c.recompute:>9} "
             f"{'on' if c.sequence_parallel else 'off':>3} {c.zero:>4} {e.step_time_s:>9.3f} {e.tflops_per_gpu:>8.1f} "
             f"{e.mfu:>6.1%} {e.memory_gb:>7.1f} {e.bubble_over_ideal_compute:>7.2%} | {parts}"
         )
@@ -38,7 +38,8 @@ def _layout(e: Estimate) -> str:
     rc = "no" if c.recompute == "none" else c.recompute
     zero = f", ZeRO-{c.zero}" if c.zero else ""
     cp = f", cp = {c.cp} ({c.cp_comm})" if c.cp > 1 else ""
-    return f"t = {c.t}{cp}, p = {c.p}, d = {c.d}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}{zero}"
+    ep = f" (ep = {c.ep} inside it)" if c.ep > 1 else ""
+    return f"t = {c.t}{cp}, p = {c.p}, d = {c.d}{ep}, micro-batch {c.micro_batch}{v}, {rc} recomputation{sp}{zero}"
 
 
 def _stages(e: Estimate) -> str:
@@ -73,6 +74,9 @@ def explain(result: SearchResult, cluster: ClusterSpec, a: Assumptions) -> str:
                 "per-microbatch gradient reduce-scatter (ZeRO-2)", "per-layer parameter gathers and gradient "
                 "reduce-scatters (ZeRO-3)")[c.zero]
         text.append(f"The {c.d}-way data-parallel {what} ({best.links['dp']}) takes {share['dp']:.1%} exposed.")
+    why_ep = _why_ep(result)
+    if why_ep:
+        text.append(why_ep)
     mem = best.memory
     text.append(f"Memory: {best.memory_gb:.1f} of {_gb(best.memory_limit / 1e9)} GB on the most loaded stage "
                 f"(training state {mem['state'] / 1e9:.1f} GB, activations "
@@ -88,6 +92,28 @@ def explain(result: SearchResult, cluster: ClusterSpec, a: Assumptions) -> str:
     if dropped:
         text.append(f"Dropped layouts: {dropped}.")
     return " ".join(text)
+
+
+def _why_ep(result: SearchResult) -> str:
+    """Why the winner's expert parallelism: its all-to-all share, and the best layout at every other ep that fits
+    (slower, or holding more) — "" for a dense model."""
+    best = result.ranked[0]
+    per_ep: dict[int, Estimate] = {}
+    for e in result.ranked:  # fastest first
+        per_ep.setdefault(e.config.ep, e)
+    if best.config.ep == 1 and len(per_ep) == 1 and not best.time["ep"]:
+        return ""
+    c = best.config
+    text = (f"Expert parallelism ep = {c.ep} (inside d = {c.d}): each GPU holds 1/{c.ep} of every MoE layer's "
+            f"experts" + (f", its all-to-alls ({best.links['ep']}) take {best.time['ep'] / best.step_time_s:.1%} of "
+                          "the step" if c.ep > 1 else ", no all-to-all") + ".")
+    others = [f"ep = {k}: {e.step_time_s / best.step_time_s - 1:+.1%} step time, {e.memory_gb:.1f} GB"
+              for k, e in sorted(per_ep.items()) if k != c.ep]
+    if others:
+        text += " The best layout at " + "; at ".join(others) + "."
+    if 1 not in per_ep:
+        text += " No layout at ep = 1 fits."
+    return text
 
 
 def _gb(x: float) -> str:
@@ -123,6 +149,10 @@ def format_accuracy(rows: list[Validation]) -> str:
     worst = lambda group: max(abs(r.error) for r in group)  # noqa: E731
     head = [f"test set (held out, nothing fitted on them): {mean_abs_error(test_set):.1%} mean absolute step-time "
             f"error over {len(test_set)} runs, worst {worst(test_set):.1%}"] if test_set else []
+    priced = [r for r in test_set if not r.run.unmodelled]
+    if len(priced) < len(test_set):
+        head[0] += (f"; {mean_abs_error(priced):.1%} over the {len(priced)} whose features the model prices, worst "
+                    f"{worst(priced):.1%} (apart: " + ", ".join(r.run.name for r in test_set if r.run.unmodelled) + ")")
     head += [f"fit set (a parameter was fitted on them): {mean_abs_error(fit_set):.1%} over {len(fit_set)} runs, "
              f"worst {worst(fit_set):.1%}"] if fit_set else []
     lines = head + ([""] if head else []) + [
@@ -130,7 +160,8 @@ def format_accuracy(rows: list[Validation]) -> str:
              "-" * 100]
     for r in rows:
         c = r.best.config
-        layout = f"t{c.t} p{c.p} d{c.d} b{c.micro_batch} v{c.v} {c.recompute}{' sp' if c.sequence_parallel else ''}"
+        layout = (f"t{c.t} p{c.p} d{c.d}{f' ep{c.ep}' if c.ep > 1 else ''} b{c.micro_batch} v{c.v} {c.recompute}"
+                  f"{' sp' if c.sequence_parallel else ''}")
         lines.append(f"{r.run.name:<34} {unit[r.run.convention]:>7} {show(r.run.measured, r.run.convention):>9} "
                      f"{show(r.predicted, r.run.convention):>9} {r.error:>+7.1%}  {'*' if r.run.fitted else '':<3} "
                      f"{layout}")

@@ -16,6 +16,7 @@ from typing import Any
 from modelpar._validate import check_choice, check_int, check_number
 from modelpar.costmodel.assumptions import Assumptions, assumptions_for, measured_assumptions
 from modelpar.costmodel.engines import ENGINES, engine_assumptions
+from modelpar.costmodel.moe import MoESpec
 from modelpar.costmodel.presets import GPUS, NodePreset, gpu_preset, make_cluster, model_preset, profile_node
 from modelpar.costmodel.profiles import load_profile
 from modelpar.costmodel.search import SearchResult, search
@@ -28,6 +29,8 @@ __all__ = ["PlanRequest", "add_plan_arguments", "default_assumptions", "parse_pl
 
 _MODEL_FLAGS = (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"), ("seq_len", "seq"),
                 ("vocab", "vocab"), ("ffn", "ffn"))
+_MOE_FLAGS = (("experts", "experts"), ("top_k", "top_k"), ("shared_experts", "shared"), ("expert_ffn", "ffn"),
+              ("moe_every", "every"), ("dense_layers", "first_dense"), ("capacity_factor", "capacity_factor"))
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="preset name, e.g. gpt3-175b, megatron-1t, bloom-176b, llama3-70b")
     for flag, _ in _MODEL_FLAGS:
         m.add_argument(f"--{flag.replace('_', '-')}", type=int)
+    e = p.add_argument_group("mixture of experts (docs/moe.md; numbers override a preset's)")
+    for flag, _ in _MOE_FLAGS:
+        e.add_argument(f"--{flag.replace('_', '-')}", type=float if flag == "capacity_factor" else int)
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", help="GPU node preset (default a100-80gb): a100-80gb, a100-40gb, h100-sxm, h200")
     c.add_argument("--hardware", metavar="PROFILE",
@@ -73,6 +79,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pin.add_argument("--recompute", help="none, selective or full")
     pin.add_argument("--sequence-parallel", nargs="?", const="on", help="on (default when given) or off")
     pin.add_argument("--zero", type=int, help="ZeRO stage over the data-parallel group: 0, 1, 2 or 3 (FSDP)")
+    pin.add_argument("--ep", type=int, help="expert-parallel ranks, folded into d (divides d and the experts)")
     pin.add_argument("--stage-layers", metavar="N,N,...",
                      help="layers of each pipeline stage (p·v chunks, first to last), e.g. 5,6,6,6,6,6,6,6,6,6,6,5")
 
@@ -83,11 +90,36 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         if field in given:
             check_int(f"--{flag.replace('_', '-')}", given[field], minimum=0 if field == "ffn" else 1)
     if args.model:
-        return dataclasses.replace(model_preset(args.model), **given)
-    missing = [f"--{f.replace('_', '-')}" for f, field in _MODEL_FLAGS[:5] if field not in given]
-    if missing:
-        raise ValueError(f"--model not given, so {', '.join(missing)} are required")
-    return ModelSpec(name="custom", **given)
+        model = dataclasses.replace(model_preset(args.model), **given)
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f, field in _MODEL_FLAGS[:5] if field not in given]
+        if missing:
+            raise ValueError(f"--model not given, so {', '.join(missing)} are required")
+        model = ModelSpec(name="custom", **given)
+    return _experts(args, model)
+
+
+def _experts(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
+    """``model`` with the mixture of experts the MoE flags give (over a preset's); a SwiGLU model (experts are)."""
+    given = {field: getattr(args, flag) for flag, field in _MOE_FLAGS if getattr(args, flag, None) is not None}
+    if not given:
+        return model
+    if model.moe is None and "experts" not in given:
+        raise ValueError(f"--{next(iter(f for f, x in _MOE_FLAGS if x in given)).replace('_', '-')} needs --experts "
+                         f"(the model {model.name} is dense)")
+    for flag, field in _MOE_FLAGS:
+        if field in given and field != "capacity_factor":
+            minimum = 0 if field in ("shared", "first_dense", "ffn") else 1
+            check_int(f"--{flag.replace('_', '-')}", given[field], minimum=minimum)
+    if "capacity_factor" in given:
+        check_number("--capacity-factor", given["capacity_factor"], strict=True)
+    base = model.moe or MoESpec(given["experts"], model.ffn_size)
+    if given.get("ffn") == 0:
+        given["ffn"] = model.ffn_size
+    experts = given.get("experts", base.experts)
+    if not 1 <= given.get("top_k", base.top_k) <= experts:
+        raise ValueError(f"--top-k must be from 1 to --experts ({experts}), got {given.get('top_k', base.top_k)}")
+    return dataclasses.replace(model, gated_mlp=True, moe=dataclasses.replace(base, **given))
 
 
 def _cluster(args: argparse.Namespace) -> ClusterSpec:
@@ -149,11 +181,14 @@ def _stage_layers(text: str, layers: int, pins: dict[str, Any]) -> tuple[int, ..
 def _pins(args: argparse.Namespace, model: ModelSpec) -> dict[str, Any]:
     pins: dict[str, Any] = {}
     for flag, key in (("tp", "t"), ("pp", "p"), ("dp", "d"), ("cp", "cp"), ("micro_batch", "micro_batch"),
-                      ("chunks", "v")):
+                      ("chunks", "v"), ("ep", "ep")):
         if getattr(args, flag) is not None:
             pins[key] = check_int(f"--{flag.replace('_', '-')}", getattr(args, flag), minimum=1)
     if "cp" in pins:
         check_context_split(model.seq, pins["cp"])
+    if pins.get("ep", 1) > 1 and (model.moe is None or model.moe.experts % pins["ep"]):
+        raise ValueError(f"--ep {pins['ep']} needs experts divisible by it (the model has "
+                         f"{model.moe.experts if model.moe else 'no'} experts)")
     if args.cp_comm is not None:
         pins["cp_comm"] = check_choice("--cp-comm", args.cp_comm, CP_COMMS)
     if args.recompute is not None:

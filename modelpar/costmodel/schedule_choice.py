@@ -17,7 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import Assumptions
-from modelpar.costmodel.estimate import Estimate, layer_time, matmul_efficiency, output_layer_time, transfer_time
+from modelpar.costmodel.estimate import (
+    Estimate,
+    ep_layer_time,
+    layer_time,
+    matmul_efficiency,
+    output_layer_time,
+    transfer_time,
+)
 from modelpar.costmodel.memory import activation_bytes_per_layer
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec
 from modelpar.costmodel.stages import check_split
@@ -106,7 +113,7 @@ def plan_schedule(model: ModelSpec, cluster: ClusterSpec, best: Estimate, a: Ass
     if cfg.stage_layers is None and check_split(model.layers, cfg.p, 2, None):
         return f"not searched: {model.layers} layers do not fill 2 chunks on each of {cfg.p} devices"
     eff = matmul_efficiency(model, cluster, cfg, a)
-    per_layer = sum(layer_time(model, cluster, cfg, a, eff))
+    per_layer = sum(layer_time(model, cluster, cfg, a, eff)) + ep_layer_time(model, cluster, cfg, a)  # MoE all-to-alls
     logits = output_layer_time(model, cluster, cfg, a, eff)
     p, loads = cfg.p, best.device_layers
     work = [model.layers / p * per_layer + logits / p if a.uniform_stages else

@@ -108,15 +108,17 @@ def search(
     stage_layers: tuple[int, ...] | None = None,
     cp: int | None = None,
     cp_comm: str = "ring",
+    ep: int | None = None,
 ) -> SearchResult:
     """Estimate every layout of ``model`` on ``cluster`` for global batch ``batch``; pinned arguments fix a dimension.
 
     ``stage_layers`` pins the layers of each of the p·v chunks (and so p·v). ``cp`` None: cp = 1, and
-    every cp whenever no layout at cp = 1 fits.
+    every cp whenever no layout at cp = 1 fits. ``ep`` None: for a mixture of experts every ep dividing d and
+    the experts (folded into d, as the trainer and Megatron-core do), 1 for a dense model.
     """
     def run(cps: int | None) -> SearchResult:
         return _search(model, cluster, batch, assumptions, t, p, d, micro_batch, v, recompute, sequence_parallel,
-                       zero, stage_layers, cps, cp_comm)
+                       zero, stage_layers, cps, cp_comm, ep)
 
     res = run(1 if cp is None else cp)
     if cp is None and not res.ranked:  # nothing fits without context parallelism: split the sequences too
@@ -127,7 +129,7 @@ def search(
 def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Assumptions, t: int | None,
             p: int | None, d: int | None, micro_batch: int | None, v: int | None, recompute: str | None,
             sequence_parallel: bool | None, zero: int | None, stage_layers: tuple[int, ...] | None, cp: int | None,
-            cp_comm: str) -> SearchResult:
+            cp_comm: str, ep: int | None = None) -> SearchResult:
     """``search`` at ``cp`` (None: every cp whose 2·cp chunks split the sequence)."""
     a, n, res = assumptions, cluster.gpus, SearchResult([])
     kv = model.kv_heads or model.heads
@@ -161,38 +163,39 @@ def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Ass
                 chunks = [v] if v is not None else chunk_counts(model.layers, pp, a.interleaving, a.uniform_stages)
             # ZeRO-1 is never slower than ZeRO-0 (its optimizer updates a 1/d shard) and holds less: ZeRO-0 only if pinned
             zeros = [zero] if zero is not None else list(ZERO_STAGES[1:]) if dd > 1 else [0]
-            for rc in recomputes:
-                for sp in sps:
-                    for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
-                        dims = (tt, pp, dd, b, rc, sp, stage_layers, cc, cp_comm)
-                        if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
-                            break  # a larger micro-batch needs at least as much memory
+            experts = [e for e in divisors(dd) if model.moe.experts % e == 0] if model.moe is not None else [1]
+            for rc, sp, ee in ((rc, sp, ee) for rc in recomputes for sp in sps
+                               for ee in _pinned("ep", ep, experts, res, f"d = {dd} and the experts")):
+                for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
+                    dims = (tt, pp, dd, b, rc, sp, stage_layers, cc, cp_comm, ee)
+                    if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
+                        break  # a larger micro-batch needs at least as much memory
     res.ranked.sort(key=lambda e: (e.step_time_s, e.memory_gb))
     return res
 
 
 def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, res: SearchResult,
-                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None, int, str], chunks: list[int],
+                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None, int, str, int], chunks: list[int],
                    zeros: list[int]) -> bool:
     """Try each chunk count v and ZeRO stage for one (t, p, d, b, recompute, sp); True if nothing fit at the first v.
 
     A ZeRO stage above the first in ``zeros`` is tried only when the one below does not fit: sharding
     more costs traffic, so it is worth it only for memory.
     """
-    tt, pp, dd, b, rc, sp, split, cc, comm = dims
+    tt, pp, dd, b, rc, sp, split, cc, comm, ee = dims
     m = batch // (dd * b)
     for vv in chunks:
         if vv > 1 and m % pp:
             res.reject("interleave", f"v = {vv} needs microbatches ({m}) divisible by p = {pp}")
             continue
-        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split, cc, comm),
+        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split, cc, comm, ee),
                               batch, a)
         if reason:  # the same for every ZeRO stage
             res.reject("layers", reason)
             continue
         fitted = False
         for zz in zeros:
-            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split, cc, comm)
+            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split, cc, comm, ee)
             memory = memory_breakdown(model, cfg, m, a)
             need = sum(memory.values())
             if need <= a.memory_limit(cluster.gpu.memory_gb):
@@ -213,4 +216,5 @@ def _short(cfg: ParallelConfig) -> str:
     sp = " sp" if cfg.sequence_parallel else ""
     zero = f" zero{cfg.zero}" if cfg.zero else ""
     cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
-    return f"t={cfg.t}{cp} p={cfg.p} d={cfg.d} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}{zero}"
+    ep = f" ep={cfg.ep}" if cfg.ep > 1 else ""
+    return f"t={cfg.t}{cp} p={cfg.p} d={cfg.d}{ep} b={cfg.micro_batch} v={cfg.v} {cfg.recompute}{sp}{zero}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
+from modelpar.costmodel.moe import MoESpec, active_moe_layer_params, moe_layer_params
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero import ZERO_STAGES
 
@@ -61,6 +62,7 @@ class ModelSpec:
     bias: bool = True  # biases and LayerNorm β (GPT); False for Llama-style RMSNorm, no biases
     dropout: bool = True  # dropout after attention and MLP (GPT, 1-byte masks); False for Llama-style models
     name: str = "custom"
+    moe: MoESpec | None = None  # mixture of experts in place of the MLP of ``moe.layers`` (costmodel.moe); None: dense
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
@@ -88,10 +90,38 @@ class ModelSpec:
 
     @cached_property
     def layer_params(self) -> float:
-        """One layer: matrices plus biases and norms (13h for a GPT, SC'21 eq. 2; 2h for RMSNorm only)."""
+        """One layer: matrices plus biases and norms (13h for a GPT, SC'21 eq. 2; 2h for RMSNorm only); with
+        experts the average over the layers (a MoE layer: router and every expert in place of the MLP)."""
         h = self.hidden
         small = (7 + 2 * self.kv_fraction) * h + self.ffn_size if self.bias else 2 * h
-        return self.layer_matmul_params + small
+        moe = 0.0
+        if self.moe is not None:
+            e = self.moe
+            moe = self.moe_share * (moe_layer_params(h, e.experts, e.ffn, e.shared) - self._mlp_params)
+        return self.layer_matmul_params + small + moe
+
+    @cached_property
+    def _mlp_params(self) -> float:
+        return (3 if self.gated_mlp else 2) * self.hidden * self.ffn_size
+
+    @cached_property
+    def moe_share(self) -> float:
+        """Share of the layers that are mixtures of experts (0 for a dense model)."""
+        return len(self.moe.layers(self.layers)) / self.layers if self.moe is not None else 0.0
+
+    @cached_property
+    def expert_layer_params(self) -> float:
+        """Routed experts' weights per layer, averaged over the layers: split over ep, not t (``memory.device_params``)."""
+        return self.moe_share * 3 * self.hidden * self.moe.ffn * self.moe.experts if self.moe is not None else 0.0
+
+    @cached_property
+    def expert_flops_per_token(self) -> float:
+        """Forward FLOPs per token and layer (averaged) of the router and the k routed experts a token uses
+        (× the kept share): the part every tensor-parallel rank computes whole (the trainer's layout)."""
+        if self.moe is None:
+            return 0.0
+        e = self.moe
+        return self.moe_share * 2 * self.hidden * (e.experts + 3 * e.ffn * e.top_k * e.kept)
 
     @cached_property
     def embedding_params(self) -> float:
@@ -109,9 +139,16 @@ class ModelSpec:
     def layer_flops_per_token(self) -> float:
         """Forward FLOPs of one layer per token: 2 per weight plus 4·s·h for QKᵀ and attention·V.
 
-        No causal halving, as Megatron counts.
+        No causal halving, as Megatron counts. With experts the average over the layers: a MoE layer's
+        router, k·(kept share) routed and S shared experts in place of the MLP.
         """
-        return 2 * self.layer_matmul_params + 4 * self.seq * self.hidden
+        moe = 0.0
+        if self.moe is not None:
+            e = self.moe
+            active: float = active_moe_layer_params(self.hidden, e.experts, e.top_k, e.ffn, e.shared)
+            active -= 3 * self.hidden * e.ffn * e.top_k * (1 - e.kept)  # dropped assignments compute nothing
+            moe = self.moe_share * 2 * (active - self._mlp_params)
+        return 2 * self.layer_matmul_params + 4 * self.seq * self.hidden + moe
 
     @cached_property
     def logits_flops_per_token(self) -> float:
@@ -214,9 +251,10 @@ class ParallelConfig:
     stage_layers: tuple[int, ...] | None = None
     cp: int = 1  # context-parallel ranks: each sequence split across them (docs/context_parallel.md)
     cp_comm: str = "ring"  # how attention sees the whole sequence: "ring" (overlapped) or "allgather"
+    ep: int = 1  # expert-parallel ranks, folded into d (ep | d): each holds E/ep of every MoE layer's experts
 
     def __post_init__(self) -> None:
-        for name in ("t", "p", "d", "micro_batch", "v", "cp"):
+        for name in ("t", "p", "d", "micro_batch", "v", "cp", "ep"):
             check_int(name, getattr(self, name), minimum=1)
         check_choice("recompute", self.recompute, PLANNED_RECOMPUTE)
         check_choice("cp_comm", self.cp_comm, CP_COMMS)

@@ -120,7 +120,8 @@ class ModelConfig:
         """The cost model's description of the mixture of experts (None: dense MLPs)."""
         if not self.experts:
             return None
-        return MoESpec(self.experts, self.expert_ffn_hidden, self.shared_experts, self.moe_every)
+        return MoESpec(self.experts, self.expert_ffn_hidden, self.shared_experts, self.moe_every, self.top_k,
+                       self.capacity_factor, self.router)
 
     def num_parameters(self) -> int:
         """Parameters of the single-process model (a tied head counts once): the cost model's count

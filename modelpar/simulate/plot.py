@@ -4,7 +4,9 @@ Colour = microbatch; F solid, B hatched ``//``, I hatched ``\\\\``, W hatched ``
 the grey band behind each row is the step, so what shows through is the bubble. Labels in lower
 case are a device's second chunk (interleaved). A measured timeline with data-parallel
 collectives (``Timeline.comm``) gets a thin row under each device for them, dark where they run
-past the device's last action (exposed), light where they overlap it. Panels share one time axis, labelled in the
+past the device's last action (exposed), light where they overlap it. Communication inside an action
+(``Timeline.inner``: a MoE layer's expert all-to-alls, dispatch and combine) is drawn in the box
+itself, a dark violet dotted segment over the box's own colour, with a legend entry. Panels share one time axis, labelled in the
 timelines' unit (forward units when simulated, s/ms/µs when measured; mixing them is an error);
 each title carries the metrics. matplotlib is imported here only, never by the simulator.
 """
@@ -57,20 +59,28 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path, title: str =
     kinds = [k for k in Kind if any(a.kind is k for t in timelines for acts in t.actions for a in acts)]
     handles = [Patch(facecolor="white", edgecolor="black", hatch=_HATCH[k], label=_kind_name(k)) for k in kinds]
     handles.append(Patch(facecolor="#e6e6e6", edgecolor="none", label="idle (bubble)"))
+    if any(any(t.inner) for t in timelines):  # a MoE run's all-to-alls
+        handles.append(Patch(facecolor=_INNER, edgecolor="white", hatch=_INNER_HATCH,
+                             label="MoE all-to-all (dispatch, combine) inside F / B"))
     if comm:
         handles += [Patch(facecolor=_COMM[False], label="dp collective, overlapped"),
                     Patch(facecolor=_COMM[True], label="dp collective, exposed")]
-    ncol = len(handles) if len(handles) <= 5 else (len(handles) + 1) // 2
+    inner = any(any(t.inner) for t in timelines)  # its long label: one row only if the page is wide enough
+    one_row = len(handles) <= 5 and (not inner or sum(0.075 * len(str(h.get_label())) + 0.7 for h in handles) < width)
+    ncol = len(handles) if one_row else (len(handles) + 1) // 2
     fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.06 if ncol == len(handles) else 0.1, 1, 0.97 if title else 1))
+    legend_in = 0.35 if ncol == len(handles) else 0.6  # the legend's rows, in inches: kept clear of the axis label
+    bottom = max(0.06 if ncol == len(handles) else 0.1, legend_in / fig.get_figheight())
+    fig.tight_layout(rect=(0, bottom, 1, 0.97 if title else 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
 _COMM = {False: "#9ecae1", True: "#d62728"}  # overlapped, exposed
+_INNER, _INNER_HATCH = "#3d1c5c", "..."  # communication inside an action (expert all-to-alls): dark violet
 
 
 def _has_comm(tl: Timeline) -> bool:
@@ -107,6 +117,9 @@ def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
             )
             if few and e - s >= min_label:
                 ax.text((s + e) / 2, y, tl.token(a), ha="center", va="center", fontsize=7)
+        for _, s, e in tl.inner[d]:  # inside the boxes: over the box's middle, so the box's colour shows around it
+            ax.broken_barh([(s, e - s)], (y - 0.25, 0.5), facecolors=_INNER, edgecolors="white", linewidth=0.3,
+                           hatch=_INNER_HATCH)
     ax.set_yticks(ticks, names)
     ax.set_xlim(0, span)
     ax.set_ylim(-0.6, (n - 1) * pitch + pitch - 1 + 0.6)

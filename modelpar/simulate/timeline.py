@@ -10,7 +10,9 @@ Metrics (all derived, nothing stored twice):
 - speed-up: the same work done back to back on one device, divided by the step time;
 - exposed communication: per device, how long its data-parallel collectives (``comm`` spans:
   label, start, end — measured runs only) run past its last compute action, the time the
-  optimizer waits for them; the rest of their time overlapped with the pipeline.
+  optimizer waits for them; the rest of their time overlapped with the pipeline;
+- communication inside actions (``inner`` spans: label, start, end — e.g. a MoE layer's expert
+  all-to-alls inside its F and B, placed by the cost model that priced them): drawn in the boxes.
 
 Every time is in the timeline's ``unit``: ``"forward"`` (the simulator's: one microbatch's
 forward through one whole stage) or a clock unit, ``"s"``, ``"ms"`` or ``"us"``, for measured
@@ -65,7 +67,8 @@ class Timeline:
     The simulator builds it from columns; ``Timeline.from_events`` builds it from measured or
     hand-made events. ``unit`` says what times are in: ``"forward"`` (simulated, the default)
     or ``"s"``/``"ms"``/``"us"``. ``comm`` holds each device's data-parallel collectives
-    (label, start, end), drawn as a row of their own; empty lists when there are none.
+    (label, start, end), drawn as a row of their own; ``inner`` the communication inside each device's
+    actions (label, start, end: part of an action's time, not beside it), drawn inside the boxes.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class Timeline:
         schedule: Schedule | None = None,
         unit: str = FORWARD,
         comm: Sequence[Sequence[tuple[str, float, float]]] | None = None,
+        inner: Sequence[Sequence[tuple[str, float, float]]] | None = None,
     ) -> None:
         check_choice("unit", unit, TIME_UNITS)
         self.actions: list[list[Action]] = [list(a) for a in actions]
@@ -87,6 +91,10 @@ class Timeline:
                                                            else [[] for _ in self.actions])
         if len(self.comm) != len(self.actions):
             raise ValueError(f"comm must hold one list per device ({len(self.actions)}), got {len(self.comm)}")
+        self.inner: list[list[tuple[str, float, float]]] = ([list(c) for c in inner] if inner is not None
+                                                            else [[] for _ in self.actions])
+        if len(self.inner) != len(self.actions):
+            raise ValueError(f"inner must hold one list per device ({len(self.actions)}), got {len(self.inner)}")
 
     @classmethod
     @renamed_kwargs(num_devices="num_ranks")  # rename: keep

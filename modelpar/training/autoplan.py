@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from modelpar.costmodel.local import PRICED_ZERO, LocalPrediction
 from modelpar.costmodel.local_memory import LocalRun
-from modelpar.costmodel.local_search import Capabilities, plan_local, why_schedule
+from modelpar.costmodel.local_search import Capabilities, plan_local, why_ep, why_schedule
 from modelpar.training.config import SCHEDULE_CHOICES, ZERO_CHOICES, TrainConfig
 from modelpar.training.prediction import local_run, profile_of
 
@@ -29,7 +29,7 @@ CAPABILITIES = Capabilities(schedules=(*SCHEDULE_CHOICES, "auto"),
 def _config(cfg: TrainConfig, run: LocalRun) -> TrainConfig:
     return replace(cfg, tp=run.t, pp=run.p, dp=run.d, cp=run.cp, cp_comm=run.cp_comm, schedule=run.schedule,
                    chunks=run.v, microbatches=run.microbatches, recompute=run.recompute,
-                   sequence_parallel=run.sequence_parallel, zero=run.zero, memory_limit=run.memory_limit)
+                   sequence_parallel=run.sequence_parallel, zero=run.zero, memory_limit=run.memory_limit, ep=run.ep)
 
 
 def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
@@ -45,8 +45,9 @@ def describe(run: LocalRun) -> str:
     limit = f" (memory limit {run.memory_limit:.3g})" if run.schedule == "auto" else ""
     v = f", v={run.v}" if run.v > 1 else ""
     cp = f" cp={run.cp} ({run.cp_comm})" if run.cp > 1 else ""
-    return (f"t={run.t}{cp} p={run.p} d={run.d}, {run.schedule}{limit}{v}, M={run.microbatches}, recompute {run.recompute}{sp}, "
-            f"ZeRO-{run.zero}")
+    ep = f" ep={run.ep}" if run.ep > 1 else ""
+    return (f"t={run.t}{cp} p={run.p} d={run.d}{ep}, {run.schedule}{limit}{v}, M={run.microbatches}, "
+            f"recompute {run.recompute}{sp}, ZeRO-{run.zero}")
 
 
 def auto_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, LocalPrediction, str]:
@@ -73,4 +74,6 @@ def auto_plan(cfg: TrainConfig, world: int) -> tuple[TrainConfig, LocalPredictio
             f"{mib(mem['parameters'])} + {mib(mem['gradients'])} + {mib(mem['optimizer'])} + "
             f"{mib(mem.get('activations', 0.0))} MiB (parameters + gradients + AdamW + activations), "
             f"busiest stage {pred.busiest[0]} {mib(pred.busiest[1])} MiB; schedule {why_schedule(plan, run, pred)}")
+    experts = why_ep(plan, run, pred)
+    line += f"; experts {experts}" if experts else ""
     return _config(cfg, run), pred, line
