@@ -28,6 +28,17 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 settings.register_profile("modelpar", deadline=None)
 settings.load_profile("modelpar")
 
+# The modules that take longest (they start processes most often), first: pytest-xdist (pyproject's addopts) hands
+# whole modules to its two workers in collection order, so with the long ones started first both end together.
+_LONGEST_FIRST = ("test_train", "test_zero", "test_checkpoint_safety_cli", "test_stopping_torchrun", "test_autoplan",
+                  "test_lint", "test_launcher", "test_stopping")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.stem, len(order)))  # stable: the others keep their order
+
+
 # The CPU flags torch checks for each ATEN_CPU_CAPABILITY (compute_cpu_capability, ATen/native/DispatchStub.cpp).
 _CAPABILITY_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 
