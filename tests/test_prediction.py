@@ -47,6 +47,7 @@ CASES = [
     dict(cp=2, tp=2, model=LLAMA, cp_comm="allgather"),  # one key/value head, replicated, gathered
     dict(pp=2, dp=2, ep=2, model=MOE),  # experts split over ep (own buckets), router and shared expert per stage
     dict(tp=2, dp=2, ep=2, model=MOE),  # router and routed experts whole on both tp ranks, the shared one split
+    dict(dp=4, ep=2, zero=1, model=MOE),  # ZeRO over d, the experts' ranges over the d/ep replicas holding them
 ]
 
 

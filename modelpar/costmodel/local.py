@@ -44,8 +44,8 @@ from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalRun,
     activation_bytes,
+    bucket_shards,
     moe_layers_of,
-    stage_buckets,
     stage_tensors,
     state_bytes,
 )
@@ -128,12 +128,13 @@ def _comm(run: LocalRun, hw: HardwareProfile, op: str, group: int, nbytes: float
 def dp_traffic(run: LocalRun, stage: int) -> tuple[list[float], list[float], list[float]]:
     """Bytes one rank sends per bucket of ``stage`` in a data-parallel reduce-scatter of its gradients, an
     all-gather of its parameters for compute (ZeRO-3: in the compute dtype), and the all-gather after the
-    step (ZeRO-1/2: the updated parameters): (d − 1) shards of the bucket padded to a multiple of d (here and
+    step (ZeRO-1/2: the updated parameters): (g − 1) shards of the bucket padded to a multiple of d, over the g
+    ranks sharing it (``bucket_shards``: d, or d/ep for an expert bucket under ep > 1, none when g = 1; here and
     below d is the gradient group, d·cp)."""
     d, w = run.grad_ranks, run.param_bytes
     if d == 1 or not run.zero:
         return [], [], []
-    shards = [math.ceil(n / d) * (d - 1) for n in stage_buckets(run, stage)]
+    shards = [math.ceil(n / d) * d // g * (g - 1) for n, g in bucket_shards(run, stage) if g > 1]
     gather = COMPUTE_BYTES[run.precision] if run.zero == 3 else 0
     return [x * w for x in shards], [x * gather for x in shards], [x * w for x in shards if run.zero < 3]
 
