@@ -88,5 +88,6 @@ def test_local_plan_searches_ep_and_proposes_only_what_the_trainer_accepts(exper
     assert eps == {e for e in (1, 2, 4) if e <= world and experts % e == 0 and world % e == 0}
     everything = plan_local(local_run(cfg), world, CPU_DEFAULT, 1e12, caps)  # without the trainer's check
     refused = [run for run, _ in everything.ranked if not _accepted(cfg, world, run)]
-    assert any(run.ep > 1 and run.zero for run in refused)  # today's refusal (ZeRO with ep > 1): searched, refused
-    assert not any(run.ep > 1 and run.zero for run, _ in plan.ranked)
+    assert any(run.cp > 1 for run in refused)  # a refusal of the trainer's (experts with cp > 1): searched, refused
+    assert not any(run.cp > 1 for run, _ in plan.ranked)
+    assert any(run.ep > 1 and run.zero for run, _ in plan.ranked)  # ZeRO with ep: the trainer runs it, so proposed
