@@ -7,7 +7,7 @@ of each and the ratio ours / torch (aim ≤ 1.0), the largest gradient differenc
 (float32 here; the float64 transparency tests are in tests/), and our measured bubble beside the
 simulator's prediction from the measured action costs.
 
-    python benchmarks/bench_pipeline.py [--stages 4] [--microbatches 8] [--steps 10] [--only zb-v,dualpipe-v]
+    python benchmarks/bench_pipeline.py [--ranks 4] [--microbatches 8] [--steps 10] [--only zb-v,dualpipe-v]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def compare_rank(cfg: MLPBench, torch_cls: str) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--width", type=int, default=256)
@@ -110,16 +110,16 @@ def main() -> None:
     unknown = sorted(set(only) - {name for name, _, _ in CASES})
     if unknown:
         parser.error(f"--only must name schedules among {', '.join(name for name, _, _ in CASES)}, got {unknown}")
-    print(f"K = {args.stages}, M = {args.microbatches}, MLP width {args.width}, 2 blocks per process, "
+    print(f"K = {args.ranks}, M = {args.microbatches}, MLP width {args.width}, 2 blocks per process, "
           f"{args.rows} rows, float32, gloo, median of {args.steps} alternating steps\n")
     header = ("schedule", "torch class", "ours ms", "torch ms", "ours/torch", "max |grad diff|",
               "bubble measured", "bubble simulated")
     rows = [header]
-    with LocalCluster(args.stages, timeout=300) as cluster:
+    with LocalCluster(args.ranks, timeout=300) as cluster:
         for name, v, cls in CASES:
-            if (only and name not in only) or (name == "dualpipe-v" and args.microbatches < 2 * args.stages):
+            if (only and name not in only) or (name == "dualpipe-v" and args.microbatches < 2 * args.ranks):
                 continue
-            cfg = MLPBench(schedule=name, stages=args.stages, microbatches=args.microbatches, chunks=v,
+            cfg = MLPBench(schedule=name, ranks=args.ranks, microbatches=args.microbatches, chunks=v,
                            width=args.width, blocks=2, rows=args.rows, steps=args.steps)
             res = cluster.run(compare_rank, cfg, cls)[0]
             ours, theirs = statistics.median(res["times"]["ours"]), statistics.median(res["times"]["torch"])

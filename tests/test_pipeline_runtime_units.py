@@ -197,7 +197,7 @@ def test_cli_bad_arguments_exit_2_before_starting_processes(capsys):
 
 
 def test_cli_json_runs_two_processes(capsys):
-    args = ["bench", "pipeline", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--steps", "2",
+    args = ["bench", "pipeline", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4", "--steps", "2",
             "--width", "8", "--rows", "8", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)

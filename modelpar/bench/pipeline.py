@@ -28,7 +28,7 @@ class MLPBench:
     """One measured configuration: schedule, pipeline shape and the built-in MLP's size."""
 
     schedule: str = "1f1b"  # one of modelpar.schedules.SCHEDULES
-    stages: int = 4  # K: processes
+    ranks: int = 4  # K: pipeline ranks (processes)
     microbatches: int = 8  # M
     chunks: int = 1  # v: model chunks per process (interleaved only)
     width: int = 256  # MLP feature size
@@ -42,7 +42,7 @@ class MLPBench:
 
     def __post_init__(self) -> None:
         check_choice("schedule", self.schedule, SCHEDULES)
-        check_int("stages", self.stages, minimum=1)
+        check_int("ranks", self.ranks, minimum=1)
         check_int("microbatches", self.microbatches, minimum=1)
         for name in ("width", "blocks", "steps", "threads"):
             check_int(name, getattr(self, name), minimum=1)
@@ -53,7 +53,7 @@ class MLPBench:
             raise ValueError(f"timeout must be <= 86400 seconds, got {self.timeout:g}")
 
     def build_schedule(self) -> Schedule:
-        return get_schedule(self.schedule, ranks=self.stages, microbatches=self.microbatches, chunks=self.chunks)
+        return get_schedule(self.schedule, ranks=self.ranks, microbatches=self.microbatches, chunks=self.chunks)
 
 
 def bench_rank(cfg: MLPBench) -> dict[str, Any] | None:

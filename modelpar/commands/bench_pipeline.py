@@ -12,6 +12,7 @@ import argparse
 import json
 from typing import Any
 
+from modelpar._renamed import RenamedFlag
 from modelpar._validate import check_output_path
 
 
@@ -22,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or naive (default 1f1b)")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages K = processes (default 4)")
+    parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks K = processes (default 4)")
+    parser.add_argument("--stages", type=int, dest="ranks", action=RenamedFlag, new="--ranks",  # rename: keep
+                        help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
     parser.add_argument("--chunks", type=int, default=1, help="model chunks v per process, interleaved only (default 1)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps after one warm-up (default 5)")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     torchrun = is_torchrun()
     backend = None if args.backend == "auto" else args.backend
     cuda = torchrun and (backend == "nccl" or (backend is None and _cuda_available()))
-    cfg = MLPBench(schedule=args.schedule, stages=args.stages, microbatches=args.microbatches,
+    cfg = MLPBench(schedule=args.schedule, ranks=args.ranks, microbatches=args.microbatches,
                    chunks=args.chunks, width=args.width, blocks=args.blocks, rows=args.rows,
                    steps=args.steps, recompute=_recompute(args.recompute), timeout=args.timeout, cuda=cuda)
     cfg.build_schedule()  # bad schedule arguments fail here, before any process starts
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if result is None:
             return 0  # not rank 0: rank 0 prints
     else:
-        result = launch(bench_rank, cfg.stages, cfg, timeout=cfg.timeout, run_timeout=None)[0]
+        result = launch(bench_rank, cfg.ranks, cfg, timeout=cfg.timeout, run_timeout=None)[0]
     s = summarize(cfg, result)
     if args.png:
         from modelpar.simulate.plot import plot_timelines
@@ -109,8 +112,8 @@ def _under_torchrun(cfg: Any, backend: str | None) -> Any:
 
     init_from_env("nccl" if cfg.cuda else (backend or "gloo"), timeout=cfg.timeout)
     try:
-        if dist.get_world_size() != cfg.stages:
-            raise ValueError(f"--stages ({cfg.stages}) must equal torchrun's processes ({dist.get_world_size()})")
+        if dist.get_world_size() != cfg.ranks:
+            raise ValueError(f"--ranks ({cfg.ranks}) must equal torchrun's processes ({dist.get_world_size()})")
         return bench_rank(cfg)
     finally:
         dist.destroy_process_group()
@@ -133,7 +136,7 @@ def report(cfg: Any, s: dict[str, Any]) -> str:
     measured = s["measured"]
     unit = measured.step_time / 100
     return (
-        f"{cfg.schedule} (K = {cfg.stages}, M = {cfg.microbatches}{v}) on {cfg.stages} "
+        f"{cfg.schedule} (K = {cfg.ranks}, M = {cfg.microbatches}{v}) on {cfg.ranks} "
         f"{'NCCL processes (one GPU each)' if cfg.cuda else 'gloo processes'}: "
         f"MLP width {cfg.width}, {cfg.blocks} blocks per process, {cfg.rows} rows, median of {cfg.steps} steps\n"
         f"simulated = the simulator fed this run's mean action times and measured messages "
