@@ -47,9 +47,10 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert "modelpar calibrate:" in capsys.readouterr().out
     p = load_profile(out)
     data = json.loads(out.read_text())
-    assert data["version"] == 1 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
+    assert data["version"] == 2 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
     assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == {"1", "2"}
+    assert set(p.layer["fp32"]) == set(p.ends["fp32"]) == set(p.runtime_s) == set(p.optimizer) == {"1", "2"}
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
     assert set(p.busy) == set(BUSY_OPS) and all(set(table) == {"2"} for table in p.busy.values())  # 2 processes

@@ -27,6 +27,7 @@ from modelpar.calibrate.compute import (
     measure_matmul,
     measure_op_latency,
 )
+from modelpar.calibrate.layers import measure_blockwise, measure_ends, measure_layers, measure_optimizer, measure_runtime
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
 __all__ = ["calibrate", "default_ranks", "measure_rank"]
@@ -58,6 +59,11 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
         "attention": {d: measure_attention(d, device, 2 * budget_s) for d in dtypes},
         "elementwise_gbps": measure_elementwise(device, budget_s),
         "op_latency_s": measure_op_latency(device, budget_s),
+        "layer": {d: measure_layers(d, device, budget_s) for d in dtypes},
+        "ends": {d: measure_ends(d, device, budget_s) for d in dtypes},
+        "blockwise": {d: measure_blockwise(d, device, budget_s) for d in dtypes},
+        "runtime_s": measure_runtime(device, budget_s),
+        "optimizer": measure_optimizer(device, budget_s),
     }
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["busy"] = measure_busy(device)
@@ -135,6 +141,11 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         elementwise_gbps={str(n): m["elementwise_gbps"] for n, m in found.items()},
         op_latency_s={str(n): m["op_latency_s"] for n, m in found.items()},
         collectives=collectives,
+        layer={d: {str(n): m["layer"][d] for n, m in found.items() if "layer" in m} for d in dtypes},
+        ends={d: {str(n): m["ends"][d] for n, m in found.items() if "ends" in m} for d in dtypes},
+        blockwise={d: {str(n): m["blockwise"][d] for n, m in found.items() if "blockwise" in m} for d in dtypes},
+        runtime_s={str(n): m["runtime_s"] for n, m in found.items() if "runtime_s" in m},
+        optimizer={str(n): m["optimizer"] for n, m in found.items() if "optimizer" in m},
         busy={op: {str(n): m["busy"][op] for n, m in found.items() if "busy" in m} for op in BUSY_OPS
               if any("busy" in m for m in found.values())},
     )
