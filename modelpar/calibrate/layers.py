@@ -49,7 +49,7 @@ END_VOCAB = 256  # the padded vocabulary of the measured output layer
 def layer_grid(device: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU."""
     if device == "cpu":
-        return (64, 128, 256), (128, 256, 512, 1024), LAYER_SEQ
+        return (64, 128, 256), (64, 128, 256, 512), LAYER_SEQ
     return (1024, 2048, 4096), (2048, 8192), 1024
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from modelpar.costmodel.local_memory import LocalRun, activation_parts
 from modelpar.costmodel.measured import layer_gemms
@@ -58,12 +59,13 @@ def _ranks(run: LocalRun, hw: HardwareProfile) -> int:
     return min(run.world, hw.devices_per_node)
 
 
-def core_share(run: LocalRun, hw: HardwareProfile) -> float:
-    """How much slower compute runs than the profile's table for this run: ranks / max(measured, cores) when
-    a CPU run has more processes than both (the table measured with fewer; the cores are split further), else 1."""
+def core_share(run: LocalRun, hw: HardwareProfile, table: dict[str, Any] | None = None) -> float:
+    """How much slower compute runs than the profile's ``table`` (default: the kernels') for this run:
+    ranks / max(measured, cores) when a CPU run has more processes than both (the table measured with fewer;
+    the cores are split further), else 1."""
     if hw.device != "cpu" or not hw.cores:
         return 1.0
-    measured = int(hw.ranks_measured(run.world))
+    measured = int(hw.ranks_measured(run.world, table))
     return max(1.0, run.world / max(measured, hw.cores))
 
 
@@ -188,7 +190,7 @@ def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
     if run.recompute == "selective":
         backward += attention
     weight = (backward - (attention if run.recompute == "selective" else 0.0)) * weight_share
-    share = core_share(run, hw)
+    share = core_share(run, hw, hw.layer.get(_dtype(run)) if missed is not None else None)
     return LayerCost(forward * share, backward * share, weight * share)
 
 
@@ -221,14 +223,14 @@ def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
         extra = [x if mine else 0.0 for x, mine in zip(missed, holds)]
         forward, backward = max(0.0, forward + extra[0] + extra[2]), max(0.0, backward + extra[1] + extra[3])
         weight = min(weight, backward)
-    share = core_share(run, hw)
+    share = core_share(run, hw, hw.ends.get(_dtype(run)) if missed is not None else None)
     return LayerCost(forward * share, backward * share, weight * share)
 
 
 def runtime_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float]:
     """(per action, per step) seconds the pipeline runtime adds beyond computing (0, 0 when not measured)."""
     measured = hw.runtime(_ranks(run, hw))
-    share = core_share(run, hw)
+    share = core_share(run, hw, hw.runtime_s)
     return (measured[0] * share, measured[1] * share) if measured else (0.0, 0.0)
 
 
@@ -246,5 +248,5 @@ def step_end_seconds(run: LocalRun, hw: HardwareProfile, tensors: int, gradient_
         bandwidth = hw.elementwise_bytes_per_s(ranks)
         seconds = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth  # read g, w, m, v; write w, m, v
         seconds += OPS_STEP * (hw.op_latency(ranks) or 0.0)
-    return seconds * core_share(run, hw)
+    return seconds * core_share(run, hw, hw.optimizer if fit is not None else None)
 
