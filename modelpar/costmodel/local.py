@@ -314,7 +314,9 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
         dp += sum(tp_sync[s] for s in stages)
     tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
     optimizer = step_end_seconds(run, hw, tensors, grads, state["optimizer"]) + runtime_seconds(run, hw)[1]
-    optimizer += _comm(run, hw, "all_reduce", run.world, 8) if run.world > 1 else 0.0  # the norm's
+    if run.world > 1:  # the norm's all-reduce; the stop agreement's all-gather of 6 fp64 values (training.stopping)
+        optimizer += _comm(run, hw, "all_reduce", run.world, 8) + _comm(run, hw, "all_gather", run.world,
+                                                                        allgather_bytes(48.0 * run.world, run.world))
     held = round(timeline.peak_held[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     step = pipeline + dp + optimizer
