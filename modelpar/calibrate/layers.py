@@ -16,7 +16,7 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
   ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
-Times are medians (``compute.timed``); the cost model interpolates between grid points
+Times are medians of at least ``REPS`` runs (``compute.timed``); the cost model interpolates between grid points
 (``costmodel.local_compute``).
 """
 
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from modelpar.calibrate.compute import DTYPES, timed
+from modelpar.calibrate.compute import DTYPES
+from modelpar.calibrate.compute import timed as _timed
 
 __all__ = [
     "END_VOCAB",
@@ -44,6 +45,12 @@ __all__ = [
 LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
 LAYER_SEQ = 64  # tokens per sequence of the measured layers (CPU); a micro-batch is tokens / seq sequences
 END_VOCAB = 256  # the padded vocabulary of the measured output layer
+REPS = 5  # at least this many runs per median: a whole layer's few runs are the noisiest figures of a calibration
+
+
+def timed(fn: Any, device: torch.device, budget_s: float) -> float:
+    """``compute.timed`` with at least ``REPS`` runs."""
+    return _timed(fn, device, budget_s, min_reps=REPS)
 
 
 def layer_grid(device: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
