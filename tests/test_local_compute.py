@@ -57,6 +57,16 @@ def test_a_measured_layer_is_priced_as_measured():
     assert cost.weight == pytest.approx(8e-3 * composed.weight / composed.backward, rel=1e-12)
 
 
+def test_the_grid_is_priced_at_the_runs_process_count():
+    """d = 2 at a measured shape: the 2-process row itself, though the kernels measured with 1 and 2 processes
+    differ (the grid's composition is priced with the run's 2 processes, not the one the grid shape has)."""
+    hw = dataclasses.replace(HW, matmul={"fp32": {"1": [[256, 256, 256, 0.05]], "2": [[256, 256, 256, 0.02]]}},
+                             layer={"fp32": {"2": LAYER}}, devices_per_node=2)
+    run = dataclasses.replace(RUN, d=2, microbatches=1)  # 8 sequences per replica, 512 tokens
+    cost = layer_seconds(run, hw)
+    assert (cost.forward, cost.backward) == pytest.approx((4e-3, 8e-3), rel=1e-12)
+
+
 def test_between_grid_points_and_at_t2_the_kernels_difference_is_added():
     """256 tokens: what the kernels miss, interpolated (log-midpoint of 128 and 512); t = 2: the measured t = 1
     layer plus the kernels' t = 2 minus t = 1 (the missed part is not divided by t)."""

@@ -69,53 +69,56 @@ def core_share(run: LocalRun, hw: HardwareProfile, table: dict[str, Any] | None 
     return max(1.0, run.world / max(measured, hw.cores))
 
 
-def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int) -> float:
-    """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count (no core sharing)."""
-    ranks = _ranks(run, hw)
+def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int, ranks: int | None = None) -> float:
+    """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count (or ``ranks``
+    processes), no core sharing."""
+    ranks = ranks or _ranks(run, hw)
     tflops = hw.matmul_tflops(m, n, k, _dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
     return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12)
 
 
-def attention_seconds(run: LocalRun, hw: HardwareProfile) -> float:
+def attention_seconds(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> float:
     """Seconds of one layer's attention forward at the measured rate: each of the rank's tokens sees the whole
     sequence (4·tokens·s·h/t FLOPs)."""
     m = run.model
-    tflops = hw.attention_tflops(_dtype(run), _ranks(run, hw)) or hw.peak_tflops[hw.dtype]
+    tflops = hw.attention_tflops(_dtype(run), ranks or _ranks(run, hw)) or hw.peak_tflops[hw.dtype]
     return 4.0 * run.tokens * m.seq * m.hidden / run.t / (tflops * 1e12)
 
 
-def _stream(hw: HardwareProfile, run: LocalRun, nbytes: float) -> float:
-    """Seconds to write ``nbytes`` of kept activations and read them back once."""
-    return nbytes * 2 / hw.elementwise_bytes_per_s(_ranks(run, hw))
+def _stream(hw: HardwareProfile, ranks: int, nbytes: float) -> float:
+    """Seconds to write ``nbytes`` of kept activations and read them back once, ``ranks`` processes computing."""
+    return nbytes * 2 / hw.elementwise_bytes_per_s(ranks)
 
 
-def kernel_layer(run: LocalRun, hw: HardwareProfile) -> tuple[LayerCost, float]:
-    """One layer composed from the kernel fits (module docstring; no recomputation, no core sharing), and
-    its attention forward's seconds (what selective recomputation repeats)."""
+def kernel_layer(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> tuple[LayerCost, float]:
+    """One layer composed from the kernel fits (module docstring; no recomputation, no core sharing) with the
+    run's processes (or ``ranks``) computing, and its attention forward's seconds (what selective
+    recomputation repeats)."""
+    ranks = ranks or _ranks(run, hw)
     fwd = dgrad = wgrad = 0.0
     for mm, n, k in layer_gemms(run.model, run.tokens, run.t):
-        fwd += matmul_seconds(run, hw, mm, n, k)
-        dgrad += matmul_seconds(run, hw, mm, k, n)
-        wgrad += matmul_seconds(run, hw, k, n, mm)
-    attention = attention_seconds(run, hw)
-    latency = hw.op_latency(_ranks(run, hw)) or 0.0
-    kept = _stream(hw, run, activation_parts(replace(run, recompute="none"), 0)[0]) / 2  # written / read back
+        fwd += matmul_seconds(run, hw, mm, n, k, ranks)
+        dgrad += matmul_seconds(run, hw, mm, k, n, ranks)
+        wgrad += matmul_seconds(run, hw, k, n, mm, ranks)
+    attention = attention_seconds(run, hw, ranks)
+    latency = hw.op_latency(ranks) or 0.0
+    kept = _stream(hw, ranks, activation_parts(replace(run, recompute="none"), 0)[0]) / 2  # written / read back
     forward = fwd + attention + OPS_FORWARD * latency + kept
     return LayerCost(forward, dgrad + wgrad + 2 * attention + 2 * OPS_FORWARD * latency + kept, wgrad), attention
 
 
-def kernel_ends(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[LayerCost, LayerCost]:
+def kernel_ends(run: LocalRun, hw: HardwareProfile, stage: int, ranks: int | None = None) -> tuple[LayerCost, LayerCost]:
     """(embedding, norm + head + loss) of ``stage`` composed from the kernel fits: the head's logits GEMM and
     its two backward GEMMs, 4 ops forward and 8 backward, and each end's kept bytes streamed; zero for an end
     the stage does not hold."""
-    m = run.model
+    m, ranks = run.model, ranks or _ranks(run, hw)
     _, first, last = activation_parts(replace(run, recompute="none"), stage)
-    embed = LayerCost(_stream(hw, run, first) / 2, _stream(hw, run, first) / 2, 0.0) if stage == 0 else _ZERO
+    embed = LayerCost(_stream(hw, ranks, first) / 2, _stream(hw, ranks, first) / 2, 0.0) if stage == 0 else _ZERO
     if stage != run.stages - 1:
         return embed, _ZERO
-    head = matmul_seconds(run, hw, run.tokens, m.vocab // run.t, m.hidden)
-    latency = hw.op_latency(_ranks(run, hw)) or 0.0
-    kept = _stream(hw, run, last) / 2
+    head = matmul_seconds(run, hw, run.tokens, m.vocab // run.t, m.hidden, ranks)
+    latency = hw.op_latency(ranks) or 0.0
+    kept = _stream(hw, ranks, last) / 2
     return embed, LayerCost(head + 4 * latency + kept, 2 * head + 8 * latency + kept, head)
 
 
@@ -123,9 +126,10 @@ _ZERO = LayerCost(0.0, 0.0, 0.0)
 
 
 def grid_model(run: LocalRun, hidden: int, heads: int, seq: int, tokens: int, vocab: int) -> LocalRun:
-    """``run`` reduced to what calibrate measured: one rank (t = cp = 1), a GPT layer (ffn 4h, biases, one
-    key/value head per query head) of ``hidden`` and ``heads``, ``tokens`` per micro-batch of ``seq``-token
-    sequences, the output layer over ``vocab``; no recomputation."""
+    """``run`` reduced to what calibrate measured: t = cp = 1, a GPT layer (ffn 4h, biases, one key/value head
+    per query head) of ``hidden`` and ``heads``, ``tokens`` per micro-batch of ``seq``-token sequences, the
+    output layer over ``vocab``; no recomputation. Its kernels are priced at the run's process count (the
+    ``ranks`` argument of ``kernel_layer``), as the table it stands for was measured."""
     model = replace(run.model, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=4 * hidden, kv_heads=0,
                     gated_mlp=False, bias=True, learned_positions=True, layers=1)
     return replace(run, model=model, t=1, p=1, v=1, d=1, cp=1, microbatches=1, batch=max(1, tokens // seq),
@@ -167,12 +171,12 @@ def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
     without keeping, the backward with the forward again; selective: the attention forward again), × the core
     sharing (module docstring)."""
     composed, attention = kernel_layer(run, hw)
-    m = run.model
-    rows = hw.layer_rows(_dtype(run), _ranks(run, hw))
+    m, ranks = run.model, _ranks(run, hw)
+    rows = hw.layer_rows(_dtype(run), ranks)
     full = run.recompute == "full"
 
     def residual(row: Sequence[float]) -> list[float]:
-        at, _ = kernel_layer(grid_model(run, int(row[0]), int(row[1]), int(row[2]), int(row[3]), m.vocab), hw)
+        at, _ = kernel_layer(grid_model(run, int(row[0]), int(row[1]), int(row[2]), int(row[3]), m.vocab), hw, ranks)
         measured_f, measured_b = (row[6], row[7]) if full else (row[4], row[5])
         expect_b = at.backward + at.forward if full else at.backward
         return [measured_f - at.forward, measured_b - expect_b]
@@ -209,11 +213,11 @@ def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
     """The embedding's (first stage) and the norm, head and loss's (last stage) compute for one micro-batch,
     measured (``ends``) inside its grid as ``layer_seconds`` is, else composed; × the core sharing."""
     embed, head = kernel_ends(run, hw, stage)
-    m = run.model
-    rows = hw.end_rows(_dtype(run), _ranks(run, hw))
+    m, ranks = run.model, _ranks(run, hw)
+    rows = hw.end_rows(_dtype(run), ranks)
 
     def residual(row: Sequence[float]) -> list[float]:
-        e, h = kernel_ends(grid_model(run, int(row[0]), 1, m.seq, int(row[1]), int(row[2])), hw, 0)
+        e, h = kernel_ends(grid_model(run, int(row[0]), 1, m.seq, int(row[1]), int(row[2])), hw, 0, ranks)
         return [row[3] - e.forward, row[4] - e.backward, row[5] - h.forward, row[6] - h.backward]
 
     missed = interpolate(rows, (0, 1), (m.hidden, run.tokens), residual) if rows else None
