@@ -48,13 +48,19 @@ END_VOCAB = 256  # the padded vocabulary of the measured output layer
 REPS = 5  # at least this many runs per median: a whole layer's few runs are the noisiest figures of a calibration
 
 
+QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run each
+
+
 def timed(fn: Any, device: torch.device, budget_s: float) -> float:
-    """``compute.timed`` with at least ``REPS`` runs."""
-    return _timed(fn, device, budget_s, min_reps=REPS)
+    """``compute.timed`` with at least ``REPS`` runs (one below ``QUICK_S``)."""
+    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1)
 
 
-def layer_grid(device: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU."""
+def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU, 2 × 2
+    below ``QUICK_S``."""
+    if budget_s < QUICK_S:
+        return (64, 128), (64, 128), LAYER_SEQ
     if device == "cpu":
         return (64, 128, 256), (64, 128, 256, 512), LAYER_SEQ
     return (1024, 2048, 4096), (2048, 8192), 1024
@@ -89,7 +95,7 @@ def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> 
     as every layer's but the first does."""
     from modelpar.tensor_parallel import ParallelTransformerLayer
 
-    hiddens, token_counts, seq = layer_grid(device.type)
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     out = []
     for h in hiddens:
         layer = ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, dtype=DTYPES[dtype])
@@ -113,7 +119,7 @@ def measure_blockwise(dtype: str, device: torch.device, budget_s: float = 0.05) 
     the all-gather in one call: the same blocks, here in one (communication is priced apart)."""
     from modelpar.tensor_parallel.context_parallel import _ChunkAttention, chunks_of
 
-    hiddens, token_counts, seq = layer_grid(device.type)
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     out = []
     for cp in (2,):
         every = tuple(c for r in range(cp) for c in chunks_of(r, cp))
@@ -153,7 +159,7 @@ def measure_ends(dtype: str, device: torch.device, budget_s: float = 0.05) -> li
     embedding (ids in, no input gradient) and the final norm + output layer + cross entropy (a hidden state in)."""
     from modelpar.model import LMLoss, build_stage
 
-    hiddens, token_counts, seq = layer_grid(device.type)
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     out = []
     for h in hiddens:
         cfg = _tiny(h, 1, seq, END_VOCAB)
