@@ -1,17 +1,17 @@
 """The cost model's prediction for one ``modelpar train`` layout on a hardware profile: step time, bubble, bytes.
 
-Each action of the run's own schedule is priced from the profile (``profiles.py``) — a layer's
-GEMMs at their shapes (forward; input and weight gradient in the backward), attention at the
-measured attention throughput, element-wise work as the bytes the layer would keep without recomputation
-streamed twice (written in the forward, read in the backward; a recomputed forward writes them again),
-the per-op dispatch latency, the tensor-parallel collectives (2 forward, 2 backward per layer;
-sequence parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the
-vocabulary-parallel cross entropy's 3 small all-reduces: what the runtime issues, counted with
-``tensor_parallel.accounting`` in tests/test_local_costs.py) — and the schedule is timed by the simulator
+Each action of the run's own schedule is priced from the profile (``profiles.py``): its compute by
+``local_compute`` (the model's own layer, stage ends, blockwise attention, runtime and optimizer step as
+calibrate measured them, inside the measured grid; else composed from the GEMM, attention, element-wise
+and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per layer; sequence
+parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
+cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
+in tests/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
-Then the step's end: the data-parallel reduction (what the last backward cannot hide), the
-gradient norm, and AdamW over this rank's state. Nothing is fitted: every number is the
-profile's or counted. Memory is ``local_memory``'s exact per-rank figures.
+Then the step's end: the data-parallel reduction (what the last backward cannot hide), the gradient
+norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
+(``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
+Memory is ``local_memory``'s exact per-rank figures.
 
 Messages and pair collectives are priced as the trainer issues them where the profile has it
 (``HardwareProfile.busy``: right after compute, every rank busy — a blocked receiver's wake-up and
@@ -20,11 +20,11 @@ bucket as ``training.zero_grads``/``zero_params`` issue them): every backward re
 stage's buckets, ZeRO-3 all-gathers them before every forward and backward (once per step without
 resharding), ZeRO-1 and 2 all-gather the parameters after the step; each collective is priced
 exposed, in the action that issues it (gloo reduces on the cores that compute). More ranks than
-cores (``core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
+cores (``local_compute.core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
 
 Context parallelism (cp > 1): GEMMs, element-wise work and the tensor-parallel and point-to-point
 messages are those of a rank's s/cp tokens, attention still sees the whole sequence per token
-(4·b·(s/cp)·s·h/t FLOPs forward); the key/value traffic and what attention hides of it are
+(4·b·(s/cp)·s·h/t FLOPs forward, or the measured blockwise attention); the key/value traffic and what attention hides of it are
 ``costmodel.context``'s rules (``cp_blocks``, ``cp_exposed``: the ring's hops beside a block's attention,
 the all-gather's not); gradients are reduced, and ZeRO-1 shards, over the d·cp ranks.
 """
