@@ -16,7 +16,8 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
   ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
-Times are medians of at least ``REPS`` runs (``compute.timed``); the cost model interpolates between grid points
+Times are the fastest of at least ``REPS`` runs (``timed``: on a quiet machine within a few percent of
+the median, and not moved by another process taking a core for a moment); the cost model interpolates between grid points
 (``costmodel.local_compute``).
 """
 
@@ -45,15 +46,16 @@ __all__ = [
 LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
 LAYER_SEQ = 64  # tokens per sequence of the measured layers (CPU); a micro-batch is tokens / seq sequences
 END_VOCAB = 256  # the padded vocabulary of the measured output layer
-REPS = 5  # at least this many runs per median: a whole layer's few runs are the noisiest figures of a calibration
+REPS = 5  # at least this many runs, the fastest kept: another process taking a core only ever adds time, and a
+#           two-thread layer's backward doubled under a load average of 3 where its fastest run did not move
 
 
 QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run each
 
 
 def timed(fn: Any, device: torch.device, budget_s: float) -> float:
-    """``compute.timed`` with at least ``REPS`` runs (one below ``QUICK_S``)."""
-    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1)
+    """The fastest of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up (``compute.timed``)."""
+    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=min)
 
 
 def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
