@@ -1,5 +1,6 @@
-"""One ``--validate-local`` measurement, two predictions: with the profile's ``busy`` table (messages and pair
-collectives as training issues them) and without it (the ping-pong and idle fits, the model before).
+"""One ``--validate-local`` measurement, two predictions: with the profile's whole-work tables (``calibrate/layers.py``:
+a real layer, the stage ends, cp's blockwise attention, the runtime and the optimizer step, measured) and without
+them (compute composed from the kernel fits, the model before profile version 2).
 
     modelpar calibrate --out hw.json
     modelpar plan --validate-local --hardware hw.json --local-ranks 1,2,4 --json > validate_local.json
@@ -29,7 +30,8 @@ def main() -> None:
     parser.add_argument("ranks", help="the --local-ranks it ran, e.g. 1,2,4")
     args = parser.parse_args()
     hw = load_profile(args.profile)
-    models = {"busy": hw, "idle": dataclasses.replace(hw, busy={})}
+    models = {"whole": hw, "kernels": dataclasses.replace(hw, layer={}, ends={}, blockwise={}, runtime_s={},
+                                                          optimizer={})}
     with open(args.measured, encoding="utf-8") as f:
         rows = {c["name"]: c for c in json.load(f)["configurations"]}
     errors: dict[tuple[str, bool], list[float]] = {}

@@ -80,7 +80,7 @@ def test_bad_plan_flags(capsys, flags, message):
 
 def test_a_bad_hardware_profile_is_refused_before_training(tmp_path, capsys):
     bad = tmp_path / "hw.json"
-    bad.write_text('{"format": "modelpar-hardware-profile", "version": 1, "name": "x"}')
+    bad.write_text('{"format": "modelpar-hardware-profile", "version": 2, "name": "x"}')
     assert main(["train", "--hardware", str(bad), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "is malformed" in err and len(err.strip().splitlines()) == 1

@@ -38,6 +38,12 @@ def test_build_profile_from_measurements():
     assert p.peak_tflops == {"fp32": 0.05} and p.hbm_tb_s == 3e-3 and p.intra_node_gbps == 0.8
     assert p.matmul_tflops(64, 64, 64, ranks=2) == 0.005 and p.elementwise_bytes_per_s(2) == 2e9
     assert p.collective("all_reduce", 2).latency_s == 1e-4
+    assert p.layer == p.ends == p.blockwise == {} and p.runtime_s == p.optimizer == {}  # not measured: the kernels
+    whole = {"layer": {"fp32": [[64, 4, 64, 128, 1e-3, 2e-3, 1e-3, 3e-3]]}, "ends": {"fp32": [[64, 128, 256, 1, 1, 1, 1]]},
+             "blockwise": {"fp32": []}, "runtime_s": [1e-4, 1e-3], "optimizer": [1e-3, 1e-5, 2.0]}
+    p = build_profile({1: {**one, **whole}, 2: two}, "gloo", "box")  # 2 processes sharing 2 cores: not measured
+    assert p.layer == {"fp32": {"1": whole["layer"]["fp32"]}} and p.runtime_s == {"1": [1e-4, 1e-3]}
+    assert p.layer_rows("fp32", 2) == whole["layer"]["fp32"] and p.optimizer_fit(4) == (1e-3, 1e-5, 2.0)
 
 
 def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
@@ -47,9 +53,10 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert "modelpar calibrate:" in capsys.readouterr().out
     p = load_profile(out)
     data = json.loads(out.read_text())
-    assert data["version"] == 1 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
+    assert data["version"] == 2 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
     assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == {"1", "2"}
+    assert set(p.layer["fp32"]) == set(p.ends["fp32"]) == set(p.runtime_s) == set(p.optimizer) == {"1", "2"}
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
     assert set(p.busy) == set(BUSY_OPS) and all(set(table) == {"2"} for table in p.busy.values())  # 2 processes

@@ -8,7 +8,7 @@ import pytest
 from modelpar.cli import main
 from modelpar.costmodel import GPUS, PROFILES, HardwareProfile, ParallelConfig, estimate, make_cluster, model_preset
 from modelpar.costmodel.measured import gemm_efficiency, layer_gemms
-from modelpar.costmodel.profiles import installed_torch, load_profile, save_profile
+from modelpar.costmodel.profiles import PROFILE_VERSION, installed_torch, load_profile, save_profile
 from modelpar.costmodel.request import parse_plan_command
 from modelpar.formulas import allreduce_bytes
 
@@ -29,7 +29,8 @@ def test_json_round_trip(tmp_path):
     path = tmp_path / "p.json"
     save_profile(p, path)
     data = json.loads(path.read_text())
-    assert data["format"] == "modelpar-hardware-profile" and data["version"] == 1 and data["torch"] == installed_torch()
+    assert data["format"] == "modelpar-hardware-profile" and data["version"] == PROFILE_VERSION
+    assert data["torch"] == installed_torch()
     assert load_profile(path) == p
     for name, table in PROFILES.items():  # the table entries are profiles of the same form
         save_profile(table, tmp_path / f"{name}.json")
@@ -91,7 +92,9 @@ def test_plan_hardware_cli(tmp_path, capsys):
     ("{", "is not JSON"),
     ('{"format": "other"}', "is not a modelpar hardware profile"),
     ('{"format": "modelpar-hardware-profile", "version": 99}', "profile version 99"),
-    ('{"format": "modelpar-hardware-profile", "version": 1, "name": "x"}', "is malformed"),
+    ('{"format": "modelpar-hardware-profile", "version": 1, "name": "x"}', "version 1; this modelpar reads version 2: "
+                                                                           "run modelpar calibrate again"),
+    ('{"format": "modelpar-hardware-profile", "version": 2, "name": "x"}', "is malformed"),
 ])
 def test_bad_profiles_are_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "bad.json"

@@ -17,6 +17,8 @@ def test_the_grid_on_two_cores():
     assert {(c.cfg.tp, c.cfg.pp, c.cfg.dp) for c in per_core} == {(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)}
     assert {c.model for c in per_core} == {"h64", "h128"} and {c.cfg.recompute for c in per_core} == {"none", "full"}
     assert {c.cfg.schedule for c in per_core if c.cfg.pp > 1} == {"1f1b", "gpipe"}
+    assert {(c.model, c.cfg.microbatches) for c in per_core if c.cfg.cp == 2} == {(m, n) for m in ("h64", "h128")
+                                                                                for n in (2, 4)}
     shared = [c for c in grid if c.shared]
     assert {(c.cfg.tp, c.cfg.pp, c.cfg.dp) for c in shared} == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
                                                                  (4, 1, 1)}

@@ -43,9 +43,9 @@ def sync(device: torch.device) -> None:
 
 
 def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05, min_reps: int = 3,
-          reps: int | None = None) -> float:
-    """Median seconds of one ``fn()`` call: one warm-up, then at least ``min_reps`` runs within ``budget_s``,
-    or exactly ``reps`` runs (a collective: every rank must run it as often).
+          reps: int | None = None, statistic: Callable[[list[float]], float] = statistics.median) -> float:
+    """Median (or ``statistic``) seconds of one ``fn()`` call: one warm-up, then at least ``min_reps`` runs within
+    ``budget_s``, or exactly ``reps`` runs (a collective: every rank must run it as often).
 
     Under a process group every rank starts together (a barrier), so concurrent ranks overlap.
     """
@@ -62,7 +62,7 @@ def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05
         times.append(time.perf_counter() - t0)
         if len(times) >= (reps or 200):
             break
-    return statistics.median(times)
+    return statistic(times)
 
 
 def measure_matmul(dtype: str, device: torch.device, shapes: list[tuple[int, int, int]],

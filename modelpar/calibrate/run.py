@@ -27,6 +27,7 @@ from modelpar.calibrate.compute import (
     measure_matmul,
     measure_op_latency,
 )
+from modelpar.calibrate.layers import measure_blockwise, measure_ends, measure_layers, measure_optimizer, measure_runtime
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
 __all__ = ["calibrate", "default_ranks", "measure_rank"]
@@ -43,8 +44,9 @@ def default_ranks(cores: int | None = None) -> list[int]:
 
 
 def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
-                 budget_s: float = 0.05) -> dict[str, Any]:
-    """Everything one rank measures (called on every rank of the group at once)."""
+                 budget_s: float = 0.05, whole: bool = True) -> dict[str, Any]:
+    """Everything one rank measures (called on every rank of the group at once); ``whole``: the trainer's own
+    work too (``layers.py``; locally only up to one process per core, the cost model shares cores beyond)."""
     if threads is not None:
         torch.set_num_threads(threads)
     cuda = (dist.is_initialized() and dist.get_backend() == "nccl") or (not dist.is_initialized() and torch.cuda.is_available())
@@ -59,6 +61,12 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
         "elementwise_gbps": measure_elementwise(device, budget_s),
         "op_latency_s": measure_op_latency(device, budget_s),
     }
+    if whole:
+        out["layer"] = {d: measure_layers(d, device, budget_s) for d in dtypes}
+        out["ends"] = {d: measure_ends(d, device, budget_s) for d in dtypes}
+        out["blockwise"] = {d: measure_blockwise(d, device, budget_s) for d in dtypes}
+        out["runtime_s"] = measure_runtime(device, budget_s)
+        out["optimizer"] = measure_optimizer(device, budget_s)
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["busy"] = measure_busy(device)
         if collectives:
@@ -84,7 +92,8 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[i
             found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s)
             continue
         with LocalCluster(n, timeout=120.0, run_timeout=600.0) as cluster:
-            found[n] = cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s)[0]
+            found[n] = cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s,
+                                   n <= (os.cpu_count() or 1))[0]
     return found
 
 
@@ -108,6 +117,13 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
         dtypes = dtypes or ("fp32",)
         found, backend = _local(ranks or default_ranks(), dtypes, budget_s), "gloo"
     return build_profile(found, backend, name)
+
+
+def _per_dtype(found: dict[int, dict[str, Any]], name: str, dtypes: list[str]) -> dict[str, dict[str, Any]]:
+    """dtype -> str(process count) -> the rows of table ``name`` where measured ({} where never)."""
+    if not any(name in m for m in found.values()):
+        return {}
+    return {d: {str(n): m[name][d] for n, m in found.items() if name in m} for d in dtypes}
 
 
 def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | None = None) -> HardwareProfile:
@@ -135,6 +151,11 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         elementwise_gbps={str(n): m["elementwise_gbps"] for n, m in found.items()},
         op_latency_s={str(n): m["op_latency_s"] for n, m in found.items()},
         collectives=collectives,
+        layer=_per_dtype(found, "layer", dtypes),
+        ends=_per_dtype(found, "ends", dtypes),
+        blockwise=_per_dtype(found, "blockwise", dtypes),
+        runtime_s={str(n): m["runtime_s"] for n, m in found.items() if "runtime_s" in m},
+        optimizer={str(n): m["optimizer"] for n, m in found.items() if "optimizer" in m},
         busy={op: {str(n): m["busy"][op] for n, m in found.items() if "busy" in m} for op in BUSY_OPS
               if any("busy" in m for m in found.values())},
     )

@@ -42,8 +42,8 @@ class LocalCase:
     @property
     def name(self) -> str:
         c = self.cfg
-        return (f"{self.model} t={c.tp} p={c.pp} d={c.dp} {c.schedule} m={c.microbatches} {c.recompute}"
-                + (f" zero{c.zero}" if c.zero else ""))
+        return (f"{self.model} t={c.tp} p={c.pp} d={c.dp}{f' cp={c.cp}' if c.cp > 1 else ''} {c.schedule} "
+                f"m={c.microbatches} {c.recompute}" + (f" zero{c.zero}" if c.zero else ""))
 
     def error(self, key: str = "step_time_s") -> float:
         return self.predicted[key] / self.measured[key] - 1
@@ -57,7 +57,8 @@ def _splits(world: int) -> Iterator[tuple[int, int, int]]:
 
 def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> list[LocalCase]:
     """The configurations: the whole grid for process counts up to ``full_grid_up_to`` (default: the cores),
-    with ZeRO-1, 2 and 3 where d > 1 (the larger model, 1F1B, m = 4, no recomputation), and a smaller one
+    with ZeRO-1, 2 and 3 where d > 1 (the larger model, 1F1B, m = 4, no recomputation) and at 2 ranks cp = 2
+    (ring, both models, m = 2 and 4), and a smaller one
     (1F1B, m = 4, no recomputation, the larger model) above it."""
     out = []
     limit = cores if full_grid_up_to is None else full_grid_up_to
@@ -76,6 +77,11 @@ def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> l
                 for zero in (1, 2, 3):
                     cfg = dataclasses.replace(BASE, model=MODELS["h128"], tp=t, pp=p, dp=d, microbatches=4, zero=zero)
                     out.append(LocalCase("h128", cfg.check(world), world > cores))
+        if full and world == 2:  # context parallelism over both ranks: the ring, each model, m = 2 and 4
+            for name, model in MODELS.items():
+                for m in (2, 4):
+                    cfg = dataclasses.replace(BASE, model=model, tp=1, pp=1, dp=1, cp=2, microbatches=m)
+                    out.append(LocalCase(name, cfg.check(world), world > cores))
     return out
 
 

@@ -1,17 +1,17 @@
 """The cost model's prediction for one ``modelpar train`` layout on a hardware profile: step time, bubble, bytes.
 
-Each action of the run's own schedule is priced from the profile (``profiles.py``) — a layer's
-GEMMs at their shapes (forward; input and weight gradient in the backward), attention at the
-measured attention throughput, element-wise work as the bytes the layer would keep without recomputation
-streamed twice (written in the forward, read in the backward; a recomputed forward writes them again),
-the per-op dispatch latency, the tensor-parallel collectives (2 forward, 2 backward per layer;
-sequence parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the
-vocabulary-parallel cross entropy's 3 small all-reduces: what the runtime issues, counted with
-``tensor_parallel.accounting`` in tests/test_local_costs.py) — and the schedule is timed by the simulator
+Each action of the run's own schedule is priced from the profile (``profiles.py``): its compute by
+``local_compute`` (the model's own layer, stage ends, blockwise attention, runtime and optimizer step as
+calibrate measured them, inside the measured grid; else composed from the GEMM, attention, element-wise
+and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per layer; sequence
+parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
+cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
+in tests/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
-Then the step's end: the data-parallel reduction (what the last backward cannot hide), the
-gradient norm, and AdamW over this rank's state. Nothing is fitted: every number is the
-profile's or counted. Memory is ``local_memory``'s exact per-rank figures.
+Then the step's end: the data-parallel reduction (what the last backward cannot hide), the gradient
+norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
+(``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
+Memory is ``local_memory``'s exact per-rank figures.
 
 Messages and pair collectives are priced as the trainer issues them where the profile has it
 (``HardwareProfile.busy``: right after compute, every rank busy — a blocked receiver's wake-up and
@@ -20,11 +20,11 @@ bucket as ``training.zero_grads``/``zero_params`` issue them): every backward re
 stage's buckets, ZeRO-3 all-gathers them before every forward and backward (once per step without
 resharding), ZeRO-1 and 2 all-gather the parameters after the step; each collective is priced
 exposed, in the action that issues it (gloo reduces on the cores that compute). More ranks than
-cores (``core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
+cores (``local_compute.core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
 
 Context parallelism (cp > 1): GEMMs, element-wise work and the tensor-parallel and point-to-point
 messages are those of a rank's s/cp tokens, attention still sees the whole sequence per token
-(4·b·(s/cp)·s·h/t FLOPs forward); the key/value traffic and what attention hides of it are
+(4·b·(s/cp)·s·h/t FLOPs forward, or the measured blockwise attention); the key/value traffic and what attention hides of it are
 ``costmodel.context``'s rules (``cp_blocks``, ``cp_exposed``: the ring's hops beside a block's attention,
 the all-gather's not); gradients are reduced, and ZeRO-1 shards, over the d·cp ranks.
 
@@ -40,12 +40,23 @@ import math
 from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
+from modelpar.costmodel.local_compute import (
+    attention_seconds,
+    blockwise_seconds,
+    core_share,
+    end_seconds,
+    layer_seconds,
+    matmul_seconds,
+    runtime_seconds,
+    step_end_seconds,
+)
 from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalRun,
     activation_bytes,
     bucket_shards,
     moe_layers_of,
+    stage_buckets,
     stage_tensors,
     state_bytes,
 )
@@ -64,9 +75,7 @@ __all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_
            "dp_traffic", "moe_stage_seconds", "predict_local",
            "predicted_timeline", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
-_OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
-_OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
 
 
 @dataclass(frozen=True)
@@ -89,26 +98,6 @@ class LocalPrediction:
         return {"step_time_s": self.step_time_s, "bubble": self.bubble, "time_s": dict(self.time),
                 "memory_bytes": dict(self.memory), "peak_held": self.peak_held,
                 "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1]}
-
-
-def _dtype(run: LocalRun) -> str:
-    return {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
-
-
-def core_share(run: LocalRun, hw: HardwareProfile) -> float:
-    """How much slower compute runs than the profile's table for this run: ranks / max(measured, cores) when
-    a CPU run has more processes than both (the table measured with fewer; the cores are split further), else 1."""
-    if hw.device != "cpu" or not hw.cores:
-        return 1.0
-    measured = int(hw.ranks_measured(run.world))
-    return max(1.0, run.world / max(measured, hw.cores))
-
-
-def _matmul(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int) -> float:
-    """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count."""
-    ranks = min(run.world, hw.devices_per_node)
-    tflops = hw.matmul_tflops(m, n, k, _dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
-    return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12) * core_share(run, hw)
 
 
 def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
@@ -233,42 +222,36 @@ def moe_stage_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[i
     m, ranks = run.model, min(run.world, hw.devices_per_node)
     latency = (hw.op_latency(ranks) or 0.0) * core_share(run, hw)
     mlp = layer_gemms(m, run.tokens, run.t)[2:]  # the SwiGLU's two GEMMs this layer does not have
+    share = core_share(run, hw)
     return n, moe_layer_seconds(run.moe, run.tokens, m.hidden, run.t, run.ep, COMPUTE_BYTES[run.precision], mlp,
-                                lambda a, b, c: _matmul(run, hw, a, b, c), lambda x: _all_to_all(run, hw, x), latency)
+                                lambda a, b, c: matmul_seconds(run, hw, a, b, c) * share,
+                                lambda x: _all_to_all(run, hw, x), latency)
 
 
 def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
-    """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``."""
-    m, t = run.model, run.t
-    ranks = min(run.world, hw.devices_per_node)
-    tokens = run.tokens
-    share = core_share(run, hw)
-    latency = (hw.op_latency(ranks) or 0.0) * share
-    # the forward's element-wise traffic: what it writes whether or not it is kept (recomputation drops it after)
-    kept = activation_bytes(replace(run, recompute="none"), stage)
-    stream = kept * 2 / hw.elementwise_bytes_per_s(ranks) * share  # written, then read back
-    fwd = dgrad = wgrad = 0.0
-    layers = m.layers // run.stages
-    for mm, n, k in layer_gemms(m, tokens, t):
-        fwd += _matmul(run, hw, mm, n, k)
-        dgrad += _matmul(run, hw, mm, k, n)
-        wgrad += _matmul(run, hw, k, n, mm)
-    attention_flops = 4.0 * tokens * m.seq * m.hidden / t  # each of this rank's tokens sees the whole sequence
-    attention = 3 * attention_flops / ((hw.attention_tflops(_dtype(run), ranks) or hw.peak_tflops[hw.dtype]) * 1e12)
-    attention *= share
-    cp_f, cp_b = cp_layer_seconds(run, hw, attention / 3 / run.cp)
+    """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``: its layers'
+    and ends' compute (``local_compute``), the runtime's cost per action, and the communication beside them."""
+    layers = run.model.layers // run.stages
+    layer = layer_seconds(run, hw)
+    blocks = blockwise_seconds(run, hw)
+    attention = (attention_seconds(run, hw) if blocks is None else blocks[0]) * core_share(run, hw)
+    cp_f, cp_b = cp_layer_seconds(run, hw, attention / run.cp)
     per_layer, ends = tp_collectives(run, stage)
     seconds = {"forward": 0.0, "backward": 0.0}
     for op, phase, nbytes in per_layer:
         seconds[phase] += _tp_time(run, hw, op, nbytes)
     tp_f, tp_b = seconds["forward"], seconds["backward"]
-    f_layer = fwd + attention / 3 + tp_f + cp_f + _OPS_FORWARD * latency
-    b_layer = dgrad + wgrad + 2 * attention / 3 + tp_b + 2 * _OPS_FORWARD * latency + cp_b
-    if run.recompute == "full":
-        b_layer += f_layer
+    f_layer = layer.forward + tp_f + cp_f
+    b_layer = layer.backward + tp_b + cp_b
+    if run.recompute == "full":  # the forward's communication again
+        b_layer += tp_f + cp_f
     elif run.recompute == "selective":
-        b_layer += attention / 3 + cp_f  # the core again: with cp its ring or gather too
-    forward, backward, weight = layers * f_layer, layers * b_layer, layers * wgrad
+        b_layer += cp_f  # the core again: with cp its ring or gather too
+    end = end_seconds(run, hw, stage)
+    action = runtime_seconds(run, hw)[0]
+    forward = layers * f_layer + end.forward + action
+    backward = layers * b_layer + end.backward + action
+    weight = layers * layer.weight + end.weight
     n_moe, moe = moe_stage_seconds(run, hw, stage)  # --- mixture of experts (costmodel.moe): in place of the MLP ---
     if moe is not None:
         f_moe = moe.forward + moe.a2a_forward
@@ -280,13 +263,6 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
             forward += _tp_time(run, hw, op, nbytes)
         else:
             backward += _tp_time(run, hw, op, nbytes)
-    if stage == run.stages - 1:  # the head's logits GEMM, its two backward GEMMs, the cross entropy
-        head = _matmul(run, hw, tokens, m.vocab // t, m.hidden)
-        forward += head + 4 * latency
-        backward += 2 * head + 8 * latency
-        weight += head
-    forward += stream / 2
-    backward += stream / 2 * (2 if run.recompute == "full" else 1)  # full: the recomputed forward writes them again
     return forward, backward, weight
 
 
@@ -382,7 +358,6 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
 
     stages = schedule.stages_on(0)
     state = state_bytes(run, stages)
-    ranks = min(run.world, hw.devices_per_node)
     per_rank = []
     for r in range(run.p):
         mine = schedule.stages_on(r)
@@ -405,12 +380,11 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
             dp += _comm(run, hw, "all_reduce", g // run.ep, allreduce_bytes(experts, g // run.ep))
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
         dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
-    latency = hw.op_latency(ranks) or 0.0
-    share = core_share(run, hw)
-    norm = grads / hw.elementwise_bytes_per_s(ranks) * share
-    norm += _comm(run, hw, "all_reduce", run.world, 8) if run.world > 1 else 0.0
-    adamw = 7 * state["optimizer"] / 2 / hw.elementwise_bytes_per_s(ranks) * share  # read g, w, m, v; write w, m, v
-    optimizer = norm + adamw + _OPS_STEP * latency * share
+    tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
+    optimizer = step_end_seconds(run, hw, tensors, grads, state["optimizer"]) + runtime_seconds(run, hw)[1]
+    if run.world > 1:  # the norm's all-reduce; the stop agreement's all-gather of 6 fp64 values (training.stopping)
+        optimizer += _comm(run, hw, "all_reduce", run.world, 8) + _comm(run, hw, "all_gather", run.world,
+                                                                        allgather_bytes(48.0 * run.world, run.world))
     held = round(timeline.peak_held[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     step = pipeline + dp + optimizer

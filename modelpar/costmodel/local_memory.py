@@ -50,9 +50,8 @@ from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tens
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import optimizer_state_bytes_per_param
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "bucket_shards", "moe_layers_of",
-           "stage_buckets",
-           "stage_tensors", "state_bytes"]
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
+           "moe_layers_of", "stage_buckets", "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}  # its activations
@@ -284,23 +283,35 @@ def _moe_bytes(run: LocalRun, stage: int) -> float:
     return n * (moe - run.tokens * 4 * m.ffn_size / run.t * e)
 
 
-def activation_bytes(run: LocalRun, stage: int) -> float:
-    """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
+def activation_parts(run: LocalRun, stage: int) -> tuple[float, float, float]:
+    """Bytes autograd keeps for one microbatch of ``stage`` on one rank, (one layer's, the first stage's
+    embedding's, the last stage's norm, head and loss's); 0 for an end ``stage`` does not hold."""
     m, t = run.model, run.t
     e = COMPUTE_BYTES[run.precision]
     tokens = run.tokens
     sp = run.sequence_parallel and t > 1
-    layers = m.layers // run.stages
     if run.recompute == "full":
-        body = tokens * m.hidden / (t if sp else 1) * e if layers else 0.0
+        layer = 0.0  # the stage's input only, counted once in activation_bytes
     else:
         rope = 0 if not m.gated_mlp else 2 * m.seq // run.cp * (m.hidden // m.heads)
-        body = layers * (tokens * _layer_elements(run) + rope) * e
-        body += _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
+        layer = (tokens * _layer_elements(run) + rope) * e
+    first = last = 0.0
     if stage == 0:
-        body += tokens * _IDS
-        body += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index
+        first = tokens * _IDS
+        first += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index
     if stage == run.stages - 1:
         norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)
-        body += tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
-    return body
+        last = tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
+    return layer, first, last
+
+
+def activation_bytes(run: LocalRun, stage: int) -> float:
+    """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
+    layer, first, last = activation_parts(run, stage)
+    layers = run.model.layers // run.stages
+    if run.recompute == "full":
+        sp = run.sequence_parallel and run.t > 1
+        body = run.tokens * run.model.hidden / (run.t if sp else 1) * COMPUTE_BYTES[run.precision] if layers else 0.0
+    else:
+        body = layers * layer + _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
+    return body + first + last

@@ -32,7 +32,7 @@ __all__ = ["COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION"
            "HardwareProfile", "check_torch", "load_profile", "node_profile", "save_profile"]
 
 PROFILE_FORMAT = "modelpar-hardware-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: the trainer's own work measured whole (layer, ends, blockwise, runtime_s, optimizer)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 LINKS = ("intra", "inter")  # inside one node (NVLink, shared memory, loopback), across nodes
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
@@ -75,6 +75,14 @@ class HardwareProfile:
     #              op -> link -> str(group size) -> [latency_s, GB/s]
     busy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     #       op -> str(ranks) -> [latency_s, GB/s]: a pair's message / collective right after compute, every rank busy
+    layer: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    #      dtype -> str(ranks) -> [[hidden, heads, seq, tokens, fwd_s, bwd_s, fwd_recomputed_s, bwd_recomputed_s]]
+    ends: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    #     dtype -> str(ranks) -> [[hidden, tokens, vocab, embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s]]
+    blockwise: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    #          dtype -> str(ranks) -> [[cp, hidden, seq, tokens, fwd_s, bwd_s]]: context-parallel attention
+    runtime_s: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [per action, per step]
+    optimizer: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [latency_s, per_tensor_s, GB/s]
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "gpu"))
@@ -103,6 +111,19 @@ class HardwareProfile:
                     _ranks(f"collectives[{op}][{link}] group size", n)
                     _check_fit(f"collectives[{op}][{link}][{n}]", cost)
 
+        for name, width, grid in (("layer", 8, 4), ("ends", 7, 3), ("blockwise", 6, 4)):
+            for dtype, table in getattr(self, name).items():
+                check_choice(f"{name} dtype", dtype, DTYPES)
+                for ranks, rows in table.items():
+                    _ranks(f"{name}[{dtype}]", ranks)
+                    _check_rows(f"{name}[{dtype}][{ranks}]", rows, width, grid)
+        for ranks, row in self.runtime_s.items():
+            _ranks("runtime_s ranks", ranks)
+            _check_rows(f"runtime_s[{ranks}]", [row], 2, 0)
+        for ranks, fit in self.optimizer.items():
+            _ranks("optimizer ranks", ranks)
+            _check_rows(f"optimizer[{ranks}]", [fit], 3, 0)
+            check_number(f"optimizer[{ranks}] GB/s", fit[2], strict=True)
         for op, per_ranks in self.busy.items():
             check_choice("busy op", op, COLLECTIVES)
             for count, fit in per_ranks.items():
@@ -155,6 +176,31 @@ class HardwareProfile:
         table = self.op_latency_s
         return table[self.ranks_measured(ranks, table)] if table else None
 
+    def layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
+        """The measured layers (``calibrate.layers``) in ``dtype`` with the most processes at or below ``ranks``."""
+        table = self.layer.get(dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else []
+
+    def end_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
+        """The measured embeddings and output layers in ``dtype``, as ``layer_rows``."""
+        table = self.ends.get(dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else []
+
+    def blockwise_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
+        """The measured context-parallel attention in ``dtype``, as ``layer_rows``."""
+        table = self.blockwise.get(dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else []
+
+    def runtime(self, ranks: int = 1) -> tuple[float, float] | None:
+        """(seconds per action, per step) the pipeline runtime adds beyond computing; None if not measured."""
+        table = self.runtime_s
+        return tuple(table[self.ranks_measured(ranks, table)]) if table else None  # type: ignore[return-value]
+
+    def optimizer_fit(self, ranks: int = 1) -> tuple[float, float, float] | None:
+        """(latency_s, per_tensor_s, GB/s) of a step's gradient norm, AdamW update and zeroing; None if not measured."""
+        table = self.optimizer
+        return tuple(table[self.ranks_measured(ranks, table)]) if table else None  # type: ignore[return-value]
+
     def collective(self, op: str, group: int, link: str = "intra") -> CollectiveCost | None:
         """The measured cost of ``op`` over ``group`` ranks on ``link`` (nearest measured group size), or None."""
         sizes = self.collectives.get(op, {}).get(link) or self.collectives.get(op, {}).get("intra")
@@ -203,6 +249,15 @@ def _check_fit(where: str, fit: Any) -> None:
         raise ValueError(f"{where} must be [latency_s, GB/s], got {fit!r}")
     check_number(f"{where} latency_s", fit[0])
     check_number(f"{where} GB/s", fit[1], strict=True)
+
+
+def _check_rows(where: str, rows: Any, width: int, grid: int) -> None:
+    """Rows of ``width`` numbers, the first ``grid`` (a measured shape) above 0, the rest (seconds) at least 0."""
+    for row in rows:
+        if (not isinstance(row, list) or len(row) != width
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in row)
+                or any(x <= 0 for x in row[:grid]) or any(x < 0 for x in row[grid:])):
+            raise ValueError(f"{where} rows must be {width} numbers (the first {grid} > 0, the rest >= 0), got {row!r}")
 
 
 def _ranks(name: str, key: Any) -> int:

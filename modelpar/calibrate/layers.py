@@ -1,0 +1,264 @@
+"""The trainer's own work, measured whole: a transformer layer, the stage ends, the runtime, the optimizer step.
+
+The kernel measurements of ``compute.py`` (GEMMs at their shapes, attention, element-wise bytes) miss
+what a layer costs beyond its kernels: the many small ops of a small layer, their dispatch through
+autograd, the hand-over between threads. Here the model's own modules run at the process's thread
+count (``docs/calibrate.md``, "Where a one-rank step goes"):
+
+- ``measure_layers``: ``modelpar.tensor_parallel.ParallelTransformerLayer`` (GPT-2 style: LayerNorm,
+  GeLU, biases) over a grid of (hidden, tokens) at ``LAYER_HEADS`` heads and ``LAYER_SEQ`` tokens per
+  sequence: the forward, the backward, and both under full recomputation (``recompute_sequential``).
+- ``measure_ends``: the first stage's embedding (tokens and learned positions) and the last stage's
+  final norm, output layer and cross entropy (``modelpar.model.LMLoss``), forward and backward.
+- ``measure_runtime``: a ``PipelineRunner`` step of a tiny model at 1 and 8 microbatches beside the
+  same microbatches computed directly: the runtime's cost per action and per step.
+- ``measure_optimizer``: AdamW as the trainer builds it (``training.optimizer.param_groups``), the
+  gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
+  ``latency + tensors·per_tensor + state bytes / bandwidth``.
+
+Times are the fastest of at least ``REPS`` runs (``timed``: on a quiet machine within a few percent of
+the median, and not moved by another process taking a core for a moment); the cost model interpolates between grid points
+(``costmodel.local_compute``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from modelpar.calibrate.compute import DTYPES
+from modelpar.calibrate.compute import timed as _timed
+
+__all__ = [
+    "END_VOCAB",
+    "LAYER_HEADS",
+    "LAYER_SEQ",
+    "layer_grid",
+    "measure_blockwise",
+    "measure_ends",
+    "measure_layers",
+    "measure_optimizer",
+    "measure_runtime",
+]
+
+LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
+LAYER_SEQ = 64  # tokens per sequence of the measured layers (CPU); a micro-batch is tokens / seq sequences
+END_VOCAB = 256  # the padded vocabulary of the measured output layer
+REPS = 5  # at least this many runs, the fastest kept: another process taking a core only ever adds time, and a
+#           two-thread layer's backward doubled under a load average of 3 where its fastest run did not move
+
+
+QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run each
+
+
+def timed(fn: Any, device: torch.device, budget_s: float) -> float:
+    """The fastest of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up (``compute.timed``)."""
+    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=min)
+
+
+def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU, 2 × 2
+    below ``QUICK_S``."""
+    if budget_s < QUICK_S:
+        return (64, 128), (64, 128), LAYER_SEQ
+    if device == "cpu":
+        return (64, 128, 256), (64, 128, 256, 512), LAYER_SEQ
+    return (1024, 2048, 4096), (2048, 8192), 1024
+
+
+def _layer_times(layer: Any, x: torch.Tensor, device: torch.device, budget_s: float) -> list[float]:
+    """Forward, backward, and the same under full recomputation, of one layer on ``x``."""
+    from modelpar.recompute import recompute_sequential
+
+    grad = torch.ones_like(x)
+
+    def forward() -> torch.Tensor:
+        return layer(x)
+
+    def both() -> None:
+        layer(x).backward(grad)
+
+    def forward_kept() -> torch.Tensor:
+        return recompute_sequential([layer], x, "full")
+
+    def both_kept() -> None:
+        recompute_sequential([layer], x, "full").backward(grad)
+
+    f, fb = timed(forward, device, budget_s), timed(both, device, budget_s)
+    fk, fbk = timed(forward_kept, device, budget_s), timed(both_kept, device, budget_s)
+    return [f, max(fb - f, 0.0), fk, max(fbk - fk, 0.0)]
+
+
+def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
+    """[[hidden, heads, seq, tokens, forward_s, backward_s, forward_recomputed_s, backward_recomputed_s], ...]
+    of one ``ParallelTransformerLayer`` (ffn 4h) over ``layer_grid``; the backward's input needs a gradient,
+    as every layer's but the first does."""
+    from modelpar.tensor_parallel import ParallelTransformerLayer
+
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
+    out = []
+    for h in hiddens:
+        layer = ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, dtype=DTYPES[dtype])
+        for tokens in token_counts:
+            x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
+            out.append([h, LAYER_HEADS, seq, tokens, *_layer_times(layer, x, device, budget_s)])
+    return out
+
+
+def _attend_backward(args: tuple[Any, ...]) -> None:
+    from modelpar.tensor_parallel.context_parallel import _ChunkAttention
+
+    _ChunkAttention.apply(*args).sum().backward()
+
+
+def measure_blockwise(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
+    """[[cp, hidden, seq, tokens, forward_s, backward_s], ...]: the context-parallel attention the runtime runs
+    (``tensor_parallel.context_parallel``: this rank's two zig-zag chunks against every chunk of the sequence,
+    block by block, ``LAYER_HEADS`` heads) for one rank of ``cp`` = 2 holding ``tokens`` of a micro-batch of
+    ``seq``-token sequences, over ``layer_grid``'s hidden sizes. The ring runs these blocks in cp steps and
+    the all-gather in one call: the same blocks, here in one (communication is priced apart)."""
+    from modelpar.tensor_parallel.context_parallel import _ChunkAttention, chunks_of
+
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
+    out = []
+    for cp in (2,):
+        every = tuple(c for r in range(cp) for c in chunks_of(r, cp))
+        for h in hiddens:
+            for tokens in token_counts:
+                b, d = max(1, tokens * cp // seq), h // LAYER_HEADS
+                q = torch.randn(b, LAYER_HEADS, seq // cp, d, device=device, dtype=DTYPES[dtype], requires_grad=True)
+                k, v = (torch.randn(b, LAYER_HEADS, seq, d, device=device, dtype=DTYPES[dtype], requires_grad=True)
+                        for _ in range(2))
+                args = (q, k, v, chunks_of(0, cp), every, d ** -0.5)
+                forward = timed(partial(_ChunkAttention.apply, *args), device, budget_s)
+                both = timed(partial(_attend_backward, args), device, budget_s)
+                out.append([cp, h, seq, b * seq // cp, forward, max(both - forward, 0.0)])
+    return out
+
+
+def _tiny(hidden: int, layers: int, seq: int, vocab: int) -> Any:
+    from modelpar.model import ModelConfig
+
+    return ModelConfig(hidden=hidden, heads=LAYER_HEADS if hidden % LAYER_HEADS == 0 else 1, layers=layers,
+                       seq_len=seq, vocab_size=vocab)
+
+
+def _end_times(embed: Any, norm: Any, head: Any, loss_fn: Any, ids: torch.Tensor, x: torch.Tensor,
+               device: torch.device, budget_s: float) -> list[float]:
+    """Embedding forward and backward, norm + head + loss forward and backward."""
+    grad = torch.ones(*ids.shape, x.shape[-1], device=device, dtype=x.dtype)
+    ef = timed(lambda: embed(ids), device, budget_s)
+    efb = timed(lambda: embed(ids).backward(grad), device, budget_s)
+    hf = timed(lambda: loss_fn(head(norm(x)), ids), device, budget_s)
+    hfb = timed(lambda: loss_fn(head(norm(x)), ids).backward(), device, budget_s)
+    return [ef, max(efb - ef, 0.0), hf, max(hfb - hf, 0.0)]
+
+
+def measure_ends(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
+    """[[hidden, tokens, vocab, embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s], ...] over ``layer_grid``: the
+    embedding (ids in, no input gradient) and the final norm + output layer + cross entropy (a hidden state in)."""
+    from modelpar.model import LMLoss, build_stage
+
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
+    out = []
+    for h in hiddens:
+        cfg = _tiny(h, 1, seq, END_VOCAB)
+        model = build_stage(cfg, dtype=DTYPES[dtype], device=device)
+        loss_fn = LMLoss(cfg.vocab_size)
+        assert model.embed is not None and model.norm is not None and model.head is not None
+        embed, norm, head = model.embed, model.norm, model.head
+        for tokens in token_counts:
+            b = tokens // seq
+            ids = torch.randint(0, cfg.vocab_size, (b, seq), device=device)
+            x = torch.randn(b, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
+            out.append([h, tokens, END_VOCAB, *_end_times(embed, norm, head, loss_fn, ids, x, device, budget_s)])
+    return out
+
+
+def measure_runtime(device: torch.device, budget_s: float = 0.05) -> list[float]:
+    """[action_s, step_s]: what ``PipelineRunner`` adds to each forward or backward action beyond computing it,
+    and to each step beyond its actions (a one-stage 1F1B step of a tiny model at 1 and 8 micro-batches, beside
+    the same micro-batches' forward, loss and backward called directly)."""
+    from modelpar.model import LMLoss, build_stage
+    from modelpar.pipeline.runner import PipelineRunner
+    from modelpar.schedules import get_schedule
+
+    cfg = _tiny(16, 1, 8, 64)
+    model = build_stage(cfg, device=device)
+    loss_fn = LMLoss(cfg.vocab_size)
+    steps = {}
+    for m in (1, 8):
+        runner = PipelineRunner(get_schedule("1f1b", ranks=1, microbatches=m), {0: model}, loss_fn, group=None)
+        ids = torch.randint(0, cfg.vocab_size, (m, cfg.seq_len), device=device)
+        steps[m] = timed(partial(runner.step, ids, ids), device, budget_s)
+    one = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device=device)
+    direct = timed(lambda: loss_fn(model(one), one).backward(), device, budget_s)
+    per_microbatch = (steps[8] - steps[1]) / 7
+    return [max(0.0, (per_microbatch - direct) / 2), max(0.0, steps[1] - per_microbatch)]
+
+
+OPTIMIZER_MODELS = ((32, 1), (32, 4), (128, 2), (256, 2))  # (hidden, layers): tensor counts and bytes apart
+
+
+def _optimizer_step(hidden: int, layers: int, device: torch.device, budget_s: float) -> tuple[int, int, float]:
+    """(tensors, AdamW state bytes, seconds) of one optimizer step of a ``hidden`` × ``layers`` model."""
+    from modelpar.model import build_stage
+    from modelpar.training.optimizer import param_groups
+
+    model = build_stage(_tiny(hidden, layers, 8, 256), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params), device=device)
+    offset = 0
+    for p in params:  # gradients are views of one buffer, as the trainer's buckets hold them
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    flat.normal_()
+    opt = torch.optim.AdamW(param_groups(params, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    def step() -> None:
+        torch.linalg.vector_norm(flat, dtype=torch.float64).item()
+        opt.step()
+        flat.zero_()
+
+    seconds = timed(step, device, budget_s)
+    return len(params), 2 * flat.numel() * flat.element_size(), seconds
+
+
+def measure_optimizer(device: torch.device, budget_s: float = 0.05) -> list[float]:
+    """[latency_s, per_tensor_s, GB/s] of a step's gradient norm, AdamW update and gradient zeroing: the least
+    squares fit of ``latency + tensors·per_tensor + state bytes/bandwidth`` over ``OPTIMIZER_MODELS``."""
+    rows = [_optimizer_step(h, n, device, budget_s) for h, n in OPTIMIZER_MODELS]
+    return fit_optimizer(rows)
+
+
+def fit_optimizer(rows: list[tuple[int, int, float]]) -> list[float]:
+    """[latency_s, per_tensor_s, GB/s] fitted to (tensors, bytes, seconds) rows by least squares (normal
+    equations, 3 × 3), each term kept non-negative (a negative one is dropped and the rest refitted)."""
+    terms = [0, 1, 2]
+    while True:
+        coef = _least_squares([[(1.0, float(t), b / 1e9)[i] for i in terms] for t, b, _ in rows],
+                              [s for _, _, s in rows])  # bytes in GB: the normal equations stay well scaled
+        if all(c >= 0 for c in coef) or len(terms) == 1:
+            break
+        terms = [i for i, c in zip(terms, coef) if c >= 0] or [0]
+    full = dict.fromkeys(range(3), 0.0)
+    full.update({i: max(0.0, c) for i, c in zip(terms, coef)})
+    return [full[0], full[1], 1.0 / full[2] if full[2] > 0 else 1e6]  # s per GB -> GB/s
+
+
+def _least_squares(x: list[list[float]], y: list[float]) -> list[float]:
+    """Solve min ‖x·c − y‖ by the normal equations (Gaussian elimination; a few unknowns)."""
+    n = len(x[0])
+    a = [[sum(r[i] * r[j] for r in x) for j in range(n)] + [sum(r[i] * v for r, v in zip(x, y))] for i in range(n)]
+    for i in range(n):
+        pivot = max(range(i, n), key=lambda k: abs(a[k][i]))
+        a[i], a[pivot] = a[pivot], a[i]
+        if abs(a[i][i]) < 1e-300:
+            return [0.0] * n
+        for k in range(n):
+            if k != i:
+                f = a[k][i] / a[i][i]
+                a[k] = [u - f * w for u, w in zip(a[k], a[i])]
+    return [a[i][n] / a[i][i] for i in range(n)]

@@ -1,0 +1,256 @@
+"""The compute of the trainer's actions on a hardware profile: a layer, the stage ends, the runtime, the step's end.
+
+Two ways to price a layer's forward and backward on one rank (no communication; ``local.py`` adds it):
+
+- *composed* from the kernel fits (``kernel_layer``): its GEMMs at their shapes (forward; input and weight
+  gradient in the backward), attention at the measured attention throughput (4·tokens·s·h/t FLOPs
+  forward, twice that backward), ``OPS_FORWARD`` dispatched ops at the measured op latency (twice in
+  the backward), and the bytes it keeps streamed twice (written forward, read back backward);
+- *measured*: the profile's ``layer`` table (``calibrate.layers``: the model's own layer, forward and
+  backward, with and without full recomputation, over a grid of hidden sizes and tokens per micro-batch at
+  the run's process count). Inside the grid a layer costs its composition plus what the composition
+  misses at the grid's shapes, interpolated (``residual``, log-bilinear in hidden and tokens): at a
+  measured shape with t = 1 exactly the measurement; at t > 1, with another head count, sequence,
+  MLP or vocabulary, the kernels' difference is the composition's (the per-op and thread hand-over
+  costs the composition misses do not shrink with t). Outside the grid, or without a table, the composition.
+
+The stage ends (the embedding; the final norm, output layer and cross entropy) are priced alike from
+the ``ends`` table; the runtime's own cost per action and per step from ``runtime_s``; the step's end
+(gradient norm, AdamW, zeroing) from the ``optimizer`` fit, ``latency + tensors·per_tensor + state
+bytes / bandwidth``. A profile without them (an older calibration, a data-sheet GPU) is priced by the
+kernels alone, as before: per step ``OPS_STEP`` ops, the norm reading the gradients, AdamW reading and
+writing 7 of its 4-byte words per parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from modelpar.costmodel.local_memory import LocalRun, activation_parts
+from modelpar.costmodel.measured import layer_gemms
+from modelpar.costmodel.profiles import HardwareProfile
+
+__all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "core_share",
+           "end_seconds", "grid_model", "interpolate", "kernel_ends", "kernel_layer", "layer_seconds", "matmul_seconds",
+           "runtime_seconds", "step_end_seconds"]
+
+OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
+OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds of one layer's (or stage end's) compute for one micro-batch: forward, backward (the weight
+    gradient included) and the weight gradient's part of it."""
+
+    forward: float
+    backward: float
+    weight: float
+
+
+def _dtype(run: LocalRun) -> str:
+    return {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
+
+
+def _ranks(run: LocalRun, hw: HardwareProfile) -> int:
+    return min(run.world, hw.devices_per_node)
+
+
+def core_share(run: LocalRun, hw: HardwareProfile, table: dict[str, Any] | None = None) -> float:
+    """How much slower compute runs than the profile's ``table`` (default: the kernels') for this run:
+    ranks / max(measured, cores) when a CPU run has more processes than both (the table measured with fewer;
+    the cores are split further), else 1."""
+    if hw.device != "cpu" or not hw.cores:
+        return 1.0
+    measured = int(hw.ranks_measured(run.world, table))
+    return max(1.0, run.world / max(measured, hw.cores))
+
+
+def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int, ranks: int | None = None) -> float:
+    """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count (or ``ranks``
+    processes), no core sharing."""
+    ranks = ranks or _ranks(run, hw)
+    tflops = hw.matmul_tflops(m, n, k, _dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
+    return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12)
+
+
+def attention_seconds(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> float:
+    """Seconds of one layer's attention forward at the measured rate: each of the rank's tokens sees the whole
+    sequence (4·tokens·s·h/t FLOPs)."""
+    m = run.model
+    tflops = hw.attention_tflops(_dtype(run), ranks or _ranks(run, hw)) or hw.peak_tflops[hw.dtype]
+    return 4.0 * run.tokens * m.seq * m.hidden / run.t / (tflops * 1e12)
+
+
+def _stream(hw: HardwareProfile, ranks: int, nbytes: float) -> float:
+    """Seconds to write ``nbytes`` of kept activations and read them back once, ``ranks`` processes computing."""
+    return nbytes * 2 / hw.elementwise_bytes_per_s(ranks)
+
+
+def kernel_layer(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> tuple[LayerCost, float]:
+    """One layer composed from the kernel fits (module docstring; no recomputation, no core sharing) with the
+    run's processes (or ``ranks``) computing, and its attention forward's seconds (what selective
+    recomputation repeats)."""
+    ranks = ranks or _ranks(run, hw)
+    fwd = dgrad = wgrad = 0.0
+    for mm, n, k in layer_gemms(run.model, run.tokens, run.t):
+        fwd += matmul_seconds(run, hw, mm, n, k, ranks)
+        dgrad += matmul_seconds(run, hw, mm, k, n, ranks)
+        wgrad += matmul_seconds(run, hw, k, n, mm, ranks)
+    attention = attention_seconds(run, hw, ranks)
+    latency = hw.op_latency(ranks) or 0.0
+    kept = _stream(hw, ranks, activation_parts(replace(run, recompute="none"), 0)[0]) / 2  # written / read back
+    forward = fwd + attention + OPS_FORWARD * latency + kept
+    return LayerCost(forward, dgrad + wgrad + 2 * attention + 2 * OPS_FORWARD * latency + kept, wgrad), attention
+
+
+def kernel_ends(run: LocalRun, hw: HardwareProfile, stage: int, ranks: int | None = None) -> tuple[LayerCost, LayerCost]:
+    """(embedding, norm + head + loss) of ``stage`` composed from the kernel fits: the head's logits GEMM and
+    its two backward GEMMs, 4 ops forward and 8 backward, and each end's kept bytes streamed; zero for an end
+    the stage does not hold."""
+    m, ranks = run.model, ranks or _ranks(run, hw)
+    _, first, last = activation_parts(replace(run, recompute="none"), stage)
+    embed = LayerCost(_stream(hw, ranks, first) / 2, _stream(hw, ranks, first) / 2, 0.0) if stage == 0 else _ZERO
+    if stage != run.stages - 1:
+        return embed, _ZERO
+    head = matmul_seconds(run, hw, run.tokens, m.vocab // run.t, m.hidden, ranks)
+    latency = hw.op_latency(ranks) or 0.0
+    kept = _stream(hw, ranks, last) / 2
+    return embed, LayerCost(head + 4 * latency + kept, 2 * head + 8 * latency + kept, head)
+
+
+_ZERO = LayerCost(0.0, 0.0, 0.0)
+
+
+def grid_model(run: LocalRun, hidden: int, heads: int, seq: int, tokens: int, vocab: int) -> LocalRun:
+    """``run`` reduced to what calibrate measured: t = cp = 1, a GPT layer (ffn 4h, biases, one key/value head
+    per query head) of ``hidden`` and ``heads``, ``tokens`` per micro-batch of ``seq``-token sequences, the
+    output layer over ``vocab``; no recomputation. Its kernels are priced at the run's process count (the
+    ``ranks`` argument of ``kernel_layer``), as the table it stands for was measured."""
+    model = replace(run.model, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=4 * hidden, kv_heads=0,
+                    gated_mlp=False, bias=True, learned_positions=True, layers=1)
+    return replace(run, model=model, t=1, p=1, v=1, d=1, cp=1, microbatches=1, batch=max(1, tokens // seq),
+                   sequence_parallel=False, recompute="none", moe=None, ep=1)
+
+
+def interpolate(rows: Sequence[Sequence[float]], keys: tuple[int, int], point: tuple[float, float],
+                value: Callable[[Sequence[float]], Sequence[float]]) -> list[float] | None:
+    """``value`` of the measured rows at ``point`` of the two ``keys`` columns: log-bilinear between the four
+    grid rows around it (exact at a grid row); None when ``point`` lies outside the grid or a corner is missing."""
+    if not rows:
+        return None
+    axes = [sorted({float(r[k]) for r in rows}) for k in keys]
+    corners = []
+    for axis, x in zip(axes, point):
+        if not axis[0] <= x <= axis[-1]:
+            return None
+        hi = next(i for i, g in enumerate(axis) if g >= x)
+        lo = hi if axis[hi] == x else hi - 1
+        a, b = axis[lo], axis[hi]
+        w = 0.0 if a == b else math.log(x / a) / math.log(b / a)
+        corners.append(((a, 1.0 - w), (b, w)))
+    by_key = {(float(r[keys[0]]), float(r[keys[1]])): r for r in rows}
+    total: list[float] | None = None
+    for x0, w0 in corners[0]:
+        for x1, w1 in corners[1]:
+            if w0 * w1 == 0.0:
+                continue
+            row = by_key.get((x0, x1))
+            if row is None:
+                return None
+            got = [w0 * w1 * v for v in value(row)]
+            total = got if total is None else [t + g for t, g in zip(total, got)]
+    return total
+
+
+def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
+    """One layer's compute for one micro-batch on one rank, as ``run.recompute`` runs it (full: the forward
+    without keeping, the backward with the forward again; selective: the attention forward again), × the core
+    sharing (module docstring)."""
+    composed, attention = kernel_layer(run, hw)
+    m, ranks = run.model, _ranks(run, hw)
+    rows = hw.layer_rows(_dtype(run), ranks)
+    full = run.recompute == "full"
+
+    def residual(row: Sequence[float]) -> list[float]:
+        at, _ = kernel_layer(grid_model(run, int(row[0]), int(row[1]), int(row[2]), int(row[3]), m.vocab), hw, ranks)
+        measured_f, measured_b = (row[6], row[7]) if full else (row[4], row[5])
+        expect_b = at.backward + at.forward if full else at.backward
+        return [measured_f - at.forward, measured_b - expect_b]
+
+    missed = interpolate(rows, (0, 3), (m.hidden, run.tokens), residual) if rows else None
+    blocks = blockwise_seconds(run, hw)
+    if blocks is not None:  # the runtime's block-by-block attention in place of fused attention at its rate
+        composed = LayerCost(composed.forward + blocks[0] - attention, composed.backward + blocks[1] - 2 * attention,
+                             composed.weight)
+        attention = blocks[0]
+    forward, backward = composed.forward, composed.backward + (composed.forward if full else 0.0)
+    weight_share = composed.weight / backward if backward else 0.0
+    if missed is not None:
+        forward, backward = max(0.0, forward + missed[0]), max(0.0, backward + missed[1])
+    if run.recompute == "selective":
+        backward += attention
+    weight = (backward - (attention if run.recompute == "selective" else 0.0)) * weight_share
+    share = core_share(run, hw, hw.layer.get(_dtype(run)) if missed is not None else None)
+    return LayerCost(forward * share, backward * share, weight * share)
+
+
+def blockwise_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float] | None:
+    """(forward, backward) seconds of one layer's context-parallel attention on one rank, no core sharing: the
+    measured blocks (``blockwise`` at the run's cp and sequence, interpolated in hidden and tokens) over its
+    t-th of the heads; None at cp = 1 or outside what was measured."""
+    rows = [r for r in hw.blockwise_rows(_dtype(run), _ranks(run, hw)) if r[0] == run.cp and r[2] == run.model.seq]
+    if run.cp == 1 or not rows:
+        return None
+    got = interpolate(rows, (1, 3), (run.model.hidden, run.tokens), lambda r: r[4:6])
+    return None if got is None else (got[0] / run.t, got[1] / run.t)
+
+
+def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
+    """The embedding's (first stage) and the norm, head and loss's (last stage) compute for one micro-batch,
+    measured (``ends``) inside its grid as ``layer_seconds`` is, else composed; × the core sharing."""
+    embed, head = kernel_ends(run, hw, stage)
+    m, ranks = run.model, _ranks(run, hw)
+    rows = hw.end_rows(_dtype(run), ranks)
+
+    def residual(row: Sequence[float]) -> list[float]:
+        e, h = kernel_ends(grid_model(run, int(row[0]), 1, m.seq, int(row[1]), int(row[2])), hw, 0, ranks)
+        return [row[3] - e.forward, row[4] - e.backward, row[5] - h.forward, row[6] - h.backward]
+
+    missed = interpolate(rows, (0, 1), (m.hidden, run.tokens), residual) if rows else None
+    forward, backward, weight = embed.forward + head.forward, embed.backward + head.backward, head.weight
+    if missed is not None:
+        holds = (stage == 0, stage == 0, stage == run.stages - 1, stage == run.stages - 1)
+        extra = [x if mine else 0.0 for x, mine in zip(missed, holds)]
+        forward, backward = max(0.0, forward + extra[0] + extra[2]), max(0.0, backward + extra[1] + extra[3])
+        weight = min(weight, backward)
+    share = core_share(run, hw, hw.ends.get(_dtype(run)) if missed is not None else None)
+    return LayerCost(forward * share, backward * share, weight * share)
+
+
+def runtime_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float]:
+    """(per action, per step) seconds the pipeline runtime adds beyond computing (0, 0 when not measured)."""
+    measured = hw.runtime(_ranks(run, hw))
+    share = core_share(run, hw, hw.runtime_s)
+    return (measured[0] * share, measured[1] * share) if measured else (0.0, 0.0)
+
+
+def step_end_seconds(run: LocalRun, hw: HardwareProfile, tensors: int, gradient_bytes: float,
+                     optimizer_bytes: float) -> float:
+    """The step's gradient norm, AdamW update and zeroing on one rank holding ``tensors`` optimizer tensors (its
+    parameters, or its bucket ranges under ZeRO), without the norm's all-reduce: the measured fit, else the
+    kernels (module docstring); × the core sharing."""
+    ranks = _ranks(run, hw)
+    fit = hw.optimizer_fit(ranks)
+    if fit is not None:
+        latency, per_tensor, gbps = fit
+        seconds = latency + tensors * per_tensor + optimizer_bytes / (gbps * 1e9)
+    else:
+        bandwidth = hw.elementwise_bytes_per_s(ranks)
+        seconds = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth  # read g, w, m, v; write w, m, v
+        seconds += OPS_STEP * (hw.op_latency(ranks) or 0.0)
+    return seconds * core_share(run, hw, hw.optimizer if fit is not None else None)
+

@@ -1,0 +1,155 @@
+"""The local cost model's measured compute (costmodel.local_compute), hand-checked: a measured layer, stage end,
+blockwise attention, runtime and optimizer step price exactly what was measured at a measured shape, the kernels'
+difference elsewhere in the grid, the kernels outside it. Pure Python: no timing."""
+
+import dataclasses
+import math
+
+import pytest
+
+from modelpar.calibrate.layers import fit_optimizer
+from modelpar.costmodel.local import predict_local
+from modelpar.costmodel.local_compute import (
+    blockwise_seconds,
+    end_seconds,
+    grid_model,
+    interpolate,
+    kernel_ends,
+    kernel_layer,
+    layer_seconds,
+    step_end_seconds,
+)
+from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.presets import CPU_DEFAULT
+from modelpar.costmodel.profiles import HardwareProfile
+from modelpar.model import ModelConfig
+
+MODEL = ModelConfig(hidden=64, heads=4, layers=4, seq_len=64).spec()  # padded vocabulary 256
+RUN = LocalRun(MODEL, microbatches=2, batch=16)  # 8 sequences, 512 tokens per micro-batch
+# layer rows: [hidden, heads, seq, tokens, fwd, bwd, fwd recomputed, bwd recomputed]
+LAYER = [[h, 4, 64, n, 1e-3 * h / 64 * n / 128, 2e-3 * h / 64 * n / 128, 1.1e-3, 3e-3]
+         for h in (64, 128) for n in (128, 512)]
+ENDS = [[h, n, 256, 1e-4, 2e-4, 5e-4, 9e-4] for h in (64, 128) for n in (128, 512)]
+BLOCKS = [[2, h, 64, n, 4e-4 * n / 64, 8e-4 * n / 64] for h in (64, 128) for n in (64, 256)]
+HW = dataclasses.replace(CPU_DEFAULT, cores=2, layer={"fp32": {"1": LAYER}}, ends={"fp32": {"1": ENDS}},
+                         blockwise={"fp32": {"1": BLOCKS}}, runtime_s={"1": [2e-4, 1e-3]},
+                         optimizer={"1": [1e-3, 5e-5, 2.0]})
+
+
+def test_interpolate_is_exact_on_the_grid_log_bilinear_between_and_none_outside():
+    rows = [[x, y, x * y] for x in (1, 4) for y in (10, 1000)]
+    value = lambda r: [r[2]]  # noqa: E731
+    assert interpolate(rows, (0, 1), (4, 10), value) == [40]
+    assert interpolate(rows, (0, 1), (2, 10), value) == pytest.approx([(1 * 10 + 4 * 10) / 2])  # log-midpoint in x
+    assert interpolate(rows, (0, 1), (2, 100), value) == pytest.approx([(10 + 1000 + 40 + 4000) / 4])
+    assert interpolate(rows, (0, 1), (8, 100), value) is None and interpolate(rows, (0, 1), (2, 5), value) is None
+    assert interpolate(rows[:3], (0, 1), (2, 100), value) is None  # a corner missing
+    assert interpolate([], (0, 1), (1, 10), value) is None
+
+
+def test_a_measured_layer_is_priced_as_measured():
+    """h = 64, 512 tokens, t = 1: the row itself; full recomputation: its recomputed columns."""
+    cost = layer_seconds(RUN, HW)
+    assert (cost.forward, cost.backward) == pytest.approx((4e-3, 8e-3), rel=1e-12)
+    full = layer_seconds(dataclasses.replace(RUN, recompute="full"), HW)
+    assert (full.forward, full.backward) == pytest.approx((1.1e-3, 3e-3), rel=1e-12)
+    composed, _ = kernel_layer(RUN, HW)
+    assert cost.weight == pytest.approx(8e-3 * composed.weight / composed.backward, rel=1e-12)
+
+
+def test_the_grid_is_priced_at_the_runs_process_count():
+    """d = 2 at a measured shape: the 2-process row itself, though the kernels measured with 1 and 2 processes
+    differ (the grid's composition is priced with the run's 2 processes, not the one the grid shape has)."""
+    hw = dataclasses.replace(HW, matmul={"fp32": {"1": [[256, 256, 256, 0.05]], "2": [[256, 256, 256, 0.02]]}},
+                             layer={"fp32": {"2": LAYER}}, devices_per_node=2)
+    run = dataclasses.replace(RUN, d=2, microbatches=1)  # 8 sequences per replica, 512 tokens
+    cost = layer_seconds(run, hw)
+    assert (cost.forward, cost.backward) == pytest.approx((4e-3, 8e-3), rel=1e-12)
+
+
+def test_between_grid_points_and_at_t2_the_kernels_difference_is_added():
+    """256 tokens: what the kernels miss, interpolated (log-midpoint of 128 and 512); t = 2: the measured t = 1
+    layer plus the kernels' t = 2 minus t = 1 (the missed part is not divided by t)."""
+    run = dataclasses.replace(RUN, microbatches=4)  # 256 tokens
+    composed, _ = kernel_layer(run, HW)
+    missed = []
+    for n in (128, 512):
+        at, _ = kernel_layer(grid_model(run, 64, 4, 64, n, 256), HW)
+        missed.append(1e-3 * n / 128 - at.forward)
+    assert layer_seconds(run, HW).forward == pytest.approx(composed.forward + sum(missed) / 2, rel=1e-12)
+    tp = dataclasses.replace(RUN, t=2)
+    one, _ = kernel_layer(RUN, HW)
+    two, _ = kernel_layer(tp, HW)
+    assert layer_seconds(tp, HW).forward == pytest.approx(4e-3 + two.forward - one.forward, rel=1e-12)
+    assert two.forward < one.forward
+
+
+def test_outside_the_grid_or_without_tables_the_kernels_price_it():
+    big = dataclasses.replace(RUN, model=ModelConfig(hidden=512, heads=4, layers=4, seq_len=64).spec())
+    composed, _ = kernel_layer(big, HW)
+    assert layer_seconds(big, HW).forward == composed.forward
+    composed, _ = kernel_layer(RUN, CPU_DEFAULT)
+    assert layer_seconds(RUN, CPU_DEFAULT).forward == composed.forward
+
+
+def test_selective_recomputation_adds_the_attention_forward():
+    sel = layer_seconds(dataclasses.replace(RUN, recompute="selective"), HW)
+    _, attention = kernel_layer(RUN, HW)
+    assert sel.backward == pytest.approx(8e-3 + attention, rel=1e-12)
+
+
+def test_stage_ends_measured_on_their_stages():
+    """One stage holds both ends: embedding + head rows; at p = 2 the first holds the embedding only."""
+    one = end_seconds(RUN, HW, 0)
+    assert (one.forward, one.backward) == pytest.approx((6e-4, 1.1e-3), rel=1e-12)
+    two = dataclasses.replace(RUN, p=2)
+    first, last = end_seconds(two, HW, 0), end_seconds(two, HW, 1)
+    assert (first.forward, first.backward, first.weight) == pytest.approx((1e-4, 2e-4, 0.0), rel=1e-12)
+    assert (last.forward, last.backward) == pytest.approx((5e-4, 9e-4), rel=1e-12)
+    _, head = kernel_ends(two, HW, 1)
+    assert last.weight == head.weight
+
+
+def test_blockwise_attention_at_cp2():
+    """cp = 2, 256 local tokens (the run's 8 sequences of 32): the measured blocks, a t-th of them at t = 2."""
+    run = dataclasses.replace(RUN, cp=2)
+    assert blockwise_seconds(run, HW) == pytest.approx((1.6e-3, 3.2e-3), rel=1e-12)
+    assert blockwise_seconds(dataclasses.replace(run, t=2), HW) == pytest.approx((0.8e-3, 1.6e-3), rel=1e-12)
+    assert blockwise_seconds(RUN, HW) is None and blockwise_seconds(dataclasses.replace(run, cp=4), HW) is None
+    composed, attention = kernel_layer(run, HW)  # 256 tokens: the log-midpoint of the layer grid
+    missed_f = (1e-3 - kernel_layer(grid_model(run, 64, 4, 64, 128, 256), HW)[0].forward
+                + 4e-3 - kernel_layer(grid_model(run, 64, 4, 64, 512, 256), HW)[0].forward) / 2
+    assert layer_seconds(run, HW).forward == pytest.approx(composed.forward - attention + 1.6e-3 + missed_f, rel=1e-12)
+
+
+def test_step_end_and_runtime():
+    """The optimizer fit: latency + tensors·per tensor + state bytes / bandwidth; the runtime adds its cost per
+    action to each F and B (p = 1, m = 2: 4 actions) and its cost per step once."""
+    assert step_end_seconds(RUN, HW, 10, 0.0, 4e9) == pytest.approx(1e-3 + 10 * 5e-5 + 2.0, rel=1e-12)
+    without = dataclasses.replace(HW, runtime_s={})
+    a, b = predict_local(RUN, HW), predict_local(RUN, without)
+    assert a.time["pipeline"] - b.time["pipeline"] == pytest.approx(4 * 2e-4, rel=1e-9)
+    assert a.time["optimizer"] - b.time["optimizer"] == pytest.approx(1e-3, rel=1e-9)
+
+
+def test_fit_optimizer_recovers_hand_made_rows():
+    rows = [(t, b, 1e-3 + t * 2e-5 + b / 4e9) for t, b in ((10, 1e6), (40, 1e6), (20, 8e6), (30, 3e6))]
+    latency, per_tensor, gbps = fit_optimizer(rows)
+    assert (latency, per_tensor, gbps) == pytest.approx((1e-3, 2e-5, 4.0), rel=1e-6)
+    flat = fit_optimizer([(t, b, 1e-3 + b / 4e9 - t * 1e-6) for t, b, _ in rows])  # a negative term is dropped
+    assert flat[1] == 0.0 and all(x >= 0 for x in flat) and math.isfinite(flat[2])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("layer", {"fp32": {"1": [[64, 4, 64, 128, 1e-3]]}}, "layer[fp32][1] rows must be 8 numbers"),
+    ("ends", {"fp32": {"1": [[0, 128, 256, 1, 1, 1, 1]]}}, "ends[fp32][1] rows must be 7 numbers"),
+    ("blockwise", {"fp32": {"1": [[2, 64, 64, 128, -1.0, 0.0]]}}, "blockwise[fp32][1] rows"),
+    ("runtime_s", {"1": [1e-4]}, "runtime_s[1] rows must be 2 numbers"),
+    ("optimizer", {"1": [1e-3, 1e-5, 0.0]}, "optimizer[1] GB/s"),
+])
+def test_malformed_tables_are_named(field, value, message):
+    data = HW.to_json()
+    data[field] = value
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        HardwareProfile.from_json(data)
+    assert HardwareProfile.from_json(HW.to_json()) == HW
