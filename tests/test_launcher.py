@@ -150,7 +150,16 @@ def test_nothing_of_the_run_outlives_the_launcher(tmp_path):
     assert left == []  # checked the moment the launcher's exit is seen: it waited for them all
 
 
-def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank():
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C with Python's own handler, as in a rank: a pytest started as a background job ignores SIGINT,
+    and the controller keeps an ignored signal ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank(python_ctrl_c):
     """The torchrun path (no launcher to end the ranks): a rank's own handler, before and after ``begin``."""
     from modelpar.training import TrainConfig
 
