@@ -22,6 +22,7 @@ from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopCon
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
 DEADLINE = 120.0  # s for anything to happen on a loaded 2-core machine; a hang fails the test at it
+POLL = 0.05  # s between looks: a look reads every process's /proc entry, milliseconds of CPU on a busy machine
 
 
 def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -40,7 +41,7 @@ def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
             return value
         if proc.poll() is not None:
             pytest.fail(f"the command exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
-        time.sleep(0.02)
+        time.sleep(POLL)
     proc.kill()
     pytest.fail(f"no {what} within {DEADLINE:g} s")
 
@@ -48,15 +49,16 @@ def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
 def processes() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, name) of every process, from /proc."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read().decode(errors="replace")
             except OSError:
                 continue
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            out[int(entry.name)] = (int(ppid), state, name)
+            out[int(pid)] = (int(ppid), state, name)
     return out
 
 
