@@ -22,7 +22,7 @@ from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopCon
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
 DEADLINE = 120.0  # s for anything to happen on a loaded 2-core machine; a hang fails the test at it
-POLL = 0.05  # s between looks: a look reads every process's /proc entry, milliseconds of CPU on a busy machine
+POLL = 0.05  # s between looks at the process table: a look reads every process's /proc entry (ms of CPU)
 
 
 def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -32,7 +32,7 @@ def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> sub
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
+def wait_for(proc: subprocess.Popen, what: str, ready, poll: float = POLL) -> object:
     """Poll ``ready()`` until it returns something truthy; fail if the command exits or the deadline passes."""
     end = time.monotonic() + DEADLINE
     while time.monotonic() < end:
@@ -41,7 +41,7 @@ def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
             return value
         if proc.poll() is not None:
             pytest.fail(f"the command exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
-        time.sleep(POLL)
+        time.sleep(poll)
     proc.kill()
     pytest.fail(f"no {what} within {DEADLINE:g} s")
 
@@ -119,7 +119,7 @@ def test_ctrl_c_while_the_forkserver_starts_prints_no_traceback(tmp_path):
     proc = start(tmp_path, "--dp", "2", "--batch-size", "4", "--steps", "100000")
     # the forkserver has loaded torch's library: it is importing torch (a second or more), when a Ctrl-C used to hit
     wait_for(proc, "the forkserver importing torch", lambda: any(
-        "forkserver" in _cmdline(p) and "libtorch" in _maps(p) for p in descendants(proc.pid)))
+        "forkserver" in _cmdline(p) and "libtorch" in _maps(p) for p in descendants(proc.pid)), poll=0.02)  # a short window
     os.killpg(proc.pid, signal.SIGINT)
     code, err, _ = finish(proc)
     assert code == EXIT_INTERRUPTED
