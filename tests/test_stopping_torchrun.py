@@ -126,7 +126,7 @@ def test_sigterm_to_a_worker_and_then_to_the_agent_saves_on_all_and_the_restart_
     assert not list(ckpt.glob(".*"))  # no temporary directory
     # the metrics keep the first workers' steps up to the checkpoint the restart resumed from: one loss per step,
     # bitwise those of an uninterrupted run
-    metrics = [json.loads(line) for line in (tmp_path / "a-out" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(row) for row in (tmp_path / "a-out" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if m["event"] == "step"]
     assert [m["step"] for m in steps] == list(range(1, step + 1))
     assert [m["loss"] for m in steps] == uninterrupted(tmp_path, step)
