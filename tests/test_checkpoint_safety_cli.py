@@ -12,12 +12,10 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from _wait import join, wait_until
 
 from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.cli import main
@@ -165,24 +163,23 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
 
 
 def test_export_while_a_run_prunes_takes_the_newest_valid_checkpoint(capsys, tmp_path, cache):
-    """The run in a thread of this process (its rank saves and prunes; no signal is involved), the exports here."""
     ckpt, model = tmp_path / "ck", tmp_path / "model.safetensors"
-    trained: list[int] = []
-    run = threading.Thread(target=lambda: trained.append(main([
-        "train", *TINY, "--steps", "10", "--checkpoint-every", "1", "--keep", "1", "--checkpoint-dir", str(ckpt),
-        "--out", str(tmp_path / "out"), "--cache-dir", str(cache)])), name="the run", daemon=True)
-    run.start()
+    run = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "10", "--checkpoint-every", "1",
+                            "--keep", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "out"),
+                            "--cache-dir", str(cache)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
-        wait_until(lambda: latest_checkpoint(ckpt, checksums=False), "a first checkpoint", alive=run.is_alive,
-                   timeout=DEADLINE, poll=0.05)
-        codes = []
         deadline = time.monotonic() + DEADLINE
-        while run.is_alive() and time.monotonic() < deadline:  # each export races the run's pruning
+        while latest_checkpoint(ckpt, checksums=False) is None:
+            assert run.poll() is None and time.monotonic() < deadline, "the run wrote no checkpoint"
+            time.sleep(0.05)
+        codes = []
+        while run.poll() is None and time.monotonic() < deadline:  # each export races the run's pruning
             codes.append(main(["export", str(ckpt), "--out", str(model)]))
             assert codes[-1] == 0, capsys.readouterr().err
             time.sleep(0.2)  # leave the run some CPU: the race needs it to keep saving and pruning
     finally:
-        join(run, DEADLINE)
-    assert trained == [0], capsys.readouterr().err
+        _, stderr = run.communicate(timeout=DEADLINE)
+    assert run.returncode == 0, stderr
     assert codes and set(codes) == {0}
     assert main(["export", str(ckpt), "--out", str(model)]) == 0 and names(ckpt) == ["step_00000010"]
