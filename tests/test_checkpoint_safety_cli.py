@@ -139,7 +139,8 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
     out = tmp_path / "out"
     first = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "400", "--out", str(out),
                               "--cache-dir", str(cache)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even if pytest ignores it
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + DEADLINE

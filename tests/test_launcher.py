@@ -22,6 +22,7 @@ from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopCon
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
 DEADLINE = 120.0  # s for anything to happen on a loaded 2-core machine; a hang fails the test at it
+POLL = 0.05  # s between looks at the process table: a look reads every process's /proc entry (ms of CPU)
 
 
 def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -31,7 +32,7 @@ def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> sub
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
+def wait_for(proc: subprocess.Popen, what: str, ready, poll: float = POLL) -> object:
     """Poll ``ready()`` until it returns something truthy; fail if the command exits or the deadline passes."""
     end = time.monotonic() + DEADLINE
     while time.monotonic() < end:
@@ -40,7 +41,7 @@ def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
             return value
         if proc.poll() is not None:
             pytest.fail(f"the command exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
-        time.sleep(0.02)
+        time.sleep(poll)
     proc.kill()
     pytest.fail(f"no {what} within {DEADLINE:g} s")
 
@@ -48,15 +49,16 @@ def wait_for(proc: subprocess.Popen, what: str, ready) -> object:
 def processes() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, name) of every process, from /proc."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read().decode(errors="replace")
             except OSError:
                 continue
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            out[int(entry.name)] = (int(ppid), state, name)
+            out[int(pid)] = (int(ppid), state, name)
     return out
 
 
@@ -117,7 +119,7 @@ def test_ctrl_c_while_the_forkserver_starts_prints_no_traceback(tmp_path):
     proc = start(tmp_path, "--dp", "2", "--batch-size", "4", "--steps", "100000")
     # the forkserver has loaded torch's library: it is importing torch (a second or more), when a Ctrl-C used to hit
     wait_for(proc, "the forkserver importing torch", lambda: any(
-        "forkserver" in _cmdline(p) and "libtorch" in _maps(p) for p in descendants(proc.pid)))
+        "forkserver" in _cmdline(p) and "libtorch" in _maps(p) for p in descendants(proc.pid)), poll=0.02)  # a short window
     os.killpg(proc.pid, signal.SIGINT)
     code, err, _ = finish(proc)
     assert code == EXIT_INTERRUPTED
@@ -150,7 +152,16 @@ def test_nothing_of_the_run_outlives_the_launcher(tmp_path):
     assert left == []  # checked the moment the launcher's exit is seen: it waited for them all
 
 
-def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank():
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C with Python's own handler, as in a rank: a pytest started as a background job ignores SIGINT,
+    and the controller keeps an ignored signal ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank(python_ctrl_c):
     """The torchrun path (no launcher to end the ranks): a rank's own handler, before and after ``begin``."""
     from modelpar.training import TrainConfig
 

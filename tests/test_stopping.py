@@ -56,10 +56,18 @@ def _train(cfg: TrainConfig, env: dict | None = None):
     return r.losses, r.stop, r.skipped_steps, r.start_step
 
 
+_UNINTERRUPTED: dict[TrainConfig, list[float]] = {}  # the module's uninterrupted runs: a longer one serves a shorter
+
+
 def uninterrupted(cluster, cfg: TrainConfig, steps: int) -> list[float]:
-    """The losses of the first ``steps`` steps of ``cfg`` run without a stop (and without checkpoints)."""
-    plain = dataclasses.replace(cfg, checkpoint_dir=None, checkpoint_every=0, resume=False, exit_after=steps)
-    return cluster.run(_train, plain)[0][0]
+    """The losses of the first ``steps`` steps of ``cfg`` run without a stop (without checkpoints, and with no
+    non-finite gradient to skip); one run serves every test of the same config (at least 16 steps of it)."""
+    plain = dataclasses.replace(cfg, checkpoint_dir=None, checkpoint_every=0, resume=False, exit_after=0,
+                                skip_nonfinite=0)
+    if len(_UNINTERRUPTED.get(plain, [])) < steps:
+        run = dataclasses.replace(plain, exit_after=min(plain.steps, max(steps, 16)))
+        _UNINTERRUPTED[plain] = cluster.run(_train, run)[0][0]
+    return _UNINTERRUPTED[plain][:steps]
 
 
 def steps_saved(ckpt: Path) -> list[int]:

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
@@ -138,6 +138,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), device_id=device)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # leaving: see _reporting_an_error
         return
     except Exception as exc:  # report the failure to join like any other error
         results.put((rank, "error", _describe(exc)))
@@ -149,9 +150,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout: float,
                 fn, args, kwargs = pickle.loads(task)
                 results.put((rank, "ok", fn(*args, **kwargs)))
             except BaseException as exc:
-                results.put((rank, "error", _describe(exc)))
+                with _reporting_an_error():
+                    results.put((rank, "error", _describe(exc)))
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # leaving: see _reporting_an_error
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _reporting_an_error() -> Iterator[None]:
+    """Ctrl-C ignored inside: a Ctrl-C to the process group reaches a rank twice (directly, and relayed by
+    the launcher), and the second, landing while the first is reported, printed a traceback."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def to_launcher() -> Callable[[Any], None] | None:
