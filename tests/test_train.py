@@ -377,3 +377,22 @@ def test_default_model_beats_the_unigram_baseline_quickly(c4):
     baseline = load_corpus().unigram_baseline()
     assert baseline == pytest.approx(3.2404, abs=1e-4)
     assert val < baseline - 0.2 and losses[-1] < losses[0] - 2.0
+
+
+# --- a run ends its process groups (and their threads) ------------------------------------------------
+def _threads_after_runs(cfg, runs):
+    from modelpar.training import train
+
+    counts = []
+    for _ in range(runs):
+        train(cfg)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_runs_in_one_process_do_not_keep_their_groups_threads(c4):
+    cfg = dataclasses.replace(BASE, steps=1, pp=2, dp=2, schedule="1f1b", zero=1, eval_batches=1)
+    for counts in c4.run(_threads_after_runs, cfg, 5):
+        # a run's mesh is 4 gloo groups of 3 threads: kept, they added 12 threads a run (19, 30, 43, 55, ...)
+        assert counts[-1] - counts[0] < 4 * 6, counts

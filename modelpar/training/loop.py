@@ -44,7 +44,7 @@ from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import wrap_stage
 from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
 from modelpar.training.resume import fits, open_directory
-from modelpar.training.setup import setup_rank
+from modelpar.training.setup import release_rank, setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
@@ -382,6 +382,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         run.comm.close()
         if checkpoints is not None:
             checkpoints.close()
+        release_rank(run.rs)  # the run's groups and their threads end with it
     run.result.skipped_steps = stop.skipped
     if run.gather_waits:
         run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
