@@ -113,11 +113,19 @@ class GradSync:
         self._pending: list[tuple[Bucket, Pending]] = []  # and their collectives in flight
         self._armed: int | None = None  # the stage whose last backward is running
         self._final: dict[int, set[int]] = {}  # bucket index -> its parameters final so far (while armed)
+        self.hooks: list[Any] = []  # handles of the hooks on the parameters and autograd nodes (``close``)
         if self.overlap:
             for b in self.buckets:
                 if b.ready == "backward":
                     for p in b.params:
-                        p.register_post_accumulate_grad_hook(self._accumulated(b))
+                        self.hooks.append(p.register_post_accumulate_grad_hook(self._accumulated(b)))
+
+    def close(self) -> None:
+        """Remove this object's hooks from the parameters: a hook holds this object, and through it the run's
+        process groups, from the parameter's C++ side, where the garbage collector cannot see the cycle."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     # --- during the step --------------------------------------------------------------------
     def zero_grad(self) -> None:

@@ -382,6 +382,9 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         run.comm.close()
         if checkpoints is not None:
             checkpoints.close()
+        run.sync.close()  # the hooks on the parameters would keep the run, and its groups, alive
+        if run.gather is not None:
+            run.gather.close()
         release_rank(run.rs)  # the run's groups and their threads end with it
     run.result.skipped_steps = stop.skipped
     if run.gather_waits:

@@ -83,7 +83,7 @@ class ShardedGradSync(GradSync):
                 view = p.view_as(p).grad_fn
                 node = view.next_functions[0][0] if view is not None else None
                 assert node is not None, "a parameter that needs no gradient cannot be in a bucket"
-                node.register_prehook(self._before_accumulate(b))
+                self.hooks.append(node.register_prehook(self._before_accumulate(b)))
                 self._accumulators.append(node)
         self._action = 0  # compute actions run this step
         self._inflight: list[tuple[Bucket, Pending | None, torch.Tensor, int]] = []  # (bucket, reduction, input, action)

@@ -50,6 +50,7 @@ class ParamGather:
                  shard_of: Callable[[Bucket], tuple[DataParallelComm, int]] | None = None) -> None:
         self.comm, self.meter, self.reshard = comm, meter, reshard_after_forward
         self.shard_of = shard_of or (lambda bucket: (comm, 0))  # an expert bucket's group (``GradSync.shard_of``)
+        self.hooks: list[Any] = []  # handles of the module and parameter hooks (``close`` removes them)
         of_param = {id(p): b for b in buckets for p in b.params}
         self._needs: dict[int, list[Bucket]] = {}  # id(module) -> buckets of its own parameters
         self._users = {b.index: 0 for b in buckets}  # modules using the bucket in one forward
@@ -66,14 +67,14 @@ class ParamGather:
                 for b in needed:
                     self._users[b.index] += 1
                 order += [b for b in needed if b not in order]
-                m.register_forward_pre_hook(self._pre_forward)
-                m.register_forward_hook(self._post_forward)
+                self.hooks.append(m.register_forward_pre_hook(self._pre_forward))
+                self.hooks.append(m.register_forward_hook(self._post_forward))
             order += [b for b in buckets if b.stage == stage and b not in order]
             self._order[stage] = order
             self._position.update({b.index: (stage, i) for i, b in enumerate(order)})
         for b in buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(self._accumulated(b))
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._accumulated(b)))
         self._gathered: dict[int, tuple[Bucket, Pending | None, torch.Tensor | None]] = {}  # in flight or done
         self._left: dict[int, int] = {}  # bucket index -> uses left in this forward
         self._done: dict[int, int] = {}  # bucket index -> gradients accumulated in this backward
@@ -127,6 +128,12 @@ class ParamGather:
     def _free_now(self) -> bool:
         """Free buckets as they finish: always when resharding, else only in the stage's last backward."""
         return self.reshard or (self.kind in (Kind.B, Kind.W) and self.last)
+
+    def close(self) -> None:
+        """Remove the hooks from the modules and parameters (as ``GradSync.close``)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     # --- hooks ----------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
