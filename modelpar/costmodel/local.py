@@ -394,9 +394,8 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
 
 def _expert_bytes(run: LocalRun, stages: list[int]) -> float:
     """Gradient bytes of the routed experts a rank holding ``stages`` reduces apart (ep > 1: over the replicas
-    holding the same experts, ``training.grads``); 0 without expert parallelism."""
-    if run.ep == 1:
-        return 0.0
+    holding the same experts, ``training.grads``); 0 without expert parallelism (``stage_tensors`` marks expert
+    tensors only under ep > 1)."""
     return float(sum(x.numel for s in stages for x in stage_tensors(run, s) if x.expert) * run.param_bytes)
 
 

@@ -317,6 +317,16 @@ class _Run:
         self.stop.saved(time.perf_counter() - t0)
         return str(path)
 
+    def close(self) -> None:
+        """End what the run started: the data-parallel waiter, the hooks on the parameters (they hold the gradient
+        sync, and through it the modules, buffers and groups, in a cycle the garbage collector cannot see through
+        autograd's C++ side) and the process groups with their threads (a reused rank would keep them all)."""
+        self.comm.close()
+        self.sync.close()
+        if self.gather is not None:
+            self.gather.close()
+        release_rank(self.rs)
+
     def stop_after(self, verdict: Verdict, step: int) -> Stop:
         """Stop at ``step`` as ``verdict`` says, on every rank: the checkpoint it asks for, then the one line."""
         if self.emit:
@@ -379,13 +389,9 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
             if done > start:
                 run.save(done)
     finally:
-        run.comm.close()
+        run.close()
         if checkpoints is not None:
             checkpoints.close()
-        run.sync.close()  # the hooks on the parameters would keep the run, and its groups, alive
-        if run.gather is not None:
-            run.gather.close()
-        release_rank(run.rs)  # the run's groups and their threads end with it
     run.result.skipped_steps = stop.skipped
     if run.gather_waits:
         run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
