@@ -4,7 +4,17 @@ import dataclasses
 
 import pytest
 
-from modelpar.calibrate.validate_local import LocalCase, cases, format_report, summarise, validate_local
+import statistics
+
+from modelpar.calibrate.validate_local import (
+    LocalCase,
+    cases,
+    format_report,
+    repeatability,
+    spread,
+    summarise,
+    validate_local,
+)
 from modelpar.cli import main
 from modelpar.costmodel.presets import CPU_DEFAULT
 
@@ -43,10 +53,24 @@ def test_summary_arithmetic_hand_checked():
     assert "step-time MAPE: 10.0% over 2 configurations" in report and "50.0% over the 1 with shared cores" in report
 
 
+def test_the_measurements_own_noise_hand_checked():
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.5 - 1.5) / 3.0)  # quartiles of 5 (exclusive)
+    assert spread([0.2, 0.2, 0.2]) == 0.0 and spread([0.3]) == 0.0
+    a, b = _case("a", 1, 0.11, 1.0), _case("a", 1, 0.18, 2.0)
+    a.round_steps, b.round_steps = [1.0, 1.2, 0.8], [2.0, 2.0]  # a: 0, 20%, 20% off its median; b: none
+    assert repeatability([a, b]) == pytest.approx(0.4 / 5)
+    assert repeatability([_case("a", 1, 0.1, 0.1)]) is None  # one round: nothing to compare
+    a.measured["step_spread"] = 0.25
+    s = summarise([a, b])
+    assert s["repeatability"] == pytest.approx(0.08) and s["step_spread"] == 0.25
+    assert "its rounds 8.0% from their median" in format_report([a, b], CPU_DEFAULT)
+
+
 def test_two_real_runs_have_exact_state_bytes():
-    done = validate_local([c for c in cases([1], 2) if c.model == "h64"][:2], CPU_DEFAULT)
+    done = validate_local([c for c in cases([1], 2) if c.model == "h64"][:2], CPU_DEFAULT, rounds=2)
     for c in done:
-        assert c.measured["step_time_s"] > 0
+        assert c.measured["step_time_s"] == statistics.median(c.round_steps) > 0 and len(c.round_steps) == 2
+        assert c.measured["step_spread"] >= 0
         for key in ("parameters_bytes", "gradients_bytes", "optimizer_bytes"):
             assert c.predicted[key] == c.measured[key]
         assert c.predicted["activations_bytes"] == pytest.approx(c.measured["activations_bytes"], rel=0.1)
@@ -54,6 +78,7 @@ def test_two_real_runs_have_exact_state_bytes():
 
 def test_bad_input(capsys):
     for args, message in ((["--local-ranks", "0"], "--local-ranks must be >= 1"),
+                          (["--rounds", "0"], "--rounds must be >= 1"),
                           (["--gpu", "h100-sxm"], "use --hardware PROFILE")):
         assert main(["plan", "--validate-local", *args]) == 2
         err = capsys.readouterr().err

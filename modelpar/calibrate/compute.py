@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "DTYPES",
+    "flush_cache",
     "gemm_shapes",
     "measure_attention",
     "measure_elementwise",
@@ -42,10 +43,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+FLUSH_BYTES = {"cpu": 16 << 20, "cuda": 256 << 20}  # several times a core's (a GPU's) last private cache level
+_flush_buffers: dict[str, torch.Tensor] = {}
+
+
+def flush_cache(device: torch.device) -> None:
+    """Overwrite a buffer larger than the caches, so the next call finds its weights and inputs cold, as a layer
+    does in a step where the other layers ran in between (triton's ``do_bench`` does the same on a GPU)."""
+    key = str(device)
+    if key not in _flush_buffers:
+        _flush_buffers[key] = torch.empty(FLUSH_BYTES.get(device.type, 16 << 20) // 4, device=device)
+    _flush_buffers[key].zero_()
+    sync(device)
+
+
 def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05, min_reps: int = 3,
-          reps: int | None = None, statistic: Callable[[list[float]], float] = statistics.median) -> float:
+          reps: int | None = None, statistic: Callable[[list[float]], float] = statistics.median,
+          cold: bool = False) -> float:
     """Median (or ``statistic``) seconds of one ``fn()`` call: one warm-up, then at least ``min_reps`` runs within
-    ``budget_s``, or exactly ``reps`` runs (a collective: every rank must run it as often).
+    ``budget_s``, or exactly ``reps`` runs (a collective: every rank must run it as often); ``cold``: the caches
+    flushed before each run (``flush_cache``, untimed).
 
     Under a process group every rank starts together (a barrier), so concurrent ranks overlap.
     """
@@ -56,6 +73,8 @@ def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05
     times: list[float] = []
     end = time.perf_counter() + budget_s
     while len(times) < (reps or min_reps) or (reps is None and time.perf_counter() < end):
+        if cold:
+            flush_cache(device)
         t0 = time.perf_counter()
         fn()
         sync(device)

@@ -16,13 +16,18 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
   ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
-Times are the fastest of at least ``REPS`` runs (``timed``: on a quiet machine within a few percent of
-the median, and not moved by another process taking a core for a moment); the cost model interpolates between grid points
-(``costmodel.local_compute``).
+Times are means of at least ``REPS`` runs, each with the caches flushed first (``timed``): a step's time is
+the sum of its parts, so their means add up to its mean (a median or the fastest run leaves out the pauses a
+shared machine gives every process, which a step of many parts always meets), and in a step every layer
+finds the caches holding the other layers' work. A
+layer is timed inside a stack of ``STACK`` layers with their own weights, as a stage runs them (one alone,
+its weights and input cache-hot, ran up to a third faster than its share of a stage); the cost model
+interpolates between grid points (``costmodel.local_compute``).
 """
 
 from __future__ import annotations
 
+import statistics
 from functools import partial
 from typing import Any
 
@@ -46,16 +51,18 @@ __all__ = [
 LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
 LAYER_SEQ = 64  # tokens per sequence of the measured layers (CPU); a micro-batch is tokens / seq sequences
 END_VOCAB = 256  # the padded vocabulary of the measured output layer
-REPS = 5  # at least this many runs, the fastest kept: another process taking a core only ever adds time, and a
-#           two-thread layer's backward doubled under a load average of 3 where its fastest run did not move
+REPS = 5  # at least this many runs; their mean is kept (the fastest ran 10-30% below the trainer's median step)
+STACK = 4  # layers of the measured stack: a layer's figures are the stack's / STACK
 
 
 QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run each
 
 
 def timed(fn: Any, device: torch.device, budget_s: float) -> float:
-    """The fastest of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up (``compute.timed``)."""
-    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=min)
+    """The mean of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up, the caches flushed before each
+    (``compute.timed``)."""
+    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=statistics.fmean,
+                  cold=True)
 
 
 def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -68,42 +75,44 @@ def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...],
     return (1024, 2048, 4096), (2048, 8192), 1024
 
 
-def _layer_times(layer: Any, x: torch.Tensor, device: torch.device, budget_s: float) -> list[float]:
-    """Forward, backward, and the same under full recomputation, of one layer on ``x``."""
+def _layer_times(stack: torch.nn.Sequential, x: torch.Tensor, device: torch.device, budget_s: float) -> list[float]:
+    """Forward, backward, and the same under full recomputation (the stack's input kept, as a stage's), per layer
+    of ``stack`` on ``x``."""
     from modelpar.recompute import recompute_sequential
 
     grad = torch.ones_like(x)
 
     def forward() -> torch.Tensor:
-        return layer(x)
+        return stack(x)
 
     def both() -> None:
-        layer(x).backward(grad)
+        stack(x).backward(grad)
 
     def forward_kept() -> torch.Tensor:
-        return recompute_sequential([layer], x, "full")
+        return recompute_sequential(list(stack), x, "full")
 
     def both_kept() -> None:
-        recompute_sequential([layer], x, "full").backward(grad)
+        recompute_sequential(list(stack), x, "full").backward(grad)
 
     f, fb = timed(forward, device, budget_s), timed(both, device, budget_s)
     fk, fbk = timed(forward_kept, device, budget_s), timed(both_kept, device, budget_s)
-    return [f, max(fb - f, 0.0), fk, max(fbk - fk, 0.0)]
+    return [t / len(stack) for t in (f, max(fb - f, 0.0), fk, max(fbk - fk, 0.0))]
 
 
 def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
     """[[hidden, heads, seq, tokens, forward_s, backward_s, forward_recomputed_s, backward_recomputed_s], ...]
-    of one ``ParallelTransformerLayer`` (ffn 4h) over ``layer_grid``; the backward's input needs a gradient,
-    as every layer's but the first does."""
+    of a ``ParallelTransformerLayer`` (ffn 4h) over ``layer_grid``, per layer of a stack of ``STACK``; the
+    backward's input needs a gradient, as every stage's but the first does."""
     from modelpar.tensor_parallel import ParallelTransformerLayer
 
     hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     out = []
     for h in hiddens:
-        layer = ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, dtype=DTYPES[dtype])
+        stack = torch.nn.Sequential(*(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device,
+                                                               dtype=DTYPES[dtype]) for _ in range(STACK)))
         for tokens in token_counts:
             x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
-            out.append([h, LAYER_HEADS, seq, tokens, *_layer_times(layer, x, device, budget_s)])
+            out.append([h, LAYER_HEADS, seq, tokens, *_layer_times(stack, x, device, budget_s)])
     return out
 
 
@@ -217,8 +226,9 @@ def _optimizer_step(hidden: int, layers: int, device: torch.device, budget_s: fl
     flat.normal_()
     opt = torch.optim.AdamW(param_groups(params, 0.1), lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
-    def step() -> None:
+    def step() -> None:  # the trainer's step end: the norm, clipping's scaling, AdamW, the zeroing
         torch.linalg.vector_norm(flat, dtype=torch.float64).item()
+        flat.mul_(0.5)
         opt.step()
         flat.zero_()
 

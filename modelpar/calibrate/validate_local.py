@@ -2,11 +2,13 @@
 
 Every split (t, p, d) of each process count × schedules × microbatch counts × recomputation × two
 model sizes (and ZeRO-1/2/3 where d > 1) runs a few steps in one ``LocalCluster`` per process count
-(each rank with the threads ``modelpar train`` gives it); the median step after the first, the bubble and rank 0's bytes are
-set against ``training.prediction.predict`` on the given hardware profile. Reported: per
-configuration, predicted vs measured with the error; the mean absolute percentage error (MAPE)
-over the configurations with at most one rank per core and, separately, the rest; and, per model
-and process count, how far the planner's pick (least predicted time) is from the fastest measured.
+(each rank with the threads ``modelpar train`` gives it); the median step after the first
+``SETTLING_STEPS``, the bubble and rank 0's bytes are set against ``training.prediction.predict`` on the
+given hardware profile. Reported: per configuration, predicted vs measured with the error; the mean
+absolute percentage error (MAPE) over the configurations with at most one rank per core and,
+separately, the rest; per model and process count, how far the planner's pick (least predicted time)
+is from the fastest measured; and the measurement's own noise (its steps' spread, and with
+``rounds`` > 1 how far repeated rounds differ), below which no prediction can be judged.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.model import ModelConfig
 from modelpar.training.config import TrainConfig
 
-__all__ = ["LocalCase", "cases", "format_report", "summarise", "validate_local"]
+__all__ = ["LocalCase", "cases", "format_report", "repeatability", "spread", "summarise", "validate_local"]
 
 MODELS = {"h64": ModelConfig(hidden=64, heads=4, layers=4, seq_len=64),
           "h128": ModelConfig(hidden=128, heads=4, layers=4, seq_len=64)}
-BASE = TrainConfig(steps=5, batch_size=16, eval_every=0, eval_batches=1, warmup=1)  # 16: every d·m here divides it
+BASE = TrainConfig(steps=12, batch_size=16, eval_every=0, eval_batches=1, warmup=1)  # 16: every d·m here divides it
+SETTLING_STEPS = 2  # steps left out of the median: a run's first steps are slower (allocation, first touch)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class LocalCase:
     shared: bool  # more ranks than cores
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     measured: dict[str, float] = dataclasses.field(default_factory=dict)
+    round_steps: list[float] = dataclasses.field(default_factory=list)  # each round's median step
 
     @property
     def name(self) -> str:
@@ -94,29 +98,53 @@ def _run_rank(cfg: TrainConfig) -> tuple[Any, ...]:
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
     r = train(cfg)
-    times = r.step_times[1:] or r.step_times
-    return (statistics.median(times), r.bubble_measured, held_parameter_bytes(cfg, r),
+    return (r.step_times[SETTLING_STEPS:] or r.step_times, r.bubble_measured, held_parameter_bytes(cfg, r),
             r.gradient_bytes, r.optimizer_state_bytes, r.activation_bytes)
 
 
-def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: Any = None) -> list[LocalCase]:
-    """Run every case (one cluster per process count) and fill in predicted and measured figures."""
+def spread(times: list[float]) -> float:
+    """The steps' interquartile range over their median: how much one run's own steps vary."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / statistics.median(times)
+
+
+def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: Any = None,
+                   rounds: int = 1) -> list[LocalCase]:
+    """Run every case (one cluster per process count) ``rounds`` times, one round of all its cases after the other,
+    and fill in predicted and measured figures: the step is the median of the rounds' medians (``round_steps``),
+    ``step_spread`` the first round's steps' ``spread``."""
     from modelpar.distributed import LocalCluster
     from modelpar.training.prediction import predict
 
     for world in sorted({c.cfg.dims.world_size for c in todo}):
+        mine = [c for c in todo if c.cfg.dims.world_size == world]
         with LocalCluster(world, timeout=300.0, run_timeout=None) as cluster:
-            for case in (c for c in todo if c.cfg.dims.world_size == world):
+            for case in mine:
                 pred = predict(case.cfg, profile)
                 case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,
                                   **{f"{k}_bytes": v for k, v in pred.memory.items()}}
-                step, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
-                case.measured = {"step_time_s": step, "bubble": bubble if bubble is not None else 0.0,
-                                 "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
-                                 "activations_bytes": act or 0.0}
-                if progress is not None:
-                    progress(case)
+                case.measured, case.round_steps = {}, []
+            for _ in range(rounds):
+                for case in mine:
+                    times, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
+                    case.round_steps.append(statistics.median(times))
+                    case.measured = {"step_time_s": statistics.median(case.round_steps),
+                                     "step_spread": case.measured.get("step_spread", spread(times)),
+                                     "bubble": bubble if bubble is not None else 0.0,
+                                     "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
+                                     "activations_bytes": act or 0.0}
+                    if progress is not None:
+                        progress(case)
     return todo
+
+
+def repeatability(done: list[LocalCase]) -> float | None:
+    """The measurement's error against itself: the mean over cases and rounds of |a round's median / the case's
+    step − 1| (None with one round). A prediction cannot be judged closer than this."""
+    errs = [abs(r / c.measured["step_time_s"] - 1) for c in done if len(c.round_steps) > 1 for r in c.round_steps]
+    return sum(errs) / len(errs) if errs else None
 
 
 def summarise(done: list[LocalCase]) -> dict[str, Any]:
@@ -133,9 +161,12 @@ def summarise(done: list[LocalCase]) -> dict[str, Any]:
                       "pick_over_fastest": pick.measured["step_time_s"] / fastest.measured["step_time_s"] - 1})
     memory = [abs(c.error(k)) for c in done for k in ("parameters_bytes", "gradients_bytes", "optimizer_bytes",
                                                      "activations_bytes") if c.measured.get(k)]
+    spreads = [c.measured["step_spread"] for c in done if "step_spread" in c.measured]
     return {"configurations": len(done), "one_rank_per_core": sum(not c.shared for c in done),
             "step_mape": mape([c for c in done if not c.shared]), "step_mape_shared": mape([c for c in done if c.shared]),
-            "worst_memory_error": max(memory, default=0.0), "picks": picks}
+            "worst_memory_error": max(memory, default=0.0), "picks": picks,
+            "step_spread": statistics.median(spreads) if spreads else None,
+            "repeatability": repeatability([c for c in done if not c.shared])}
 
 
 def format_report(done: list[LocalCase], profile: HardwareProfile) -> str:
@@ -156,6 +187,10 @@ def format_report(done: list[LocalCase], profile: HardwareProfile) -> str:
     lines.append(f"step-time MAPE: {pct(s['step_mape'])} over {s['one_rank_per_core']} configurations with at most one "
                  f"rank per core; {pct(s['step_mape_shared'])} over the {s['configurations'] - s['one_rank_per_core']} "
                  "with shared cores (*)")
+    lines.append(f"the measurement itself: a run's steps spread {pct(s['step_spread'])} (interquartile range / "
+                 "median, the median over configurations); " + (
+                     f"its rounds {pct(s['repeatability'])} from their median (the error a perfect prediction would "
+                     "show here)" if s["repeatability"] is not None else "--rounds 2 measures its repeatability"))
     lines.append(f"memory: worst error {pct(s['worst_memory_error'])} (parameters, gradients and AdamW exact; "
                  "activations counted)")
     for p in s["picks"]:

@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--local-ranks", metavar="N,N,...",
                      help="process counts for --validate-local (default: 1, 2, ... up to twice the cores; above the "
                           "cores a smaller grid, marked as sharing cores)")
+    out.add_argument("--rounds", type=int, default=1,
+                     help="with --validate-local: measure every configuration this many times, one round after "
+                          "the other, and report how far the rounds differ (default 1)")
     p.set_defaults(func=run)
 
 
@@ -57,6 +60,7 @@ def validate_local(args: argparse.Namespace) -> int:
     import os
     import sys
 
+    from modelpar._validate import check_int
     from modelpar.calibrate import default_ranks
     from modelpar.calibrate.validate_local import LocalCase, cases, format_report, summarise
     from modelpar.calibrate.validate_local import validate_local as run_cases
@@ -67,6 +71,7 @@ def validate_local(args: argparse.Namespace) -> int:
     if args.gpu is not None:
         raise ValueError(f"--validate-local measures this machine: use --hardware PROFILE, not --gpu {args.gpu}")
     ranks = sorted(set(_ints("--local-ranks", args.local_ranks))) if args.local_ranks else default_ranks()
+    check_int("--rounds", args.rounds, minimum=1)
     profile = load_profile(args.hardware) if args.hardware else CPU_DEFAULT
     if not args.hardware:
         print("modelpar plan: no --hardware profile: predicting with the nominal cpu-default "
@@ -78,10 +83,11 @@ def validate_local(args: argparse.Namespace) -> int:
     def progress(case: LocalCase) -> None:
         print(f"  {case.name}: {1e3 * case.measured['step_time_s']:.1f} ms", file=sys.stderr, flush=True)
 
-    done = run_cases(todo, profile, progress)
+    done = run_cases(todo, profile, progress, rounds=args.rounds)
     if args.json:
         print(json.dumps({"summary": summarise(done), "configurations": [
-            {"name": c.name, "shared_cores": c.shared, "predicted": c.predicted, "measured": c.measured} for c in done]},
+            {"name": c.name, "shared_cores": c.shared, "predicted": c.predicted, "measured": c.measured,
+             "round_steps": c.round_steps} for c in done]},
             indent=1))
     else:
         print(format_report(done, profile))
