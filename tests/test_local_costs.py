@@ -6,7 +6,15 @@ import dataclasses
 
 import pytest
 
-from modelpar.costmodel.local import _comm, core_share, cp_layer_seconds, dp_bytes_step, dp_traffic, predict_local
+from modelpar.costmodel.local import (
+    _comm,
+    all_reduce_exposed,
+    core_share,
+    cp_layer_seconds,
+    dp_bytes_step,
+    dp_traffic,
+    predict_local,
+)
 from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_buckets, stage_tensors, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
 from modelpar.costmodel.moe import MoESpec, moe_layer_params
@@ -62,6 +70,25 @@ def test_zero_collectives_priced_where_the_trainer_issues_them():
     assert three.time["pipeline"] - one.time["pipeline"] == pytest.approx(3 * m * _time(ring), rel=1e-9)
     assert three.time["dp"] == 0.0 and kept.time["dp"] == pytest.approx(_time(ring))
     assert kept.time["pipeline"] == pytest.approx(two.time["pipeline"], rel=1e-12)
+
+
+def test_all_reduce_hides_behind_the_last_backward_bucket_by_bucket():
+    """ZeRO-0, d = 4, fp64, as ``training.grads`` issues it: a bucket starts once the last backward has produced
+    it, one after the other. One bucket holding the whole gradient starts at the backward's end (all exposed);
+    cut into buckets, a long backward hides all but the last, a short one hides nothing."""
+    one = dataclasses.replace(RUN, zero=0)
+    whole = _time(allreduce_bytes(sum(stage_buckets(one, 0)) * 8, 4))
+    assert len(stage_buckets(one, 0)) == 1
+    assert all_reduce_exposed(one, CPU_DEFAULT, [0], 1.0) == pytest.approx(whole)
+    assert all_reduce_exposed(dataclasses.replace(one, overlap=False), CPU_DEFAULT, [0], 1.0) == pytest.approx(whole)
+    cut = dataclasses.replace(one, bucket_elements=2000)
+    sizes = stage_buckets(cut, 0)
+    assert len(sizes) >= 4 and sum(sizes) == sum(stage_buckets(one, 0))
+    each = [_time(allreduce_bytes(n * 8, 4)) for n in sizes]
+    assert all_reduce_exposed(cut, CPU_DEFAULT, [0], 10.0) == pytest.approx(each[-1])  # the last is ready at the end
+    assert all_reduce_exposed(cut, CPU_DEFAULT, [0], 1e-12) == pytest.approx(sum(each) - 1e-12)
+    assert all_reduce_exposed(dataclasses.replace(cut, overlap=False), CPU_DEFAULT, [0], 10.0) == pytest.approx(sum(each))
+    assert all_reduce_exposed(dataclasses.replace(one, d=1), CPU_DEFAULT, [0], 1.0) == 0.0  # nothing to reduce
 
 
 def test_planner_offers_zero_2_and_3_when_a_bucket_holds_a_shard():

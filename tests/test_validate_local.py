@@ -1,10 +1,9 @@
 """``modelpar plan --validate-local``: the grid, the arithmetic of the report, and two real runs (no timings asserted)."""
 
 import dataclasses
+import statistics
 
 import pytest
-
-import statistics
 
 from modelpar.calibrate.validate_local import (
     LocalCase,

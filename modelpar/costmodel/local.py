@@ -8,8 +8,8 @@ parallelism: all-gather + reduce-scatter; the embedding's and the head's, and th
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
 in tests/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
-Then the step's end: the data-parallel reduction (what the last backward cannot hide), the gradient
-norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
+Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
+``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
 (``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
 Memory is ``local_memory``'s exact per-rank figures.
 
@@ -56,6 +56,7 @@ from modelpar.costmodel.local_memory import (
     activation_bytes,
     bucket_shards,
     moe_layers_of,
+    stage_bucket_list,
     stage_buckets,
     stage_tensors,
     state_bytes,
@@ -71,8 +72,8 @@ from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "auto_schedule", "core_share", "cp_layer_seconds", "dp_bytes_step",
-           "dp_traffic", "moe_stage_seconds", "predict_local",
+__all__ = ["PRICED_ZERO", "LocalPrediction", "all_reduce_exposed", "auto_schedule", "core_share", "cp_layer_seconds",
+           "dp_bytes_step", "dp_traffic", "moe_stage_seconds", "predict_local",
            "predicted_timeline", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
 
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
@@ -148,6 +149,35 @@ def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, fl
     return (sum(_comm(run, hw, "reduce_scatter", g, x) for x in scatter),
             sum(_comm(run, hw, "all_gather", g, x) for x in gather),
             sum(_comm(run, hw, "all_gather", g, x) for x in after))
+
+
+def all_reduce_exposed(run: LocalRun, hw: HardwareProfile, stages: list[int], backward_s: float) -> float:
+    """ZeRO-0: seconds the data-parallel all-reduces of the buckets of ``stages`` outlast the rank's last backward
+    (``backward_s``, of ``stages[0]``, whose backward ends the rank's step), one bucket after the other as
+    ``training.grads`` issues them: with overlap a "backward" bucket of that stage starts once the backward has
+    produced its share of the stage's gradients (in backward order), the other stages' buckets are ready before
+    it, the "stage" and "step" ones (tensor-parallel sums, tied copies, experts over their d/ep) at its end;
+    without overlap all start at its end. One bucket holding a small model's whole gradient hides nothing."""
+    w, first = run.param_bytes, stages[0]
+    mine = stage_bucket_list(run, first)
+    produced = sum(n for n, _, ready in mine if ready == "backward")
+    queue: list[tuple[float, float]] = []  # (ready, seconds)
+    done = 0
+    for s in stages:
+        for n, ranks, ready in stage_bucket_list(run, s):
+            if ranks == 1:
+                continue
+            at = backward_s
+            if run.overlap and s != first and ready != "step":
+                at = 0.0
+            elif run.overlap and ready == "backward":
+                done += n
+                at = backward_s * done / produced
+            queue.append((at, _comm(run, hw, "all_reduce", ranks, allreduce_bytes(n * w, ranks))))
+    finish = 0.0
+    for at, seconds in sorted(queue, key=lambda q: q[0]):
+        finish = max(finish, at) + seconds
+    return max(0.0, finish - backward_s)
 
 
 def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
@@ -372,12 +402,7 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     elif g > 1 and run.zero >= 2:  # the gathers after the step (ZeRO-2), or the one per step (ZeRO-3, kept)
         dp = sum(dp_stage[s][2] + (dp_stage[s][1] if not run.reshard else 0.0) for s in stages)
     elif g > 1:
-        experts = _expert_bytes(run, stages)  # under ep > 1: their own all-reduce over g/ep, after the step
-        dp = _comm(run, hw, "all_reduce", g, allreduce_bytes(grads - experts, g))
-        if run.overlap:  # reduced during the last backward; what outlasts it is exposed
-            dp = max(0.0, dp - costs[stages[0]][1])
-        if experts and g // run.ep > 1:
-            dp += _comm(run, hw, "all_reduce", g // run.ep, allreduce_bytes(experts, g // run.ep))
+        dp = all_reduce_exposed(run, hw, stages, costs[stages[0]][1])
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
         dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
     tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
@@ -390,13 +415,6 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]))
-
-
-def _expert_bytes(run: LocalRun, stages: list[int]) -> float:
-    """Gradient bytes of the routed experts a rank holding ``stages`` reduces apart (ep > 1: over the replicas
-    holding the same experts, ``training.grads``); 0 without expert parallelism (``stage_tensors`` marks expert
-    tensors only under ep > 1)."""
-    return float(sum(x.numel for s in stages for x in stage_tensors(run, s) if x.expert) * run.param_bytes)
 
 
 def rank_parameters(run: LocalRun, stages: list[int]) -> int:

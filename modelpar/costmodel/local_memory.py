@@ -51,7 +51,7 @@ from modelpar.costmodel.specs import ModelSpec
 from modelpar.costmodel.zero import optimizer_state_bytes_per_param
 
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
-           "moe_layers_of", "stage_buckets", "stage_tensors", "state_bytes"]
+           "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}  # its activations
@@ -201,12 +201,20 @@ def bucket_shards(run: LocalRun, stage: int) -> list[tuple[int, int]]:
     reduced, and under ZeRO sharded, over the d·cp ranks holding the same parameters; an expert tensor under
     ep > 1 over the d/ep replicas holding the same experts (``GradSync.shard_of``). Under ZeRO every buffer is
     padded to a multiple of d·cp (a multiple of d/ep too)."""
+    return [(n, ranks) for n, ranks, _ in stage_bucket_list(run, stage)]
+
+
+def stage_bucket_list(run: LocalRun, stage: int) -> list[tuple[int, int, str]]:
+    """(elements, ranks sharing it, ready) of each gradient bucket of ``stage`` in ``bucket_shards``' order, with
+    when the trainer may reduce it (``training.buckets.READY``): "backward" as its gradients are final in the
+    stage's last backward, "stage" after that backward's tensor-parallel sum, "step" after the pipeline step."""
     tensors = list(reversed(stage_tensors(run, stage)))
     plain = [x.numel for x in tensors if not x.tied and not x.partial]
     partial = [x.numel for x in tensors if not x.tied and x.partial]
     ranks = run.grad_ranks
-    tied = [(x.numel, ranks // run.ep if x.expert else ranks) for x in stage_tensors(run, stage) if x.tied]
-    return [(n, ranks) for n in _groups(plain, run.bucket_elements) + _groups(partial, run.bucket_elements)] + tied
+    return ([(n, ranks, "backward") for n in _groups(plain, run.bucket_elements)]
+            + [(n, ranks, "stage") for n in _groups(partial, run.bucket_elements)]
+            + [(x.numel, ranks // run.ep if x.expert else ranks, "step") for x in stage_tensors(run, stage) if x.tied])
 
 
 def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
