@@ -75,20 +75,23 @@ def test_zero_collectives_priced_where_the_trainer_issues_them():
 def test_all_reduce_hides_behind_the_last_backward_bucket_by_bucket():
     """ZeRO-0, d = 4, fp64, as ``training.grads`` issues it: a bucket starts once the last backward has produced
     it, one after the other. One bucket holding the whole gradient starts at the backward's end (all exposed);
-    cut into buckets, a long backward hides all but the last, a short one hides nothing."""
+    cut into buckets, a long backward hides all but the last, a short one hides nothing; on a CPU, where gloo
+    reduces on the cores that compute, nothing hides."""
+    gpu = dataclasses.replace(CPU_DEFAULT, device="cuda")
     one = dataclasses.replace(RUN, zero=0)
     whole = _time(allreduce_bytes(sum(stage_buckets(one, 0)) * 8, 4))
     assert len(stage_buckets(one, 0)) == 1
-    assert all_reduce_exposed(one, CPU_DEFAULT, [0], 1.0) == pytest.approx(whole)
-    assert all_reduce_exposed(dataclasses.replace(one, overlap=False), CPU_DEFAULT, [0], 1.0) == pytest.approx(whole)
+    assert all_reduce_exposed(one, gpu, [0], 1.0) == pytest.approx(whole)
+    assert all_reduce_exposed(dataclasses.replace(one, overlap=False), gpu, [0], 1.0) == pytest.approx(whole)
     cut = dataclasses.replace(one, bucket_elements=2000)
     sizes = stage_buckets(cut, 0)
     assert len(sizes) >= 4 and sum(sizes) == sum(stage_buckets(one, 0))
     each = [_time(allreduce_bytes(n * 8, 4)) for n in sizes]
-    assert all_reduce_exposed(cut, CPU_DEFAULT, [0], 10.0) == pytest.approx(each[-1])  # the last is ready at the end
-    assert all_reduce_exposed(cut, CPU_DEFAULT, [0], 1e-12) == pytest.approx(sum(each) - 1e-12)
-    assert all_reduce_exposed(dataclasses.replace(cut, overlap=False), CPU_DEFAULT, [0], 10.0) == pytest.approx(sum(each))
-    assert all_reduce_exposed(dataclasses.replace(one, d=1), CPU_DEFAULT, [0], 1.0) == 0.0  # nothing to reduce
+    assert all_reduce_exposed(cut, gpu, [0], 10.0) == pytest.approx(each[-1])  # the last is ready at the end
+    assert all_reduce_exposed(cut, gpu, [0], 1e-12) == pytest.approx(sum(each) - 1e-12)
+    assert all_reduce_exposed(dataclasses.replace(cut, overlap=False), gpu, [0], 10.0) == pytest.approx(sum(each))
+    assert all_reduce_exposed(cut, CPU_DEFAULT, [0], 10.0) == pytest.approx(sum(each))  # a CPU hides nothing
+    assert all_reduce_exposed(dataclasses.replace(one, d=1), gpu, [0], 1.0) == 0.0  # nothing to reduce
 
 
 def test_planner_offers_zero_2_and_3_when_a_bucket_holds_a_shard():
@@ -163,11 +166,12 @@ def test_cp_joins_the_gradient_group():
 
 def test_cp_ring_hides_its_hops_the_allgather_not():
     """kv = 2·b·(s/cp)·h·4 = 2048 bytes. Ring: each hop beside a block's attention, so with a long block only the last
-    gradient hop is exposed, with none 1 + (2 + 1) hops; all-gather: k and v gathered (1024 bytes sent each), and
+    gradient hop is exposed, with none (or on a CPU) 1 + (2 + 1) hops; all-gather: k and v gathered (1024 bytes sent each), and
     reduce-scattered in the backward, whole."""
-    hop = _time(2048)
-    assert cp_layer_seconds(CP, CPU_DEFAULT, 1.0) == (0.0, pytest.approx(hop))
-    assert cp_layer_seconds(CP, CPU_DEFAULT, 0.0) == (pytest.approx(hop), pytest.approx(3 * hop))
+    hop, gpu = _time(2048), dataclasses.replace(CPU_DEFAULT, device="cuda")
+    assert cp_layer_seconds(CP, gpu, 1.0) == (0.0, pytest.approx(hop))
+    assert cp_layer_seconds(CP, gpu, 0.0) == (pytest.approx(hop), pytest.approx(3 * hop))
+    assert cp_layer_seconds(CP, CPU_DEFAULT, 1.0) == (pytest.approx(hop), pytest.approx(3 * hop))  # a CPU: no overlap
     gather = 2 * _time(1024)
     assert cp_layer_seconds(dataclasses.replace(CP, cp_comm="allgather"), CPU_DEFAULT, 1.0) == \
         (pytest.approx(gather), pytest.approx(gather))

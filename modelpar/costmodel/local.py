@@ -157,8 +157,9 @@ def all_reduce_exposed(run: LocalRun, hw: HardwareProfile, stages: list[int], ba
     ``training.grads`` issues them: with overlap a "backward" bucket of that stage starts once the backward has
     produced its share of the stage's gradients (in backward order), the other stages' buckets are ready before
     it, the "stage" and "step" ones (tensor-parallel sums, tied copies, experts over their d/ep) at its end;
-    without overlap all start at its end. One bucket holding a small model's whole gradient hides nothing."""
-    w, first = run.param_bytes, stages[0]
+    without overlap, or where communication cannot run beside compute (``HardwareProfile.overlaps_compute``), all
+    start at its end. One bucket holding a small model's whole gradient hides nothing."""
+    w, first, overlap = run.param_bytes, stages[0], run.overlap and hw.overlaps_compute
     mine = stage_bucket_list(run, first)
     produced = sum(n for n, _, ready in mine if ready == "backward")
     queue: list[tuple[float, float]] = []  # (ready, seconds)
@@ -168,9 +169,9 @@ def all_reduce_exposed(run: LocalRun, hw: HardwareProfile, stages: list[int], ba
             if ranks == 1:
                 continue
             at = backward_s
-            if run.overlap and s != first and ready != "step":
+            if overlap and s != first and ready != "step":
                 at = 0.0
-            elif run.overlap and ready == "backward":
+            elif overlap and ready == "backward":
                 done += n
                 at = backward_s * done / produced
             queue.append((at, _comm(run, hw, "all_reduce", ranks, allreduce_bytes(n * w, ranks))))
@@ -225,8 +226,8 @@ def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> floa
 
 def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
     """Exposed context-parallel seconds of one layer and microbatch, (forward, backward) (``context.cp_exposed``):
-    a ring hop of one
-    key/value block (a pair's message), or the all-gathers of k and v over cp; ``block_s``: one block's attention."""
+    a ring hop of one key/value block (a pair's message), or the all-gathers of k and v over cp; ``block_s``: one
+    block's attention, which hides a hop where communication runs beside compute (not on a CPU)."""
     if run.cp == 1:
         return 0.0, 0.0
     kv = kv_block_bytes(run.micro_batch, run.model.seq, run.cp, run.kv_features, COMPUTE_BYTES[run.precision])
@@ -234,7 +235,8 @@ def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tupl
         comm = _comm(run, hw, "p2p", 2, kv)
     else:  # k and v gathered one after the other
         comm = 2 * _comm(run, hw, "all_gather", run.cp, allgather_bytes(run.cp * kv / 2, run.cp))
-    return cp_exposed(run.cp, run.cp_comm, "none", comm, block_s)  # a recomputed forward: priced with it
+    hidden = block_s if hw.overlaps_compute else 0.0  # on a CPU a hop costs its time beside the block's
+    return cp_exposed(run.cp, run.cp_comm, "none", comm, hidden)  # a recomputed forward: priced with it
 
 
 def _all_to_all(run: LocalRun, hw: HardwareProfile, sent: float) -> float:

@@ -136,6 +136,13 @@ class HardwareProfile:
         return self.device != "gpu"
 
     @property
+    def overlaps_compute(self) -> bool:
+        """Can communication run beside compute? Not on a CPU: gloo copies and reduces the bytes on the cores
+        that compute (every local rank's threads take a share of them), so what a GPU's copy engines would hide
+        costs its time there too."""
+        return self.device != "cpu"
+
+    @property
     def dtype(self) -> str:
         """The dtype the planner prices compute in: bf16 when the profile has it (a GPU), else the first."""
         return "bf16" if "bf16" in self.peak_tflops and self.device != "cpu" else next(iter(self.peak_tflops))
