@@ -33,7 +33,7 @@ from modelpar.costmodel.profiles import HardwareProfile, load_profile, save_prof
 from modelpar.costmodel.search import SearchResult, chunk_counts, fitting_gpu_counts, search
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import device_layers, split_layers
-from modelpar.costmodel.zero import (
+from modelpar.costmodel.zero_bytes import (
     ZERO_STAGES,
     dp_bytes_at_step_end,
     dp_bytes_per_microbatch,

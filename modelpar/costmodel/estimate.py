@@ -21,7 +21,12 @@ from modelpar.costmodel.memory import activation_bytes_per_layer, device_params,
 from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
-from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
+from modelpar.costmodel.zero_bytes import (
+    dp_bytes_at_step_end,
+    dp_bytes_per_microbatch,
+    optimizer_state_bytes_per_param,
+    shard_elements,
+)
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
 __all__ = [

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tensors
 from modelpar.costmodel.specs import ModelSpec, RankGrid
-from modelpar.costmodel.zero import optimizer_state_bytes_per_param
+from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
            "moe_layers_of", "stage_buckets", "stage_tensors", "state_bytes"]

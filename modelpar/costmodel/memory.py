@@ -14,7 +14,7 @@ from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.moe import moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import busiest_candidates, device_loads
-from modelpar.costmodel.zero import training_state_bytes
+from modelpar.costmodel.zero_bytes import training_state_bytes
 
 __all__ = [
     "activation_bytes_per_layer",

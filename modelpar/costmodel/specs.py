@@ -14,7 +14,7 @@ from functools import cached_property
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.costmodel.moe import MoESpec, active_moe_layer_params, moe_layer_params
 from modelpar.costmodel.profiles import HardwareProfile
-from modelpar.costmodel.zero import ZERO_STAGES
+from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
 __all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RankGrid",
            "check_context_split", "check_trainer_context"]

@@ -26,7 +26,7 @@ from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
-from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
+from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
 from modelpar.tensor_parallel.context_parallel import CP_COMMS
 from modelpar.text.config import DataConfig
