@@ -69,14 +69,16 @@ def _nbytes(spec: tuple[tuple[int, ...], Any]) -> float:
 
 def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,
                     timeout: float, recorder: Any, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
-    """Collective over ``group``: every device's (action, start, end) of one step, and its
-    communication spans (label, start, end) on the same clock, as a Timeline."""
+    """Collective over ``group``: every rank's (action, start, end) of one step, and its
+    communication spans (label, start, end) on the same clock, as a Timeline.
+
+    The actions travel as they are (an ``Action`` is a named tuple and pickles), not as text to parse again."""
     from modelpar.pipeline.bounded_comm import all_gather_object
 
-    mine = ([(str(a), float(s), float(e)) for a, s, e in events], [(str(c), float(s), float(e)) for c, s, e in comm])
+    mine = ([(a, float(s), float(e)) for a, s, e in events], [(str(c), float(s), float(e)) for c, s, e in comm])
     everyone = all_gather_object(mine, group, timeout, "the timeline gather", recorder)
     return Timeline.from_events(
-        [Event(d, Action.parse(a), s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
+        [Event(d, a, s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
         schedule.num_ranks,
         schedule,
         unit="s",
