@@ -85,6 +85,8 @@ SCOPED = {  # (file, function): {old: new} for a parameter or local variable and
 SIMULATE_CLI = {"modelpar/commands/simulate.py", "tests/test_cli_simulate.py"}
 EXTRA = {  # one-off uses the rules above cannot see: an Event's rank read outside the pure layers; the flag's value
     "tests/test_pipeline_runtime_units.py": [(re.compile(r"\be\.device\b"), "e.rank")],
+    "tests/test_train_config.py": [(re.compile(r"two stages per device"), "two stages per rank")],  # check_chunks
+    "tests/test_train_cli.py": [(re.compile(r'"device \(the least any schedule'), '"rank (the least any schedule')],  # synthesize
     "tests/test_pipeline_runtime.py": [(re.compile(r"\b(but |hang: )device (\d)"), r"\1rank \2"),  # lower's hang message
                                        (re.compile(r"; device (\d) waits at"), r"; rank \1 waits at")],
     "modelpar/commands/simulate.py": [(re.compile(r"\bargs\.stages\b"), "args.ranks"),

@@ -219,7 +219,7 @@ class TrainConfig:
             check_int("chunks", self.chunks, minimum=2)
         elif self.schedule in V_SHAPED:
             check_chunks(self.schedule, self.chunks)
-        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per device) or 2 (V or loop)
+        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per rank) or 2 (V or loop)
             check_choice("chunks", self.chunks, (1, 2))
         elif self.chunks != 1:
             raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "
