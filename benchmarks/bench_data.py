@@ -22,7 +22,7 @@ from pathlib import Path
 from modelpar.text import DataConfig, open_corpus, prepare_data
 from modelpar.text.cache import read_tokens
 from modelpar.training import TrainConfig
-from modelpar.training.launch import run_local
+from modelpar.training.start import run_local
 
 
 def main() -> None:

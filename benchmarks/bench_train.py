@@ -33,7 +33,7 @@ from pathlib import Path
 
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, TrainResult
-from modelpar.training.launch import run_local
+from modelpar.training.start import run_local
 
 SPLITS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
 

@@ -27,7 +27,7 @@ def _rank(cfg: Any, steps: int) -> dict[str, float]:
     import torch
 
     import modelpar.training.loop as loop
-    from modelpar.training.launch import rank_threads
+    from modelpar.training.start import rank_threads
 
     torch.set_num_threads(rank_threads(1))
     parts: dict[str, list[float]] = {}

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from modelpar.schedules import Action, Kind, Schedule, clock_cycles, get_schedule
     from modelpar.simulate import Costs, Timeline
     from modelpar.training import TrainConfig, TrainResult, train
-    from modelpar.training.launch import run_local
+    from modelpar.training.start import run_local
 
 __version__ = "0.1.0"
 
@@ -40,7 +40,7 @@ _HOME = {
     "Costs": "modelpar.simulate", "Timeline": "modelpar.simulate",
     "Pipe": "modelpar.pipeline", "LocalCluster": "modelpar.distributed",
     "TrainConfig": "modelpar.training", "TrainResult": "modelpar.training", "train": "modelpar.training",
-    "run_local": "modelpar.training.launch", "ModelConfig": "modelpar.model",
+    "run_local": "modelpar.training.start", "ModelConfig": "modelpar.model",
     "estimate": "modelpar.costmodel", "search": "modelpar.costmodel", "ModelSpec": "modelpar.costmodel",
     "ClusterSpec": "modelpar.costmodel", "ParallelConfig": "modelpar.costmodel",
 }

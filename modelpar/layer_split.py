@@ -5,7 +5,7 @@ The planner (``costmodel``), the simulator it drives, the pipeline runtime
 --stage-layers``) all ask this module, so a split the planner recommends is one the trainer runs.
 
 A split lists the layers of each of the p·v stages in pipeline order; with interleaving, virtual
-stage k runs on device k mod p (Megatron's placement; v = 1 is one stage per device). The first
+stage k runs on rank k mod p (Megatron's placement; v = 1 is one stage per rank). The first
 stage also holds the input embedding and the last the output layer, so when p·v does not divide
 L those two get the fewer layers and the middle stages the extra ones: BLOOM's 70 layers on 12
 stages are 5, 6, …, 6, 5 (DeepSpeed counting the two embeddings as layers, 72 = 12·6, BLOOM model
@@ -21,10 +21,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from modelpar._renamed import renamed_function
 from modelpar._validate import check_int
 
 __all__ = [
-    "balance_by_cost", "check_split", "device_layers", "layer_ranges", "parse_split", "resolve_split", "split_layers",
+    "balance_by_cost", "check_split", "layer_ranges", "parse_split", "rank_layers", "resolve_split", "split_layers",
 ]
 
 
@@ -52,7 +53,7 @@ def split_layers(layers: int, p: int, v: int = 1) -> tuple[int, ...]:
 
 
 def check_split(layers: int, p: int, v: int, split: Sequence[int] | None) -> str | None:
-    """Why ``split`` (or the default split) cannot place ``layers`` on p devices × v chunks, or None."""
+    """Why ``split`` (or the default split) cannot place ``layers`` on p ranks × v chunks, or None."""
     if split is None:
         return None if p * v <= layers + 2 else f"p·v = {p * v} chunks need at least {p * v - 2} layers, not {layers}"
     if len(split) != p * v:
@@ -93,9 +94,12 @@ def layer_ranges(split: Sequence[int]) -> list[range]:
 
 
 @lru_cache(maxsize=4096)
-def device_layers(split: tuple[int, ...], p: int) -> tuple[int, ...]:
-    """Layers on each of the p devices: the sum of its stages k, k + p, k + 2p, …"""
+def rank_layers(split: tuple[int, ...], p: int) -> tuple[int, ...]:
+    """Layers on each of the p ranks: the sum of its stages k, k + p, k + 2p, …"""
     return tuple(sum(split[r::p]) for r in range(p))
+
+
+device_layers = renamed_function(rank_layers, "device_layers")  # rename: keep
 
 
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-import modelpar.training.launch  # noqa: F401  (before any cluster starts: ranks are born with the training stack)
+import modelpar.training.start  # noqa: F401  (before any cluster starts: ranks are born with the training stack)
 from modelpar.pipeline.runner import CHECK_MESSAGES_ENV
 
 os.environ.setdefault(CHECK_MESSAGES_ENV, "1")

@@ -20,7 +20,7 @@ def test_no_arguments_compares_four_schedules(capsys):
     code, out, _ = run(capsys)
     assert code == 0
     for name in ("gpipe (K = 4, M = 8): step 33 units, bubble 27.3%",
-                 "1f1b (K = 4, M = 8): step 33 units, bubble 27.3%, peak held microbatches per device [4, 3, 2, 1]",
+                 "1f1b (K = 4, M = 8): step 33 units, bubble 27.3%, peak held microbatches per rank [4, 3, 2, 1]",
                  "interleaved (K = 4, M = 8, v = 2): step 28.5 units",
                  "zb-h1 (K = 4, M = 8): step 27 units, bubble 11.1%"):
         assert name in out
@@ -64,8 +64,8 @@ def test_from_file_table_and_outputs(capsys, tmp_path):
 def test_comm_prints_the_lowered_programs(capsys):
     code, out, _ = run(capsys, "--schedule", "1f1b", "--ranks", "2", "--microbatches", "3", "--comm")
     assert code == 0
-    assert "device 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0F2 0SEND_F2 0RECV_B2 0B1 0B2" in out
-    assert "device 1: 1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2" in out
+    assert "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0RECV_B1 0B0 0F2 0SEND_F2 0RECV_B2 0B1 0B2" in out
+    assert "rank 1: 1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2" in out
     code, out, _ = run(capsys, "--schedule", "interleaved", "--ranks", "2", "--microbatches", "2", "--comm", "--json")
     programs = json.loads(out)[0]["programs"]
     assert code == 0 and sorted(programs) == ["0", "1"]
@@ -109,9 +109,9 @@ def test_deadlocking_file_is_reported(capsys, tmp_path):
     path = tmp_path / "bad.txt"
     path.write_text("0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1\n")
     code, _, err = run(capsys, "--from", str(path))
-    assert code == 2 and "deadlock: device 0 waits at 0B0" in err
+    assert code == 2 and "deadlock: rank 0 waits at 0B0" in err
     code, _, err = run(capsys, "--from", str(path), "--comm")
-    assert code == 2 and "deadlock: device 0 waits at 0B0" in err  # simulate validates before lowering
+    assert code == 2 and "deadlock: rank 0 waits at 0B0" in err  # simulate validates before lowering
 
 
 def test_simulate_never_imports_torch():
@@ -159,9 +159,9 @@ def test_export_csv_and_read_it_back(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", "action 0B1 is missing (device 0)"),
-    ("0F0,0B0\n0F1,1F0,1B0\n", "stage 0 appears on device 0 and device 1 (action 0F1)"),
-    ("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", "deadlock: device 0 waits at 0B0 (position 1) for 1B0 on device 1"),
+    ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", "action 0B1 is missing (rank 0)"),
+    ("0F0,0B0\n0F1,1F0,1B0\n", "stage 0 appears on rank 0 and rank 1 (action 0F1)"),
+    ("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", "deadlock: rank 0 waits at 0B0 (position 1) for 1B0 on rank 1"),
 ])
 def test_bad_csv_is_one_line_naming_the_first_bad_action(capsys, tmp_path, text, message):
     path = tmp_path / "bad.csv"

@@ -11,11 +11,11 @@ from modelpar.costmodel import (
     ModelSpec,
     ParallelConfig,
     activation_bytes_per_layer,
-    device_layers,
     device_params,
     megatron_flops,
     memory_breakdown,
     model_preset,
+    rank_layers,
     split_layers,
     training_state_bytes,
 )
@@ -71,7 +71,7 @@ def test_uneven_stages_lighten_first_and_last():
     assert split_layers(70, 12) == (5,) + (6,) * 10 + (5,)  # BLOOM: 70 + 2 embeddings = 12·6
     llama = split_layers(126, 16, 8)  # 128 one-layer chunks: the first and last hold only embedding, output
     assert llama[0] == llama[-1] == 0 and set(llama[1:-1]) == {1}
-    assert device_layers(llama, 16) == (7,) + (8,) * 14 + (7,)
+    assert rank_layers(llama, 16) == (7,) + (8,) * 14 + (7,)
     assert split_layers(100, 8) == (12, 13, 12, 13, 13, 12, 13, 12)  # 4 extra layers spread over the middle
     assert split_layers(7, 2) == (3, 4) and split_layers(5, 1) == (5,)
     with pytest.raises(ValueError, match="p·v = 20 chunks need at least 18 layers"):

@@ -94,7 +94,7 @@ def test_search_ranks_and_every_result_is_feasible():
     for e in res.ranked:
         c = e.config
         assert e.fits and c.t * c.p * c.d == 64 and 128 % (c.d * c.micro_batch) == 0 and 96 % c.t == 0
-        assert sum(e.device_layers) == 96 and max(e.device_layers) == math.ceil(96 / c.p)
+        assert sum(e.rank_layers) == 96 and max(e.rank_layers) == math.ceil(96 / c.p)
     assert set(res.rejected) == {"memory", "interleave", "heads"}
 
 

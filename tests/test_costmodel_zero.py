@@ -1,4 +1,4 @@
-"""Per-rank ZeRO figures (``modelpar.costmodel.zero``): the numbers the trainer's ``--zero`` accounting must equal,
+"""Per-rank ZeRO figures (``modelpar.costmodel.zero_bytes``): the numbers the trainer's ``--zero`` accounting must equal,
 and the planner's memory and data-parallel time built from them."""
 
 import pytest

@@ -247,7 +247,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, monkeypatch):
-    import modelpar.training.launch as launch_module
+    import modelpar.training.start as launch_module
 
     monkeypatch.setattr(launch_module, "LocalCluster", lambda *a, **k: pytest.fail("a rank was started"))
     inputs = tmp_path / "inputs"

@@ -25,7 +25,7 @@ TINY = ["--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2", "--layers", 
 @pytest.fixture
 def no_ranks(monkeypatch):
     """Fail the test if a run starts a rank: every refusal here comes first."""
-    import modelpar.training.launch as launch_module
+    import modelpar.training.start as launch_module
 
     monkeypatch.setattr(launch_module, "LocalCluster", lambda *a, **k: pytest.fail("a rank was started"))
 

@@ -209,7 +209,7 @@ def test_backend_options_carry_the_timeout():
 # --- the NCCL watchdog versus receives posted at a step's start ------------------------------------------
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_critical_path_is_2_m_plus_p_minus_1_actions(name):
-    from modelpar.pipeline.collectives import critical_path
+    from modelpar.pipeline.bounded_comm import critical_path
 
     for p in (1, 2, 3, 4):
         for m in (1, 2, 5, 8):
@@ -217,7 +217,7 @@ def test_critical_path_is_2_m_plus_p_minus_1_actions(name):
 
 
 def test_step_timeout_hand_checked():
-    from modelpar.pipeline.collectives import critical_path, step_timeout
+    from modelpar.pipeline.bounded_comm import critical_path, step_timeout
 
     # GPipe, p = 2, M = 1: F on stage 0, F on stage 1, B on stage 1, B on stage 0, one after the other
     assert critical_path(get_schedule("gpipe", ranks=2, microbatches=1)) == 4
@@ -232,7 +232,7 @@ def test_a_step_whose_actions_and_messages_fit_in_the_timeout_fits_in_the_step_t
                                                                                           share):
     """The rule's premise → its conclusion, on the simulator: every action plus the message it sends takes
     at most T (= 1 here), so the whole step lasts at most critical_path × T."""
-    from modelpar.pipeline.collectives import critical_path
+    from modelpar.pipeline.bounded_comm import critical_path
     from modelpar.simulate import simulate
     from modelpar.simulate.costs import Costs
 

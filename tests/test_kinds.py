@@ -51,8 +51,8 @@ def test_dependencies_hand_checked(text, action, deps):
 
 
 def _reference_times(schedule, transfer):
-    """Start times read straight off the table: repeat until every action sits at max(device free,
-    each producer's end + transfer if it crosses devices). Slow and independent of ``execute``."""
+    """Start times read straight off the table: repeat until every action sits at max(rank free,
+    each producer's end + transfer if it crosses ranks). Slow and independent of ``execute``."""
     made = producers(schedule.style)
     dev = schedule.stage_to_rank
     end: dict[Action, float] = {}
@@ -90,8 +90,8 @@ def test_timing_engine_equals_the_table(schedule, transfer):
 @SETTINGS
 @given(st.one_of(generated(), hand_written()))
 def test_lowering_and_plan_follow_the_table(schedule):
-    """Each value the table says crosses devices is one SEND and one RECV; the plan's sources and
-    sinks are the table's: the batch, the loss, a hand-over on the device, or a message."""
+    """Each value the table says crosses ranks is one SEND and one RECV; the plan's sources and
+    sinks are the table's: the batch, the loss, a hand-over on the rank, or a message."""
     programs = lower(schedule)
     dev, last = schedule.stage_to_rank, schedule.num_stages - 1
     sends = {(op.message) for p in programs for op in p if isinstance(op, Transfer) and op.is_send}

@@ -21,7 +21,7 @@ from modelpar.costmodel.moe import MoESpec, moe_layer_params
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.specs import ModelSpec
-from modelpar.costmodel.zero import dp_bytes_sent
+from modelpar.costmodel.zero_bytes import dp_bytes_sent
 from modelpar.formulas import allreduce_bytes
 from modelpar.model import ModelConfig
 
@@ -38,7 +38,7 @@ def _time(nbytes: float) -> float:
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("d", [2, 3, 4])
 def test_one_bucket_sends_what_the_zero_formulas_say(zero, reshard, d):
-    """One bucket holding every parameter is the flat buffer costmodel.zero pads once: equal bytes."""
+    """One bucket holding every parameter is the flat buffer costmodel.zero_bytes pads once: equal bytes."""
     run = dataclasses.replace(RUN, zero=zero, reshard=reshard, d=d)
     params = sum(x.numel for x in stage_tensors(run, 0))
     assert dp_bytes_step(run, [0]) == dp_bytes_sent(params, d, zero, 8, 8, run.microbatches, reshard)

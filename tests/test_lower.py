@@ -28,7 +28,7 @@ def generated(draw):
 @st.composite
 def hand_written(draw):
     """A random valid schedule: a random placement (contiguous, loop, V or any) and a random
-    interleaving of the dependency graph, cut into per-device lists."""
+    interleaving of the dependency graph, cut into per-rank lists."""
     devices = draw(st.integers(1, 4))
     chunks = draw(st.integers(1, 3))
     stages = devices * chunks
@@ -74,7 +74,7 @@ def _deps(schedule, a, kinds):
 
 
 def _pair_messages(programs, placement, d, e):
-    """What device d posts on its channel with e, as (message, is_send), in program order."""
+    """What rank d posts on its channel with e, as (message, is_send), in program order."""
     return [(op.message, op.is_send) for op in programs[d]
             if isinstance(op, Transfer) and placement[op.peer_stage] == e]
 
@@ -90,7 +90,7 @@ def check_lowering(schedule):
             if not isinstance(op, Transfer):
                 continue
             peer = placement[op.peer_stage]
-            assert peer != d, f"{op}: stages on one device hand over in memory, no message"
+            assert peer != d, f"{op}: stages on one rank hand over in memory, no message"
             assert placement[op.stage] == d
             kind, producer, m = op.message
             if op.is_send:  # right after its producer (sends of one action follow it in a row)
@@ -112,7 +112,7 @@ def check_lowering(schedule):
     per_boundary = 1 if schedule.forward_only else 2
     assert pairs == per_boundary * crossing * schedule.num_microbatches  # one message per cross-device dependency
     assert rendezvous(programs, placement) is None  # one channel per pair: NCCL's single isend/irecv
-    assert rendezvous(programs, placement, channel="device") is None  # one per device: batched P2P's stream
+    assert rendezvous(programs, placement, channel="rank") is None  # one per device: batched P2P's stream
     return programs
 
 
@@ -191,7 +191,7 @@ def test_tag_matched_posting_order_hangs_under_ordered_matching():
         "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
     ]
     assert rendezvous(old, schedule.stage_to_rank) == (
-        "device 1's 1RECV_F0 (position 0) would be paired with device 0's 0RECV_B0 (position 0): "
+        "rank 1's 1RECV_F0 (position 0) would be paired with rank 0's 0RECV_B0 (position 0): "
         "the next operation between them is not one message's send and receive"
     )
     assert rendezvous(lower(schedule), schedule.stage_to_rank) is None
@@ -203,7 +203,7 @@ def test_rendezvous_names_what_never_comes():
     programs[0].remove(Transfer(0, Comm.SEND_F, 0))  # the activation is never sent ...
     programs[1].remove(Transfer(1, Comm.RECV_F, 0))  # ... nor received
     assert rendezvous(programs, schedule.stage_to_rank) == (
-        "device 0 never gets past 0B0 (position 2): it waits for the gradient of microbatch 0 from "
+        "rank 0 never gets past 0B0 (position 2): it waits for the gradient of microbatch 0 from "
         "stage 1, which never comes"
     )
 
@@ -211,9 +211,9 @@ def test_rendezvous_names_what_never_comes():
 def test_a_schedule_that_would_hang_is_refused_naming_the_operation():
     hang = Schedule.from_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1", name="mine")
     with pytest.raises(DeadlockError, match=(
-        r"cannot lower schedule 'mine': it would hang: device 0 waits at 0RECV_B0 \(the input of 0B0\), "
-        r"but device 1 never reaches 1SEND_B0; device 1 waits at 1RECV_F1 \(the input of 1F1\), but "
-        r"device 0 never reaches 0SEND_F1")):
+        r"cannot lower schedule 'mine': it would hang: rank 0 waits at 0RECV_B0 \(the input of 0B0\), "
+        r"but rank 1 never reaches 1SEND_B0; rank 1 waits at 1RECV_F1 \(the input of 1F1\), but "
+        r"rank 0 never reaches 0SEND_F1")):
         lower(hang)
     with pytest.raises(ValueError, match=r"action 1F1 is missing"):
         lower(Schedule.from_text("0F0 0F1 0B0 0B1\n1F0 1B0"))

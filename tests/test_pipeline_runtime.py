@@ -287,8 +287,8 @@ def _error_on_every_rank(case):
 
 
 @pytest.mark.parametrize("case,message", [
-    ("hang", r"cannot lower schedule: it would hang: device 0 waits at 0RECV_B0 \(the input of 0B0\), but device 1 "
-             r"never reaches 1SEND_B0; device 1 waits at 1RECV_F1 \(the input of 1F1\), but device 0 never reaches "
+    ("hang", r"cannot lower schedule: it would hang: rank 0 waits at 0RECV_B0 \(the input of 0B0\), but rank 1 "
+             r"never reaches 1SEND_B0; rank 1 waits at 1RECV_F1 \(the input of 1F1\), but rank 0 never reaches "
              r"0SEND_F1"),
     ("stage count", r"schedule 1f1b has 3 devices but the pipeline group has 4 processes"),
     ("split", r"model has 3 layers and cannot be split into 4 stages"),

@@ -81,3 +81,37 @@ def test_simulate_takes_stages_as_the_old_flag_of_ranks_and_prints_both_keys(cap
     old = json.loads(capsys.readouterr().out.split("\n]\n")[0] + "\n]")
     assert old == new and new[0]["ranks"] == new[0]["stages"] == 2
     assert new[0]["bubble_per_rank"] == new[0]["bubble_per_device"]
+
+
+def test_layers_per_rank_under_their_old_names():
+    from modelpar import costmodel
+    from modelpar.costmodel import ParallelConfig, estimate, make_cluster, model_preset
+    from modelpar.costmodel.stages import device_loads, rank_loads
+    from modelpar.layer_split import device_layers, rank_layers
+
+    assert _once(lambda: device_layers((5, 6, 6, 5), 2), r"device_layers") == rank_layers((5, 6, 6, 5), 2) == (11, 11)
+    assert costmodel.device_layers is device_layers  # the package's old export is the same alias
+    cfg = ParallelConfig(8, 16, 8, 1, 2, "selective", True)
+    assert _once(lambda: device_loads(96, cfg), r"device_loads") == rank_loads(96, cfg)
+    e = estimate(model_preset("gpt3-175b"), make_cluster("a100-80gb", 1024), cfg, 1536)
+    assert _once(lambda: e.device_layers, r"Estimate.device_layers") == e.rank_layers
+    row = e.as_dict()
+    assert row["device_layers"] == row["rank_layers"] == list(e.rank_layers)  # `modelpar plan --json`: both keys
+
+
+def test_rendezvous_takes_device_as_the_old_channel_name_of_rank():
+    s = get_schedule("zb-v", ranks=3, microbatches=6)
+    programs = lower(s)
+    assert _once(lambda: rendezvous(programs, s.stage_to_rank, channel="device"), r'rendezvous\(channel="device"\)') \
+        is rendezvous(programs, s.stage_to_rank, channel="rank") is None
+
+
+def test_the_tree_uses_only_the_new_names():
+    """tools/rename_ranks.py --check: nothing left to rename (rerun the codemod after merging old-name code)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "rename_ranks.py"
+    run = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr

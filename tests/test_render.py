@@ -205,5 +205,5 @@ def test_communication_spans_are_a_row_of_their_own_with_the_exposed_tail(tmp_pa
     assert [(e["name"], e["tid"], e["dur"]) for e in spans] == [
         ("all-reduce", 2, pytest.approx(3000.0)), ("all-gather", 2, pytest.approx(1000.0)),
         ("all-reduce", 3, pytest.approx(2600.0))]
-    with pytest.raises(ValueError, match="comm span must have a device in 0..1"):
+    with pytest.raises(ValueError, match="comm span must have a rank in 0..1"):
         Timeline.from_events(events, 2, s, unit="s", comm=[(2, "all-reduce", 0.0, 1.0)])

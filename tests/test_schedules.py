@@ -134,7 +134,7 @@ def test_bad_arguments(call, match):
 def test_text_form_round_trip_and_device_prefix():
     s = one_f_one_b(ranks=3, microbatches=4)
     assert Schedule.from_text(s.to_text()).actions == s.actions
-    parsed = Schedule.from_text("# comment\ndevice 0: 0F0 0B0\n\ndevice 1: 1F0, 1B0  # tail\n")
+    parsed = Schedule.from_text("# comment\ndevice 0: 0F0 0B0\n\ndevice 1: 1F0, 1B0  # tail\n")  # rename: keep
     assert parsed.stage_to_rank == (0, 1)
     assert str(parsed) == "0F0 0B0\n1F0 1B0"
 
@@ -142,19 +142,19 @@ def test_text_form_round_trip_and_device_prefix():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("0F0 0B0\n1B0 1F0", r"device 1 runs 1B0 \(position 0\) before its dependency 1F0 \(position 1\)"),
-        ("0F0 0F1 0B0 0B1\n1F0 1B0", r"action 1F1 is missing \(device 1\)"),
-        ("0F0 0F0 0B0\n1F0 1B0", r"action 0F0 appears twice \(device 0 position 0, device 0 position 1\)"),
-        ("0F0 0I0 0W0\n1F0 1B0", r"action 1B0 \(device 1, position 1\) is a full backward B, but the schedule splits"),
+        ("0F0 0B0\n1B0 1F0", r"rank 1 runs 1B0 \(position 0\) before its dependency 1F0 \(position 1\)"),
+        ("0F0 0F1 0B0 0B1\n1F0 1B0", r"action 1F1 is missing \(rank 1\)"),
+        ("0F0 0F0 0B0\n1F0 1B0", r"action 0F0 appears twice \(rank 0 position 0, rank 0 position 1\)"),
+        ("0F0 0I0 0W0\n1F0 1B0", r"action 1B0 \(rank 1, position 1\) is a full backward B, but the schedule splits"),
         ("0F0 0I0\n1F0 1I0 1W0", r"action 0W0 is missing"),
         (
             "0F0 0B0 0F1 0B1\n1F1 1F0 1B0 1B1",
-            r"deadlock: device 0 waits at 0B0 \(position 1\) for 1B0 on device 1; device 1 waits at 1F1 "
-            r"\(position 0\) for 0F1 on device 0",
+            r"deadlock: rank 0 waits at 0B0 \(position 1\) for 1B0 on rank 1; rank 1 waits at 1F1 "
+            r"\(position 0\) for 0F1 on rank 0",
         ),
-        ("0F0 0B0\n0F1", r"stage 0 appears on device 0 and device 1"),
+        ("0F0 0B0\n0F1", r"stage 0 appears on rank 0 and rank 1"),
         ("0F0 0X0", r"action must look like <stage><F\|B\|I\|W><microbatch>"),
-        ("", r"at least one device"),
+        ("", r"at least one rank"),
     ],
 )
 def test_validation_names_the_first_offending_action(text, match):
@@ -164,7 +164,7 @@ def test_validation_names_the_first_offending_action(text, match):
 
 def test_action_on_the_wrong_device():
     s = Schedule((1, 0), [[Action(0, Kind.F, 0), Action(0, Kind.B, 0)], [Action(1, Kind.F, 0), Action(1, Kind.B, 0)]])
-    with pytest.raises(ValueError, match=r"action 0F0 is in device 0's list \(position 0\), but stage 0 lives on device 1"):
+    with pytest.raises(ValueError, match=r"action 0F0 is in rank 0's list \(position 0\), but stage 0 lives on rank 1"):
         s.validate()
 
 

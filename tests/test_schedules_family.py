@@ -61,7 +61,7 @@ def test_valid_and_lowered_programs_pass_the_rendezvous_model(name):
             assert s.name == name and s.num_microbatches == m and s.num_ranks == k
             programs = lower(s)
             assert rendezvous(programs, s.stage_to_rank) is None
-            assert rendezvous(programs, s.stage_to_rank, channel="device") is None
+            assert rendezvous(programs, s.stage_to_rank, channel="rank") is None
 
 
 def test_v_placement_and_registry():
@@ -73,7 +73,7 @@ def test_v_placement_and_registry():
 @pytest.mark.parametrize("k", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("costs", [EQUAL, Costs(forward=1, backward=1.5, weight=0.5)])
 def test_zb_h2_only_the_fill_is_idle_with_2k_minus_1_in_flight(k, costs):
-    """Qi et al. 2024a §3.1: ZB-H2 holds up to 2(K − d) − 1 microbatches on device d and leaves
+    """Qi et al. 2024a §3.1: ZB-H2 holds up to 2(K − d) − 1 microbatches on rank d and leaves
     only the (K − 1)T_F fill idle: step (K − 1)T_F + M(T_F + T_B + T_W), less than ZB-H1's
     M(T_F + T_B + T_W) + (K − 1)(T_F + T_B − T_W) whenever T_B > T_W."""
     for m in (2 * k, 4 * k):
@@ -87,8 +87,8 @@ def test_zb_h2_only_the_fill_is_idle_with_2k_minus_1_in_flight(k, costs):
 @pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 8, 12, 16])
 def test_controllable_memory_claims(k):
     """Qi et al. 2024b: V-Min holds about 1/3 of 1F1B's activations, V-Half about 1/2, both with
-    a step no longer than 1F1B's (equal F, I and W); ZB-V holds as much as 1F1B's first device,
-    on every device, and (M ≥ 2K) has the shortest step of the V family, shorter than ZB-H1's."""
+    a step no longer than 1F1B's (equal F, I and W); ZB-V holds as much as 1F1B's first rank,
+    on every rank, and (M ≥ 2K) has the shortest step of the V family, shorter than ZB-H1's."""
     for m in (k, 2 * k, 4 * k):
         one = simulate(get_schedule("1f1b", ranks=k, microbatches=m), EQUAL)
         vmin = simulate(get_schedule("v-min", ranks=k, microbatches=m), EQUAL)

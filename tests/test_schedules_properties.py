@@ -37,7 +37,7 @@ def test_every_generated_schedule_validates_and_round_trips(s):
 @SETTINGS
 @given(schedules(), cost, cost, st.floats(0, 2), st.data())
 def test_simulated_actions_start_as_soon_as_possible(s, t_f, t_b, transfer, data):
-    """Independent re-check of the engine: device order, dependencies + transfer, no slack."""
+    """Independent re-check of the engine: rank order, dependencies + transfer, no slack."""
     mult = tuple(data.draw(st.lists(cost, min_size=s.num_stages, max_size=s.num_stages)))
     tl = simulate(s, Costs(forward=t_f, backward=t_b, transfer=transfer, stage_multipliers=mult))
     end = {a: e for acts, ends in zip(tl.actions, tl.ends) for a, e in zip(acts, ends)}

@@ -259,7 +259,7 @@ class _Ranks:
 
 
 def test_the_launcher_relays_signals_to_the_ranks_and_keeps_the_grace_period(tmp_path):
-    from modelpar.training.launch import _Relay
+    from modelpar.training.start import _Relay
 
     relay = _Relay(_Ranks(), dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), preempt_grace=60))
     relay._on_signal(signal.SIGTERM, None)

@@ -20,7 +20,7 @@ from _wait import DEADLINE, wait_gone, wait_until
 
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.cli import main
-from modelpar.training.launch import rank_threads
+from modelpar.training.start import rank_threads
 from modelpar.training.stopping import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.torchrun, pytest.mark.timeout(600),  # a torchrun and its restart: minutes when loaded

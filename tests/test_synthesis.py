@@ -54,7 +54,7 @@ def test_per_stage_costs_cut_into_chunks():
 
 
 def test_limit_below_any_schedule_names_the_smallest_that_works():
-    with pytest.raises(ValueError, match=r"memory limit must be >= 1 microbatches' activations per device .*got 0.5"):
+    with pytest.raises(ValueError, match=r"memory limit must be >= 1 microbatches' activations per rank .*got 0.5"):
         synthesize(4, 8, StageCosts.uniform(4), 0.5)
     with pytest.raises(ValueError, match=r"costs must give 4 stages' times"):
         synthesize(4, 8, StageCosts.uniform(3), 2)
@@ -75,7 +75,7 @@ def test_cli_auto_pareto_png_and_bad_limit(capsys, tmp_path):
     assert main(["simulate", "--schedule", "auto", "--memory-limit", "3", "--costs", "1:1.5:0.5",
                  "--transfer", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("auto (K = 4, M = 8") and "peak held microbatches per device" in out
+    assert out.startswith("auto (K = 4, M = 8") and "peak held microbatches per rank" in out
     png = tmp_path / "pareto.png"
     assert main(["simulate", "--pareto", "--costs", "1:1:1", "--png", str(png)]) == 0
     out = capsys.readouterr().out

@@ -68,10 +68,10 @@ def test_reads_what_torchs_dualpipe_v_writes():
 
 
 @pytest.mark.parametrize("text, error, match", [
-    ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", ValueError, r"action 0B1 is missing \(device 0\)"),
-    ("0F0,0B0\n0F1,1F0,1B0\n", ValueError, r"stage 0 appears on device 0 and device 1 \(action 0F1\)"),
-    ("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", DeadlockError, r"deadlock: device 0 waits at 0B0 \(position 1\)"),
-    ("0F0,0Z0\n", ValueError, r"CSV row 0 \(device 0\), column 1: '0Z0' is not an action"),
+    ("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", ValueError, r"action 0B1 is missing \(rank 0\)"),
+    ("0F0,0B0\n0F1,1F0,1B0\n", ValueError, r"stage 0 appears on rank 0 and rank 1 \(action 0F1\)"),
+    ("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", DeadlockError, r"deadlock: rank 0 waits at 0B0 \(position 1\)"),
+    ("0F0,0Z0\n", ValueError, r"CSV row 0 \(rank 0\), column 1: '0Z0' is not an action"),
     ("0F0,0B\n", ValueError, r"column 1: '0B' is not an action"),
 ])
 def test_bad_csv_is_refused_naming_the_first_bad_action(text, error, match):

@@ -37,7 +37,7 @@ def test_flags_reach_the_config():
     (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, "
                                  "v-half, v-min, dualpipe-v, auto}, got 'dualpipe'"),
     (["--schedule", "auto", "--memory-limit", "0.5"], "memory limit must be >= 1 microbatches' activations per "
-                                                      "device (the least any schedule for K = 2, M = 4 holds), got 0.5"),
+                                                      "rank (the least any schedule for K = 2, M = 4 holds), got 0.5"),
     (["--memory-limit", "2"], "memory_limit applies to schedule auto (it picks the schedule that fits), got 2"),
     (["--recompute", "often"], "recompute must be one of {none, selective, full, sqrt, recompute-all} or a positive "
                                "integer k, got 'often'"),

@@ -46,7 +46,7 @@ def test_replica_rows_tile_the_global_batch(dp, rows_per_replica, first, last):
     ({"schedule": "interleaved", "chunks": 1}, "chunks must be >= 2, got 1"),
     ({"chunks": 2}, "chunks must be 1 unless the schedule is one of interleaved, looped-bfs, zb-v, v-half, v-min, "
                     "dualpipe-v, got 2 with schedule '1f1b'"),
-    ({"schedule": "zb-v"}, r"chunks must be 2 for schedule 'zb-v' \(a V: two stages per device\), got 1"),
+    ({"schedule": "zb-v"}, r"chunks must be 2 for schedule 'zb-v' \(a V: two stages per rank\), got 1"),
     ({"schedule": "interleaved", "chunks": 2, "microbatches": 3, "batch_size": 12},
      r"microbatches \(3\) must be divisible by pp \(2\)"),
     ({"recompute": "3"}, "recompute must be <= 2, got 3"),  # 4 layers over p = 2 stages

@@ -23,10 +23,19 @@ written by hand on lines carrying the marker ``rename: keep``, which this script
 5. A pipeline rank called ``device`` outside the pure layers, function by function (``SCOPED``:
    ``split_stages``' parameter, ``dry_run``'s loop variable), and a few one-off texts (``EXTRA``: the
    messages whose wording names the renamed argument, and the tests that match them).
+6. The layers per rank: ``device_layers`` -> ``rank_layers`` (``modelpar.layer_split``, the planner's
+   ``Estimate``), ``device_loads`` -> ``rank_loads`` (``modelpar.costmodel.stages``); the JSON key
+   ``"device_layers"`` stays (``DATA_KEYS``; ``"rank_layers"`` is written beside it).
+7. Prose: "device" and "devices" for a pipeline rank in the comments, docstrings and messages of the
+   pure layers and of the split's modules (``PROSE``), and "Device d" where a docstring speaks of rank
+   d; in the strings of their tests (``PROSE_TESTS``), which match those messages. The charts' row
+   labels ("Device 0 |", as the reference text draws them) are not prose and stay.
+8. The lowering's channel model: ``rendezvous(..., channel="device")`` -> ``channel="rank"`` (``LITERALS``).
 
 Not renamed (docs/notation.md says why): ``clock_cycles``' and ``Pipe``'s reference names, the
-one-chunk closed forms' ``stages``, ``modelpar bench pipeline/microbatch --stages``, the planner's
-``device_layers``, ``StageCosts.stages``, and prose saying "device" for a rank.
+one-chunk closed forms' ``stages``, ``modelpar bench pipeline/microbatch --stages``,
+``StageCosts.stages`` (the K whole stages, model segments, whose costs chunking divides), the charts'
+"Device d" rows, and prose saying "device" for a rank outside ``PROSE``.
 """
 
 from __future__ import annotations
@@ -47,11 +56,17 @@ KEEP = "rename: keep"
 EVERYWHERE = {
     "num_devices": "num_ranks", "device_of": "rank_of", "stage_to_device": "stage_to_rank",
     "bubble_per_device": "bubble_per_rank", "per_device": "per_rank", "on_one_device": "on_one_rank",
-    "_dualpipe_device": "_dualpipe_rank",
+    "_dualpipe_device": "_dualpipe_rank", "device_layers": "rank_layers", "device_loads": "rank_loads",
 }
-DATA_KEYS = {"bubble_per_device"}  # `modelpar simulate --json` keys: scripts read them, so they stay
+DATA_KEYS = {"bubble_per_device", "device_layers"}  # `simulate --json`'s and `plan --json`'s keys: scripts read them
 PURE = ("modelpar/schedules/", "modelpar/simulate/")
 IN_PURE = {"device": "rank", "devices": "ranks"}
+PROSE = PURE + ("modelpar/layer_split.py", "modelpar/costmodel/stages.py")  # where "device" in prose is a rank
+_PROSE_WORDS = re.compile(r"\b(devices|device)\b|(?<![\"'])\bDevice(?= (?:d\b|``d``))")
+LITERALS = {'channel="device"': 'channel="rank"'}  # in every file (Markdown too)
+PROSE_TESTS = {f"tests/test_{name}.py" for name in (  # their strings match the pure layers' messages and tables
+    "schedules", "schedules_family", "schedules_properties", "lower", "torch_csv", "cli_simulate", "synthesis",
+    "render", "simulator", "kinds")}
 
 GENERATORS = {"naive", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "looped_bfs",
               "zb_h2", "zb_v", "v_half", "v_min", "dualpipe_v"}
@@ -70,7 +85,12 @@ SCOPED = {  # (file, function): {old: new} for a parameter or local variable and
 SIMULATE_CLI = {"modelpar/commands/simulate.py", "tests/test_cli_simulate.py"}
 EXTRA = {  # one-off uses the rules above cannot see: an Event's rank read outside the pure layers; the flag's value
     "tests/test_pipeline_runtime_units.py": [(re.compile(r"\be\.device\b"), "e.rank")],
-    "modelpar/commands/simulate.py": [(re.compile(r"\bargs\.stages\b"), "args.ranks")],
+    "tests/test_train_config.py": [(re.compile(r"two stages per device"), "two stages per rank")],  # check_chunks
+    "tests/test_train_cli.py": [(re.compile(r'"device \(the least any schedule'), '"rank (the least any schedule')],  # synthesize
+    "tests/test_pipeline_runtime.py": [(re.compile(r"\b(but |hang: )device (\d)"), r"\1rank \2"),  # lower's hang message
+                                       (re.compile(r"; device (\d) waits at"), r"; rank \1 waits at")],
+    "modelpar/commands/simulate.py": [(re.compile(r"\bargs\.stages\b"), "args.ranks"),
+                                      (re.compile(r'f"device \{d\}: '), 'f"rank {d}: ')],  # --comm's programs
     "modelpar/schedules/zero_bubble.py": [(re.compile(r"2 x stages"), "2 x ranks")],
     "modelpar/simulate/timeline.py": [(re.compile(r"Device ``device``"), "Rank ``rank``"),
                                       (re.compile(r"event device must"), "event rank must")],
@@ -86,6 +106,17 @@ _K_MD = re.compile(r"\b((?:" + "|".join(sorted(K_CALLS)) + r")\([^()]*?)\bstages
 
 def _everywhere(text: str) -> str:
     return _WORDS.sub(lambda m: EVERYWHERE[m.group(1)], text)
+
+
+def _prose(text: str) -> str:
+    """device -> rank, devices -> ranks; "Device d" (rank d in a docstring) -> "Rank d"."""
+    return _PROSE_WORDS.sub(lambda m: {"device": "rank", "devices": "ranks"}.get(m.group(1) or "", "Rank"), text)
+
+
+def _literals(line: str) -> str:
+    for old, new in LITERALS.items():
+        line = line.replace(old, new)
+    return line
 
 
 def _fstring_names(text: str, names: dict[str, str]) -> str:
@@ -159,6 +190,8 @@ def rewrite_python(source: str, rel: str) -> str:
                 new = renamed
         elif tok.type == tokenize.COMMENT:
             new = _everywhere(tok.string)
+            if rel.startswith(PROSE):
+                new = _prose(new)
         elif tok.type == tokenize.STRING:
             literal = re.fullmatch(r"[rbuRBUfF]*('{3}|\"{3}|'|\")(.*)\1", tok.string, re.S)
             if literal and literal.group(2) in DATA_KEYS:
@@ -174,6 +207,8 @@ def rewrite_python(source: str, rel: str) -> str:
                     new = _fstring_names(new, names)
                 if rel in SIMULATE_CLI:
                     new = re.sub(r"--stages\b", "--ranks", new)
+            if rel.startswith(PROSE) or rel in PROSE_TESTS:
+                new = _prose(new)
         if new != tok.string:
             edits.append((row, col, erow, ecol, new))
     return _apply(lines, edits, rel)
@@ -188,14 +223,14 @@ def _apply(lines: list[str], edits: list[tuple[int, int, int, int, str]], rel: s
         text = text[: starts[row - 1] + col] + new + text[starts[erow - 1] + ecol:]
     for pattern, repl in EXTRA.get(rel, ()):
         text = "".join(line if KEEP in line else pattern.sub(repl, line) for line in text.splitlines(keepends=True))
-    return text
+    return "".join(line if KEEP in line else _literals(line) for line in text.splitlines(keepends=True))
 
 
 def rewrite_markdown(text: str) -> str:
     out = []
     for line in text.splitlines(keepends=True):
         if KEEP not in line:
-            line = _everywhere(line)
+            line = _literals(_everywhere(line))
             while _K_MD.search(line):
                 line = _K_MD.sub(r"\1ranks=", line)
             if "modelpar simulate" in line:

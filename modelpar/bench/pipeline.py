@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
-from modelpar.recompute.plan import Strategy
+from modelpar.recompute.strategies import Strategy
 from modelpar.schedules.generators import SCHEDULES, get_schedule
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import Timeline

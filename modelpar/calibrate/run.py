@@ -84,7 +84,7 @@ def _host_memory() -> int:
 def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
     """Per process count: rank 0's measurements in a local gloo cluster of that many processes."""
     from modelpar.distributed import LocalCluster
-    from modelpar.training.launch import rank_threads
+    from modelpar.training.start import rank_threads
 
     found: dict[int, dict[str, Any]] = {}
     for n in ranks:

@@ -93,8 +93,8 @@ def _run_rank(cfg: TrainConfig) -> tuple[Any, ...]:
     import torch
 
     from modelpar.training import train
-    from modelpar.training.launch import rank_threads
     from modelpar.training.prediction import held_parameter_bytes
+    from modelpar.training.start import rank_threads
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
     r = train(cfg)

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _recompute(text: str) -> Any:
-    from modelpar.recompute.plan import parse_strategy
+    from modelpar.recompute.strategies import parse_strategy
 
     return parse_strategy(text)
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         check_output_path("--trace", args.trace, (".json",))
     if cfg.recompute != "none":
-        from modelpar.recompute.plan import plan_recompute
+        from modelpar.recompute.strategies import plan_recompute
 
         plan_recompute(3 * (cfg.blocks // cfg.chunks), cfg.recompute)
 

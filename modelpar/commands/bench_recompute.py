@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from modelpar.recompute.plan import Strategy, parse_strategy
+from modelpar.recompute.strategies import Strategy, parse_strategy
 
 
 def parse_strategies(text: str) -> list[Strategy]:
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from torch import nn
 
     from modelpar._validate import check_int
-    from modelpar.recompute.measure import strategy_table
-    from modelpar.recompute.plan import plan_recompute
+    from modelpar.recompute.chain_measure import strategy_table
+    from modelpar.recompute.strategies import plan_recompute
 
     n = check_int("--layers", args.layers, minimum=1)
     width, rows = check_int("--width", args.width, minimum=1), check_int("--rows", args.rows, minimum=1)

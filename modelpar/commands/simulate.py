@@ -298,7 +298,7 @@ def _print(args, timelines) -> None:
         if args.comm:
             print("Lowered programs (sends and receives matched by order, in posting order):")
             for d, ops in enumerate(_lower(tl.schedule)):
-                print(f"device {d}: {' '.join(map(str, ops))}")
+                print(f"rank {d}: {' '.join(map(str, ops))}")
         print()
     print(metrics_table(timelines))
     print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "

@@ -186,8 +186,8 @@ def _run(cfg: Any, options: Any) -> int:
 
     from modelpar.distributed import is_torchrun
     from modelpar.training.display import Display
-    from modelpar.training.launch import run_in_process, run_local
     from modelpar.training.metrics import MetricsLog, Reporters
+    from modelpar.training.start import run_in_process, run_local
 
     console = Console(stderr=True)
     metrics = MetricsLog(options.out, tensorboard=options.tensorboard)

@@ -32,8 +32,9 @@ from modelpar.costmodel.presets import (
 from modelpar.costmodel.profiles import HardwareProfile, load_profile, save_profile
 from modelpar.costmodel.search import SearchResult, chunk_counts, fitting_gpu_counts, search
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
-from modelpar.costmodel.stages import device_layers, split_layers
-from modelpar.costmodel.zero import (
+from modelpar.costmodel.stages import device_layers as device_layers  # rename: keep (deprecated, not in __all__)
+from modelpar.costmodel.stages import rank_layers, split_layers
+from modelpar.costmodel.zero_bytes import (
     ZERO_STAGES,
     dp_bytes_at_step_end,
     dp_bytes_per_microbatch,
@@ -90,7 +91,6 @@ __all__ = [
     "bubble_over_ideal_compute",
     "check_config",
     "chunk_counts",
-    "device_layers",
     "device_params",
     "dp_bytes_at_step_end",
     "dp_bytes_per_microbatch",
@@ -114,6 +114,7 @@ __all__ = [
     "optimizer_state_bytes_per_param",
     "pipeline_speedup",
     "profile_node",
+    "rank_layers",
     "save_profile",
     "search",
     "shard_elements",

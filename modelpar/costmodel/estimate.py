@@ -14,14 +14,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modelpar._renamed import renamed_attribute
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
-from modelpar.costmodel.stages import busiest_candidates, check_split, device_loads
-from modelpar.costmodel.zero import dp_bytes_at_step_end, dp_bytes_per_microbatch, optimizer_state_bytes_per_param, shard_elements
+from modelpar.costmodel.stages import busiest_candidates, check_split, rank_loads
+from modelpar.costmodel.zero_bytes import (
+    dp_bytes_at_step_end,
+    dp_bytes_per_microbatch,
+    optimizer_state_bytes_per_param,
+    shard_elements,
+)
 from modelpar.formulas import allgather_bytes, allreduce_bytes, bubble_over_ideal_compute
 
 __all__ = [
@@ -59,7 +65,9 @@ class Estimate:
     bubble_over_ideal_compute: float  # (p − 1)/(v·m), Megatron's closed form
     efficiency: float  # matmul efficiency used
     links: dict[str, str]  # which link the tp, pp and dp traffic crosses
-    device_layers: tuple[int, ...]  # transformer layers on each pipeline device
+    rank_layers: tuple[int, ...]  # transformer layers on each pipeline rank
+
+    device_layers = renamed_attribute("rank_layers")  # rename: keep
 
     @property
     def memory_gb(self) -> float:
@@ -75,7 +83,7 @@ class Estimate:
         return {
             "t": c.t, "cp": c.cp, "cp_comm": c.cp_comm, "p": c.p, "d": c.d, "ep": c.ep, "micro_batch": c.micro_batch, "v": c.v,
             "recompute": c.recompute, "sequence_parallel": c.sequence_parallel, "zero": c.zero,
-            "device_layers": list(self.device_layers),
+            "rank_layers": list(self.rank_layers), "device_layers": list(self.rank_layers),  # the old key too
             "microbatches": self.microbatches, "step_time_s": self.step_time_s,
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "memory_gb": self.memory_gb,
             "bubble_over_ideal_compute": self.bubble_over_ideal_compute,
@@ -290,7 +298,7 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     layer_ep = ep_layer_time(model, cluster, cfg, a)
     logits = output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
-    loads = device_loads(model.layers, cfg)
+    loads = rank_loads(model.layers, cfg)
     busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a,
                                                             layer_compute + layer_tp + layer_cp + layer_ep, logits, loads)
 
@@ -336,5 +344,5 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
                "dp": cluster.link_name(cfg.t * g) if g > 1 else "-",
                **({"ep": cluster.link_name(cfg.t * cfg.ep)} if cfg.ep > 1 else {}),
                **({"cp": cluster.link_name(cfg.t * cfg.cp)} if cfg.cp > 1 else {})},
-        device_layers=loads,
+        rank_layers=loads,
     )

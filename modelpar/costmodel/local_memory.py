@@ -47,8 +47,8 @@ import math
 from dataclasses import dataclass
 
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tensors
-from modelpar.costmodel.specs import ModelSpec
-from modelpar.costmodel.zero import optimizer_state_bytes_per_param
+from modelpar.costmodel.specs import ModelSpec, RankGrid
+from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
            "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
@@ -60,7 +60,7 @@ _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps beside
 
 
 @dataclass(frozen=True)
-class LocalRun:
+class LocalRun(RankGrid):
     """One ``modelpar train`` layout in plain numbers (Megatron notation)."""
 
     model: ModelSpec  # ``ModelConfig.spec()``: padded vocabulary, the MLP width, key/value heads
@@ -91,15 +91,6 @@ class LocalRun:
     @property
     def micro_batch(self) -> int:
         return self.batch // (self.d * self.microbatches)
-
-    @property
-    def world(self) -> int:
-        return self.t * self.cp * self.p * self.d
-
-    @property
-    def grad_ranks(self) -> int:
-        """The ranks a gradient is averaged over and ZeRO shards over: d·cp (cp joins data parallelism)."""
-        return self.d * self.cp
 
     @property
     def tokens(self) -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.moe import moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
-from modelpar.costmodel.stages import busiest_candidates, device_loads
-from modelpar.costmodel.zero import training_state_bytes
+from modelpar.costmodel.stages import busiest_candidates, rank_loads
+from modelpar.costmodel.zero_bytes import training_state_bytes
 
 __all__ = [
     "activation_bytes_per_layer",
@@ -126,7 +126,7 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
         layer = (model.layer_params - model.expert_layer_params) / t + model.expert_layer_params / cfg.ep
         working += 2 * layer * (a.param_bytes + a.grad_bytes)
     p, v = cfg.p, cfg.v
-    loads = device_loads(model.layers, cfg)
+    loads = rank_loads(model.layers, cfg)
     best: dict[str, float] = {}
     for rank in busiest_candidates(loads):
         layers = model.layers / p if a.uniform_stages else loads[rank]

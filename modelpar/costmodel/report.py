@@ -45,7 +45,7 @@ def _layout(e: Estimate) -> str:
 def _stages(e: Estimate) -> str:
     """"5/6×10/5" for the layers per device, run-length encoded."""
     runs: list[list[int]] = []
-    for n in e.device_layers:
+    for n in e.rank_layers:
         if runs and runs[-1][0] == n:
             runs[-1][1] += 1
         else:
@@ -64,7 +64,7 @@ def explain(result: SearchResult, cluster: ClusterSpec, a: Assumptions) -> str:
         where = "inside a node over NVLink" if best.links["tp"] == "nvlink" else "across nodes over the network"
         text.append(f"Tensor parallelism ({c.t}-way) runs its all-reduces {where}: {share['tp']:.1%} of the step.")
     if c.p > 1:
-        even = len(set(best.device_layers)) == 1
+        even = len(set(best.rank_layers)) == 1
         layers = "" if even else f" Its stages are uneven, layers per device {_stages(best)}."
         text.append(f"The {c.p}-stage pipeline with m = {best.microbatches} microbatches has a bubble of "
                     f"(p - 1)/(v*m) = {best.bubble_over_ideal_compute:.1%} of compute ({share['bubble']:.1%} of the "

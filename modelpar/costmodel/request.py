@@ -22,7 +22,7 @@ from modelpar.costmodel.profiles import load_profile
 from modelpar.costmodel.search import SearchResult, search
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, check_context_split
 from modelpar.costmodel.stages import check_split
-from modelpar.costmodel.zero import ZERO_STAGES
+from modelpar.costmodel.zero_bytes import ZERO_STAGES
 from modelpar.layer_split import parse_split
 
 __all__ = ["PlanRequest", "add_plan_arguments", "default_assumptions", "parse_plan_command", "request_from_args"]

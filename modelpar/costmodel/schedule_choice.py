@@ -115,7 +115,7 @@ def plan_schedule(model: ModelSpec, cluster: ClusterSpec, best: Estimate, a: Ass
     eff = matmul_efficiency(model, cluster, cfg, a)
     per_layer = sum(layer_time(model, cluster, cfg, a, eff)) + ep_layer_time(model, cluster, cfg, a)  # MoE all-to-alls
     logits = output_layer_time(model, cluster, cfg, a, eff)
-    p, loads = cfg.p, best.device_layers
+    p, loads = cfg.p, best.rank_layers
     work = [model.layers / p * per_layer + logits / p if a.uniform_stages else
             loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in range(p)]
     passes = 3 + (cfg.recompute == "full")

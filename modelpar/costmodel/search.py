@@ -20,7 +20,7 @@ from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
-from modelpar.costmodel.zero import ZERO_STAGES
+from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
 __all__ = ["SearchResult", "chunk_counts", "divisors", "fitting_gpu_counts", "search"]
 

@@ -14,10 +14,10 @@ from functools import cached_property
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.costmodel.moe import MoESpec, active_moe_layer_params, moe_layer_params
 from modelpar.costmodel.profiles import HardwareProfile
-from modelpar.costmodel.zero import ZERO_STAGES
+from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
-__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "check_context_split",
-           "check_trainer_context"]
+__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RankGrid",
+           "check_context_split", "check_trainer_context"]
 
 # The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
 # that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
@@ -235,8 +235,28 @@ class ClusterSpec:
         return self.intra_node_gbps if span <= self.gpus_per_node else self.inter_node_gbps
 
 
+class RankGrid:
+    """The rank counts of a (t, cp, p, d) layout, for the dataclasses that hold one (``ParallelConfig``, ``LocalRun``)."""
+
+    t: int
+    cp: int
+    p: int
+    d: int
+
+    @property
+    def world(self) -> int:
+        """All the ranks: t·cp·p·d (docs/notation.md, the rank grid)."""
+        return self.t * self.cp * self.p * self.d
+
+    @property
+    def grad_ranks(self) -> int:
+        """The ranks holding the same parameters, over which gradients are averaged and ZeRO shards: d·cp
+        (cp joins data parallelism)."""
+        return self.d * self.cp
+
+
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(RankGrid):
     """One layout (Megatron notation): t-way tensor, cp-way context, p-way pipeline with v chunks per device, d-way data."""
 
     t: int
@@ -267,9 +287,5 @@ class ParallelConfig:
 
     @property
     def gpus(self) -> int:
-        return self.t * self.cp * self.p * self.d
-
-    @property
-    def grad_ranks(self) -> int:
-        """Ranks holding the same parameters, over which gradients are averaged and ZeRO shards: d·cp."""
-        return self.d * self.cp
+        """The GPUs the layout needs (its ``world``)."""
+        return self.world

@@ -1,4 +1,4 @@
-"""Where the pipeline's layers sit, for the cost model: per-device loads and the devices that may be busiest.
+"""Where the pipeline's layers sit, for the cost model: per-rank loads and the ranks that may be busiest.
 
 The split itself (default or ``--stage-layers``) is ``modelpar.layer_split``'s one rule, imported
 here, so the planner prices the split that ``modelpar train`` runs.
@@ -8,22 +8,27 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from modelpar._renamed import renamed_function
 from modelpar.costmodel.specs import ParallelConfig
-from modelpar.layer_split import check_split, device_layers, split_layers
+from modelpar.layer_split import check_split, rank_layers, split_layers
+from modelpar.layer_split import device_layers as device_layers  # rename: keep (deprecated, not in __all__)
 
-__all__ = ["busiest_candidates", "check_split", "device_layers", "device_loads", "split_layers"]
+__all__ = ["busiest_candidates", "check_split", "rank_layers", "rank_loads", "split_layers"]
 
 
-def device_loads(layers: int, cfg: ParallelConfig) -> tuple[int, ...]:
-    """Layers on each pipeline device of ``cfg``: its pinned ``stage_layers`` or the default split."""
+def rank_loads(layers: int, cfg: ParallelConfig) -> tuple[int, ...]:
+    """Layers on each pipeline rank of ``cfg``: its pinned ``stage_layers`` or the default split."""
     split = cfg.stage_layers if cfg.stage_layers is not None else split_layers(layers, cfg.p, cfg.v)
-    return device_layers(split, cfg.p)
+    return rank_layers(split, cfg.p)
+
+
+device_loads = renamed_function(rank_loads, "device_loads")  # rename: keep
 
 
 @lru_cache(maxsize=4096)
 def busiest_candidates(loads: tuple[int, ...]) -> tuple[int, ...]:
     """Devices that can be the most loaded: the first and the last (embeddings) and, for each layer
-    count, the first device holding it (earlier devices keep more microbatches in flight)."""
+    count, the first rank holding it (earlier ranks keep more microbatches in flight)."""
     seen: set[int] = set()
     ranks = []
     for rank, n in enumerate(loads):

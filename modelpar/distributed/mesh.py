@@ -91,7 +91,7 @@ class ParallelDims:
         ``timeout`` (seconds) bounds every collective of every group of the mesh; without it torch
         gives subgroups its 30-minute default, whatever the world's timeout is. ``pipeline_timeout``
         replaces it for the pp groups when they run on NCCL, whose watchdog times an operation from
-        when it was posted (``modelpar.pipeline.collectives.step_timeout``).
+        when it was posted (``modelpar.pipeline.bounded_comm.step_timeout``).
         """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -18,7 +18,7 @@ from torch import nn
 from modelpar._validate import check_int
 from modelpar.model.config import ModelConfig
 from modelpar.model.transformer import Transformer, split_stage
-from modelpar.recompute.plan import Strategy
+from modelpar.recompute.strategies import Strategy
 from modelpar.tensor_parallel import param_layout
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 

@@ -22,7 +22,7 @@ from modelpar._validate import check_int
 from modelpar.layer_split import layer_ranges, resolve_split
 from modelpar.model.config import ModelConfig
 from modelpar.model.moe import moe_block
-from modelpar.recompute.plan import Strategy, plan_recompute
+from modelpar.recompute.strategies import Strategy, plan_recompute
 from modelpar.tensor_parallel import (
     ColumnParallelLinear,
     KVCache,

@@ -32,7 +32,7 @@ def clock_offset(group: Any, timeout: float, recorder: Any, rounds: int = 5) -> 
     import torch
     import torch.distributed as dist
 
-    from modelpar.pipeline.collectives import all_gather_object, comm_device, is_nccl, wait
+    from modelpar.pipeline.bounded_comm import all_gather_object, comm_device, is_nccl, wait
 
     ids = all_gather_object(_boot_id(), group, timeout, "the clock check (boot ids)", recorder)
     if len(set(ids)) == 1:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from modelpar.pipeline.collectives import FlightRecorder
+from modelpar.pipeline.bounded_comm import FlightRecorder
 from modelpar.pipeline.p2p import P2P, Posted
 from modelpar.pipeline.program import COMPUTE, SEND, Planned
 from modelpar.pipeline.stage import LocalStage

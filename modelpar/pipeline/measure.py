@@ -69,14 +69,16 @@ def _nbytes(spec: tuple[tuple[int, ...], Any]) -> float:
 
 def gather_timeline(events: Sequence[tuple[Action, float, float]], schedule: Schedule, group: Any,
                     timeout: float, recorder: Any, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
-    """Collective over ``group``: every device's (action, start, end) of one step, and its
-    communication spans (label, start, end) on the same clock, as a Timeline."""
-    from modelpar.pipeline.collectives import all_gather_object
+    """Collective over ``group``: every rank's (action, start, end) of one step, and its
+    communication spans (label, start, end) on the same clock, as a Timeline.
 
-    mine = ([(str(a), float(s), float(e)) for a, s, e in events], [(str(c), float(s), float(e)) for c, s, e in comm])
+    The actions travel as they are (an ``Action`` is a named tuple and pickles), not as text to parse again."""
+    from modelpar.pipeline.bounded_comm import all_gather_object
+
+    mine = ([(a, float(s), float(e)) for a, s, e in events], [(str(c), float(s), float(e)) for c, s, e in comm])
     everyone = all_gather_object(mine, group, timeout, "the timeline gather", recorder)
     return Timeline.from_events(
-        [Event(d, Action.parse(a), s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
+        [Event(d, a, s, e) for d, (rows, _) in enumerate(everyone) for a, s, e in rows],
         schedule.num_ranks,
         schedule,
         unit="s",
@@ -152,7 +154,7 @@ def measure_link(group: Any, sizes: Sequence[int], timeout: float, recorder: Any
     import torch
     import torch.distributed as dist
 
-    from modelpar.pipeline.collectives import broadcast_object, comm_device, is_nccl, wait
+    from modelpar.pipeline.bounded_comm import broadcast_object, comm_device, is_nccl, wait
 
     if dist.get_world_size(group) < 2:
         return Link(0.0, 0.0)

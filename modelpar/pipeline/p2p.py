@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelpar.pipeline.collectives import FlightRecorder, comm_device, is_nccl, wait
+from modelpar.pipeline.bounded_comm import FlightRecorder, comm_device, is_nccl, wait
 
 __all__ = ["P2P", "Posted"]
 

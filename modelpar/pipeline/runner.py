@@ -34,8 +34,8 @@ from torch.utils.hooks import RemovableHandle
 
 from modelpar._validate import check_number
 from modelpar.distributed.devices import check_stage_device
+from modelpar.pipeline.bounded_comm import FlightRecorder, comm_device
 from modelpar.pipeline.clock import clock_offset
-from modelpar.pipeline.collectives import FlightRecorder, comm_device
 from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
 from modelpar.pipeline.p2p import P2P
 from modelpar.pipeline.program import Planned, build_plan

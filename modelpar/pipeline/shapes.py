@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from modelpar._tensor_meta import DTYPES, MAX_DIMS, META_LEN, decode_meta, encode_meta
-from modelpar.pipeline.collectives import FlightRecorder, all_reduce_ints, broadcast_object
+from modelpar.pipeline.bounded_comm import FlightRecorder, all_reduce_ints, broadcast_object
 
 __all__ = ["BatchSpec", "TensorSpec", "dry_run", "exchange_batch", "microbatch_sizes"]
 

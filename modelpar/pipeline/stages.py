@@ -15,7 +15,7 @@ from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.layer_split import split_layers
 from modelpar.pipeline.partition import split_sequential
-from modelpar.recompute.plan import Strategy
+from modelpar.recompute.strategies import Strategy
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["split_stages"]

@@ -5,7 +5,7 @@ and selective recomputation of attention (Korthikanti et al. 2022).
 layers keeping fewer activations and re-running them in backward, with gradients bitwise equal to
 plain autograd; ``recompute_function(fn, *inputs)`` does it for one function (the attention core
 of ``recompute="selective"``). ``RECOMPUTE_NAMES`` is the one vocabulary. ``ActivationMeter``
-measures what autograd holds. ``modelpar.recompute.plan`` has the closed forms (chain cost,
+measures what autograd holds. ``modelpar.recompute.strategies`` has the closed forms (chain cost,
 GPipe's memory model) and imports no torch; so that the pure-Python parts can use it, this
 package imports its torch modules lazily, on first use of a name.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from modelpar.recompute.plan import (
+from modelpar.recompute.strategies import (
     RECOMPUTE_NAMES,
     ChainCost,
     RecomputePlan,
@@ -28,20 +28,20 @@ from modelpar.recompute.plan import (
 )
 
 if TYPE_CHECKING:
-    from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats, recompute_function
-    from modelpar.recompute.measure import (
+    from modelpar.recompute.chain_measure import (
         ChainReport,
         ScaledTanh,
         measure_chain,
         scaled_tanh_stages,
         strategy_table,
     )
+    from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats, recompute_function
     from modelpar.recompute.meter import ActivationMeter, HeldActivations
     from modelpar.recompute.module import Recompute, recompute_sequential, recompute_stage
 
 _TORCH_NAMES = {
     "functions": ["Checkpoint", "RecomputeAll", "RecomputeStats", "recompute_function"],
-    "measure": ["ChainReport", "ScaledTanh", "measure_chain", "scaled_tanh_stages", "strategy_table"],
+    "chain_measure": ["ChainReport", "ScaledTanh", "measure_chain", "scaled_tanh_stages", "strategy_table"],
     "meter": ["ActivationMeter", "HeldActivations"],
     "module": ["Recompute", "recompute_sequential", "recompute_stage"],
 }

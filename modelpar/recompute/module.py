@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from modelpar.recompute.functions import Checkpoint, RecomputeAll, RecomputeStats, Segment, chain_parameters, run_layers
-from modelpar.recompute.plan import RecomputePlan, Strategy, plan_recompute
+from modelpar.recompute.strategies import RecomputePlan, Strategy, plan_recompute
 
 __all__ = ["Recompute", "recompute_sequential", "recompute_stage"]
 

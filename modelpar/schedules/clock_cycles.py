@@ -18,7 +18,7 @@ def clock_cycles(
 
     Called as the reference and HW5 call it, ``clock_cycles(num_batches, num_partitions)``
     (``clock_cycles(3, 3)``), or by keyword as ``clock_cycles(microbatches=M, stages=K)``.
-    Microbatch i on stage j must wait for (i, j - 1) (data) and (i - 1, j) (one device does one
+    Microbatch i on stage j must wait for (i, j - 1) (data) and (i - 1, j) (one rank does one
     thing at a time), so it starts at clock i + j at the earliest. Pairs are (microbatch, stage),
     stage ascending; there are M + K - 1 waves. For M = K = 3::
 

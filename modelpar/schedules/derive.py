@@ -1,8 +1,8 @@
-"""Schedules derived from another one: its forward half (evaluation), or all of it on one device.
+"""Schedules derived from another one: its forward half (evaluation), or all of it on one rank.
 
-``forward_only`` keeps each device's forwards in their order: evaluation then runs through the
+``forward_only`` keeps each rank's forwards in their order: evaluation then runs through the
 same runtime and the same lowered communication as training. ``on_one_rank`` puts every stage
-on device 0, actions in the order the simulator runs them (unit costs, ties by device): the
+on rank 0, actions in the order the simulator runs them (unit costs, ties by rank): the
 schedule's work done by one process, e.g. to measure its memory without starting processes.
 """
 
@@ -17,7 +17,7 @@ __all__ = ["forward_only", "on_one_rank"]
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """``schedule`` without its backward actions: each device runs its forwards in the same order.
+    """``schedule`` without its backward actions: each rank runs its forwards in the same order.
 
     Dropping actions only removes waits, so a valid schedule gives a valid forward-only one.
     """
@@ -27,13 +27,13 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 def on_one_rank(schedule: Schedule) -> Schedule:
-    """Every action of ``schedule`` on one device, in simulated start order (ties: lower device first)."""
+    """Every action of ``schedule`` on one rank, in simulated start order (ties: lower rank first)."""
     starts, _ = execute(schedule)
     order = sorted(
         (t, d, i) for d, times in enumerate(starts) for i, t in enumerate(times)
     )
     actions = (tuple(schedule.actions[d][i] for _, d, i in order),)
-    return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one device)")
+    return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one rank)")
 
 
 on_one_device = renamed_function(on_one_rank, "on_one_device")  # rename: keep

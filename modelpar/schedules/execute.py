@@ -1,9 +1,9 @@
-"""Run a schedule as K blocking processes: each device does its actions in order, waiting for deps.
+"""Run a schedule as K blocking processes: each rank does its actions in order, waiting for deps.
 
 This one linear-time pass is the deadlock check (``validate``), the timing engine
 (``modelpar.simulate``) and the order lowering appends actions in (``lower``): an action starts
-at max(device free, each dependency's end + transfer time when the dependency crosses devices).
-A device blocked on an unfinished action parks on it and is woken when that action ends, so
+at max(rank free, each dependency's end + transfer time when the dependency crosses ranks).
+A rank blocked on an unfinished action parks on it and is woken when that action ends, so
 every action is looked at a bounded number of times.
 
 What an action waits for comes from ``kinds.SPECS``, resolved once per (kind, stage) into the
@@ -29,12 +29,12 @@ class _Invalid(Exception):
 
 
 class Run(NamedTuple):
-    """What the blocking execution did: times per device, the order actions ran in, where devices stopped."""
+    """What the blocking execution did: times per rank, the order actions ran in, where ranks stopped."""
 
     starts: list[list[float]]
     ends: list[list[float]]
     order: list[Action]  # one valid interleaving (only when asked for)
-    stuck: dict[int, tuple[int, Action]]  # device -> (position it stopped at, the dependency it waits for)
+    stuck: dict[int, tuple[int, Action]]  # rank -> (position it stopped at, the dependency it waits for)
 
 
 def execute(
@@ -42,7 +42,7 @@ def execute(
     durations: Mapping[Kind, Sequence[float]] | None = None,
     transfer_in: Sequence[float] | None = None,
 ) -> tuple[list[list[float]], list[list[float]]]:
-    """Return (starts, ends), one list per device aligned with ``schedule.actions``.
+    """Return (starts, ends), one list per rank aligned with ``schedule.actions``.
 
     ``durations[kind][stage]`` is the time of one action (default 1 for every action, so the
     start times are logical steps); ``transfer_in[s]`` is the time for a tensor to cross the
@@ -61,9 +61,9 @@ def execute(
 
 
 def run_blocking(schedule: Schedule) -> Run:
-    """The blocking execution with unit times, recording the order and where devices stop.
+    """The blocking execution with unit times, recording the order and where ranks stop.
 
-    For a schedule whose actions are each on their stage's device, of one style, and not
+    For a schedule whose actions are each on their stage's rank, of one style, and not
     repeated (``validate`` checks those first); a deadlock shows in ``stuck``.
     """
     return _run(schedule, None, None, trace=True)

@@ -1,8 +1,8 @@
 """Schedule generators and their registry: naive, GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1
 here; ZB-H2, ZB-V, V-Half, V-Min and DualPipe-V in ``zero_bubble``.
 
-Each returns a ``Schedule`` with K devices (stage s on device s, except interleaved and Looped
-BFS: device d holds stages d, d + K, ...; and the V shapes: d and 2K − 1 − d). Orders follow
+Each returns a ``Schedule`` with K ranks (stage s on rank s, except interleaved and Looped
+BFS: rank d holds stages d, d + K, ...; and the V shapes: d and 2K − 1 − d). Orders follow
 the papers; nothing about timing lives here, the simulator derives it. Reference: lecture §1.2
 (naive), §2.3 (GPipe), §4.1 (1F1B), §4.2 (interleaved); Qi et al. 2024, "Zero Bubble Pipeline
 Parallelism", §3.1 (ZB-H1); Lamy-Poirier 2022, "Breadth-First Pipeline Parallelism" (Looped BFS).
@@ -47,7 +47,7 @@ def _frozen(per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
 def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     """Naive model parallelism (§1.2): one microbatch at a time goes all the way down and back.
 
-    With M = 1 (the whole batch at once) only one device works at any moment: utilisation 1/K.
+    With M = 1 (the whole batch at once) only one rank works at any moment: utilisation 1/K.
     """
     k, m = _counts(ranks, microbatches)
     per_rank = [[a for j in range(m) for a in (Action(d, _F, j), Action(d, _B, j))] for d in range(k)]
@@ -69,7 +69,7 @@ def gpipe(*, ranks: int, microbatches: int) -> Schedule:
 def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2019; §4.1).
 
-    Device d runs K - d - 1 warm-up forwards, then alternates one forward and one backward, then
+    Rank d runs K - d - 1 warm-up forwards, then alternates one forward and one backward, then
     drains the remaining backwards, so at most K - d microbatches are in flight on it. With
     M < K the warm-up is capped at M: the schedule degrades to GPipe's order, still valid.
     """
@@ -87,10 +87,10 @@ def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
 
 @renamed_kwargs(stages="ranks")  # rename: keep
 def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
-    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 §2.2.2; §4.2) with v chunks per device.
+    """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 §2.2.2; §4.2) with v chunks per rank.
 
-    Device d holds virtual stages d, d + K, ..., d + (v - 1)K (the "loop" map). Microbatches go
-    through a chunk in groups of K, so M must be a multiple of K. Warm-up on device d is
+    Rank d holds virtual stages d, d + K, ..., d + (v - 1)K (the "loop" map). Microbatches go
+    through a chunk in groups of K, so M must be a multiple of K. Warm-up on rank d is
     2(K - d - 1) + (v - 1)K chunk-forwards, then one forward / one backward, as in Megatron.
     ``chunks=1`` gives plain 1F1B.
     """
@@ -101,7 +101,7 @@ def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Sched
     check_divisible("microbatches", m, "ranks", k)
     total = m * v
 
-    # step j of a device's F (or B) sequence: chunk (j // K) % v (B: counted from the last
+    # step j of a rank's F (or B) sequence: chunk (j // K) % v (B: counted from the last
     # chunk), microbatch (j // Kv) K + j % K; built in comprehensions, no call per action
     chunk_f = [(j // k) % v for j in range(total)]
     mb = [(j // (k * v)) * k + j % k for j in range(total)]
@@ -119,8 +119,8 @@ def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Sched
 def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024 §3.1): 1F1B with the backward split into I and a deferred W.
 
-    I (input gradient) is on the critical path; W (weight gradient) is not. Device d runs 1F1B
-    with I in place of B and lets its W lag d backwards behind, so the last devices finish
+    I (input gradient) is on the critical path; W (weight gradient) is not. Rank d runs 1F1B
+    with I in place of B and lets its W lag d backwards behind, so the last ranks finish
     their I's early and the deferred W's fill the drain bubble: bubble (K - 1)(T_F + T_B - T_W)
     instead of (K - 1)(T_F + T_B + T_W). In-flight microbatches (F done, I not yet) stay at
     K - d, as in 1F1B. This is torch.distributed.pipelining's ZB1P order with one chunk.
@@ -145,9 +145,9 @@ def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
 
 @renamed_kwargs(stages="ranks")  # rename: keep
 def looped_bfs(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
-    """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each device
+    """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each rank
     runs all M forwards of its first chunk, then of the next, ..., then the backwards in reverse
-    (last chunk first, last microbatch first). GPipe's order, chunk by chunk: memory M per device."""
+    (last chunk first, last microbatch first). GPipe's order, chunk by chunk: memory M per rank."""
     k, m = _counts(ranks, microbatches)
     v = check_int("chunks", chunks, minimum=1)
     per_rank = []
@@ -165,8 +165,8 @@ _BUILD: dict[str, Callable[..., Schedule]] = {
     "v-min": v_min, "dualpipe-v": dualpipe_v,
 }
 SCHEDULES = tuple(_BUILD)
-CHUNKED = ("interleaved", "looped-bfs")  # any chunks v per device (loop placement)
-V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipe-v")  # two chunks per device, placed as a V
+CHUNKED = ("interleaved", "looped-bfs")  # any chunks v per rank (loop placement)
+V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipe-v")  # two chunks per rank, placed as a V
 
 
 def check_chunks(name: str, chunks: int | None) -> int:
@@ -181,7 +181,7 @@ def check_chunks(name: str, chunks: int | None) -> int:
         raise ValueError(f"chunks must be 1 for schedule {name!r} (only {', '.join(map(repr, CHUNKED))} use "
                          f"chunks), got {v}")
     if fixed == 2 and v != 2:
-        raise ValueError(f"chunks must be 2 for schedule {name!r} (a V: two stages per device), got {v}")
+        raise ValueError(f"chunks must be 2 for schedule {name!r} (a V: two stages per rank), got {v}")
     return v
 
 

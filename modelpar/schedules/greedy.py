@@ -1,21 +1,21 @@
-"""A list scheduler for split-backward schedules: each device, whenever it is free, runs what is ready.
+"""A list scheduler for split-backward schedules: each rank, whenever it is free, runs what is ready.
 
 The zero-bubble papers' heuristic (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.2;
 "Pipeline Parallelism with Controllable Memory", §4) in its plainest form. Time runs on the
-given costs; a device that comes free picks, among the actions whose inputs have arrived:
+given costs; a rank that comes free picks, among the actions whose inputs have arrived:
 
 1. an input-gradient backward I (on the critical path), the oldest microbatch first;
-2. a forward F, the oldest microbatch first — but a microbatch enters the device's lowest stage
-   (its first visit there) only while the device holds at most ``limit`` − 1 microbatches'
+2. a forward F, the oldest microbatch first — but a microbatch enters the rank's lowest stage
+   (its first visit there) only while the rank holds at most ``limit`` − 1 microbatches'
    activations (a chunk counting 1/v, from F until I): room for all of the new one's chunks;
 3. a deferred weight-gradient backward W (oldest first), to fill what would be a bubble.
 
 Forwards and backwards of a stage go in microbatch order. Later chunks of microbatches already
 in never wait, so the peak can pass ``limit`` by a few chunks: callers that promise a memory
 bound measure the result (``search``). Only first visits wait, so nothing deadlocks: the
-microbatches a full device holds have passed its first stage and never wait for memory again
-before their backward (by induction from the last device of the first chunk). Any placement
-whose first chunk is stages 0..K−1 on devices 0..K−1 works: contiguous, loop or V.
+microbatches a full rank holds have passed its first stage and never wait for memory again
+before their backward (by induction from the last rank of the first chunk). Any placement
+whose first chunk is stages 0..K−1 on ranks 0..K−1 works: contiguous, loop or V.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     D = 1 + max(dev)
     caps = [float(x) for x in limit] if isinstance(limit, Sequence) else [float(limit)] * D
     if len(caps) != D or not all(x > 0 for x in caps):
-        raise ValueError(f"limit must be > 0, one number or one per device ({D}), got {limit!r}")
+        raise ValueError(f"limit must be > 0, one number or one per rank ({D}), got {limit!r}")
     ones = [1.0] * S
     took = {k: list((durations or {}).get(k, ones)) for k in (_F, _I, _W)}
     xin = list(transfer_in) if transfer_in is not None else [0.0] * S
@@ -61,7 +61,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     lists: list[list[Action]] = [[] for _ in range(D)]
     left = [3 * M * len(mine[d]) for d in range(D)]
     clock = [0.0] * D
-    asleep: dict[int, float] = {}  # device -> the time it found nothing to do
+    asleep: dict[int, float] = {}  # rank -> the time it found nothing to do
     heap = [(0.0, d) for d in range(D) if left[d]]
     held = [0.0] * D  # activations held (F until I), a chunk counting 1/v
     w = D / S
@@ -103,15 +103,15 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
                 heapq.heappush(heap, (wake, e))
     if any(left):
         stuck = next(d for d in range(D) if left[d])
-        raise ValueError(f"stage_to_rank {dev} leaves device {stuck} unable to finish: its first chunk "
-                         f"must be stages 0..{D - 1} on devices 0..{D - 1}")
+        raise ValueError(f"stage_to_rank {dev} leaves rank {stuck} unable to finish: its first chunk "
+                         f"must be stages 0..{D - 1} on ranks 0..{D - 1}")
     return Schedule(dev, tuple(map(tuple, lists)), name)
 
 
 def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
-    """(kind, stage, microbatch, start) of what a device runs at ``t``; else (None, when to look again).
+    """(kind, stage, microbatch, start) of what a rank runs at ``t``; else (None, when to look again).
 
-    ``stages``: the device's, highest first; ``room``: whether its lowest may take a new microbatch.
+    ``stages``: the rank's, highest first; ``room``: whether its lowest may take a new microbatch.
     Among ready I's (then F's) the oldest microbatch goes first, the higher stage on a tie."""
 
     def i_ready(s: int) -> float | None:  # its F done here, and the gradient from stage s + 1 arrived

@@ -2,7 +2,7 @@
 
 An action (kind, stage s, microbatch m) consumes and produces *values* of (s, m). A value is
 used by one stage (``consumer`` steps away from its producer): the forward's output by stage
-s + 1 and the input gradient by stage s − 1 (a message when that stage sits on another device,
+s + 1 and the input gradient by stage s − 1 (a message when that stage sits on another rank,
 a hand-over in memory otherwise); the saved graph and the deferred weight gradient by s itself.
 Beyond the ends of the model a value comes from the batch or the loss, or is dropped::
 
@@ -43,7 +43,7 @@ class Value(NamedTuple):
 
     name: str
     consumer: int  # the using stage minus the producing one: +1, -1, or 0 (stays on its stage)
-    message: str  # the letter of its SEND_x / RECV_x when it crosses devices ("" if it never does)
+    message: str  # the letter of its SEND_x / RECV_x when it crosses ranks ("" if it never does)
     noun: str  # in words, for messages: "activation", "gradient"
     boundary_in: str  # where a consumer past the model's end gets it instead: "input" (batch), "" (loss)
     boundary_out: str  # where the producer at the model's end puts it instead: "loss", "" (dropped)

@@ -1,29 +1,29 @@
-"""Lowering: a schedule's communication made explicit, one program per device, matched by order.
+"""Lowering: a schedule's communication made explicit, one program per rank, matched by order.
 
-A device's program is its compute actions plus the sends and receives they imply, written in
+A rank's program is its compute actions plus the sends and receives they imply, written in
 torch.distributed.pipelining's ``_Action`` text form::
 
     0F3       stage 0: forward of microbatch 3        1B3       stage 1: backward of microbatch 3
     0SEND_F3  stage 0 sends that forward's output     1SEND_B3  stage 1 sends its input gradient back
     1RECV_F3  stage 1 receives it                     0RECV_B3  stage 0 receives it
 
-The stage of a send or receive is the one on this device (the sender's for SEND, the receiver's
-for RECV); I sends and receives like B. Stages on the same device hand tensors over in memory:
-no message. The invariant that makes tags unnecessary: between any two devices, the messages
+The stage of a send or receive is the one on this rank (the sender's for SEND, the receiver's
+for RECV); I sends and receives like B. Stages on the same rank hand tensors over in memory:
+no message. The invariant that makes tags unnecessary: between any two ranks, the messages
 appear in the same order at both ends (a send at one end where the other has its receive), in
 both directions taken together. NCCL pairs a pair's operations by order, and so does gloo with
 one tag, so every message meets its own receive.
 
 ``lower`` runs the schedule as blocking processes (the simulator's execution). Each time an
-action runs it is appended to its device's program, followed by a SEND per device that needs
-its output, and that device gets the RECV at the same moment: both ends see each pair's messages
+action runs it is appended to its rank's program, followed by a SEND per rank that needs
+its output, and that rank gets the RECV at the same moment: both ends see each pair's messages
 in one global order. Each RECV then moves up past compute actions to just after the previous
 send: receives are posted as early as the order of the messages allows, so transfers overlap
-compute, and that order — per pair and per device — is left as it was.
+compute, and that order — per pair and per rank — is left as it was.
 
 ``rendezvous`` is the check that the result cannot hang on NCCL: zero buffering (a send
 completes only when its receive is reached and vice versa), posted operations progressing in
-program order on one channel per pair (or, stricter, one per device), compute waiting for its
+program order on one channel per pair (or, stricter, one per rank), compute waiting for its
 received inputs. Lowered programs pass both.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from modelpar._renamed import renamed_kwargs
+from modelpar._renamed import renamed_kwargs, warn_renamed
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import run_blocking
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
@@ -48,9 +48,9 @@ __all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
 class Comm(str, Enum):
     """What a communication operation does."""
 
-    SEND_F = "SEND_F"  # send a forward's output to the next stage's device
+    SEND_F = "SEND_F"  # send a forward's output to the next stage's rank
     RECV_F = "RECV_F"  # receive the previous stage's output
-    SEND_B = "SEND_B"  # send a backward's input gradient to the previous stage's device
+    SEND_B = "SEND_B"  # send a backward's input gradient to the previous stage's rank
     RECV_B = "RECV_B"  # receive the next stage's input gradient
 
     def __str__(self) -> str:
@@ -62,7 +62,7 @@ _VALUE = {v.message: v for v in VALUES if v.message}  # "F" -> the activation, "
 
 
 class Transfer(NamedTuple):
-    """A send or receive of ``stage`` (the stage on this device) for ``microbatch``: ``1RECV_F3``."""
+    """A send or receive of ``stage`` (the stage on this rank) for ``microbatch``: ``1RECV_F3``."""
 
     stage: int
     kind: Comm
@@ -103,7 +103,7 @@ def parse_op(text: str) -> Op:
 
 
 def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
-    """One program per device: ``schedule``'s actions with their sends and receives, matched by order.
+    """One program per rank: ``schedule``'s actions with their sends and receives, matched by order.
 
     Raises ValueError naming the first offending action for an incomplete or misordered schedule,
     and DeadlockError naming the first operation that can never complete for one that would hang
@@ -117,7 +117,7 @@ def lower(schedule: Schedule) -> tuple[tuple[Op, ...], ...]:
 
 
 def _consumers(schedule: Schedule, a: Action) -> list[tuple[int, Transfer, Transfer]]:
-    """For each other device that needs ``a``'s output: (that device, our SEND, its RECV)."""
+    """For each other rank that needs ``a``'s output: (that rank, our SEND, its RECV)."""
     dev, s, m = schedule.stage_to_rank, a.stage, a.microbatch
     out = []
     for v in SPECS[a.kind].produces:
@@ -144,7 +144,7 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
 def _hoist_receives(program: list[Op]) -> tuple[Op, ...]:
     """Move each RECV up past compute actions, to just after the previous send (or to the start).
 
-    The order of the sends and receives among themselves is kept — per pair and per device — so
+    The order of the sends and receives among themselves is kept — per pair and per rank — so
     the matching is unchanged and neither kind of NCCL channel can hang; only posting gets earlier.
     """
     anchor = -1  # the latest SEND: receives after it float up to it
@@ -165,12 +165,12 @@ def _remote_input(action: Action, dep: Action) -> str:
 
 
 def _hang_message(schedule: Schedule) -> str:
-    """Name the operations a deadlocking schedule would wait on forever, as a chain of devices."""
+    """Name the operations a deadlocking schedule would wait on forever, as a chain of ranks."""
     chain = []
     for d, _, a, dep, owner in deadlock_chain(schedule):
         x = _remote_input(a, dep)
-        chain.append(f"device {d} waits at {Transfer(a.stage, Comm('RECV_' + x), a.microbatch)} (the input of {a}), "
-                     f"but device {owner} never reaches {Transfer(dep.stage, Comm('SEND_' + x), dep.microbatch)}")
+        chain.append(f"rank {d} waits at {Transfer(a.stage, Comm('RECV_' + x), a.microbatch)} (the input of {a}), "
+                     f"but rank {owner} never reaches {Transfer(dep.stage, Comm('SEND_' + x), dep.microbatch)}")
     label = f" {schedule.name!r}" if schedule.name else ""
     return (f"cannot lower schedule{label}: it would hang: " + "; ".join(chain)
             + " (a cycle: none of these operations can ever complete)")
@@ -181,17 +181,20 @@ def _hang_message(schedule: Schedule) -> str:
 def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 
-    Each device walks its program: a SEND or RECV is posted (it does not block the device; a
+    Each rank walks its program: a SEND or RECV is posted (it does not block the rank; a
     SEND waits for its producer), a compute action waits for its inputs — local ones computed
     before it, remote ones received. Posted operations complete in order on a channel: with
-    ``channel="pair"`` each pair of devices has one (NCCL's single ``isend``/``irecv``, a
-    communicator per pair), with ``channel="device"`` each device has one for all its peers (a
+    ``channel="pair"`` each pair of ranks has one (NCCL's single ``isend``/``irecv``, a
+    communicator per pair), with ``channel="rank"`` each rank has one for all its peers (a
     single NCCL stream, as batched P2P uses): the head operation of a channel meets the head of
     the peer's, and both complete together only if one is the send and the other the receive of
     the same message — no buffering. What a program must satisfy not to hang on NCCL.
     """
-    if channel not in ("pair", "device"):
-        raise ValueError(f"channel must be one of {{pair, device}}, got {channel!r}")
+    if channel == "device":  # rename: keep (the old name of channel="rank")
+        warn_renamed('rendezvous(channel="device")', 'channel="rank"', stacklevel=4)  # rename: keep
+        channel = "rank"
+    if channel not in ("pair", "rank"):
+        raise ValueError(f"channel must be one of {{pair, rank}}, got {channel!r}")
     per_pair = channel == "pair"
     dev = tuple(stage_to_rank)
     last = len(dev) - 1
@@ -223,9 +226,9 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], c
             while mine and theirs:
                 (a, i), (b, j) = mine[0], theirs[0]
                 if dev[a.peer_stage] != y or dev[b.peer_stage] != x:
-                    break  # one channel per device: a head waits for another peer
+                    break  # one channel per rank: a head waits for another peer
                 if a.message != b.message or a.is_send == b.is_send:
-                    return (f"device {x}'s {a} (position {i}) would be paired with device {y}'s {b} "
+                    return (f"rank {x}'s {a} (position {i}) would be paired with rank {y}'s {b} "
                             f"(position {j}): the next operation between them is not one message's "
                             f"send and receive")
                 mine.popleft(), theirs.popleft()
@@ -261,10 +264,10 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], c
             op = programs[d][ptr[d]]
             missing = next(x for x in needs(op, d) if x not in done)
             what = str(missing) if isinstance(missing, Action) else describe_message(missing)
-            return f"device {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
+            return f"rank {d} never gets past {op} (position {ptr[d]}): it waits for {what}, which never comes"
     for (d, _), q in sorted(queues.items()):
         if q:
             op, i = q[0]
-            return (f"device {d}'s {op} (position {i}) is never matched: device {dev[op.peer_stage]} posts "
+            return (f"rank {d}'s {op} (position {i}) is never matched: rank {dev[op.peer_stage]} posts "
                     f"nothing more to it")
     return None

@@ -1,9 +1,9 @@
-"""Held activations: how many microbatches' activations a device keeps at once (pure Python).
+"""Held activations: how many microbatches' activations a rank keeps at once (pure Python).
 
 A forward leaves its saved graph on the stage until the action that consumes it (``kinds``:
 B, or I when split) — the zero-bubble papers' in-flight count; ``until_w`` keeps it until the
 stage's last weight-gradient action instead (W when split). Counted in whole-stage microbatches:
-a chunk of a device holding v of them counts 1/v.
+a chunk of a rank holding v of them counts 1/v.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _FREES_AFTER_W = tuple(k for k, spec in SPECS.items() if spec.weight_grads)
 
 
 def peak_held(actions: Sequence[Sequence[Action]], chunks: int, until_w: bool = False) -> list[float]:
-    """Per device: the most activations held at once, walking its actions in order."""
+    """Per rank: the most activations held at once, walking its actions in order."""
     w = 1 / chunks
     f, released = Kind.F, frozenset(_FREES_AFTER_W if until_w else _FREES)
     peaks = []

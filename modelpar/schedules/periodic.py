@@ -2,13 +2,13 @@
 
 "Pipeline Parallelism with Controllable Memory" builds schedules from a building block — where
 each action of one microbatch sits in time — repeated every Γ, the time one microbatch's work
-takes on one device. Here all actions last one slot (F, I and W of a chunk; Γ = 3v slots) and
+takes on one rank. Here all actions last one slot (F, I and W of a chunk; Γ = 3v slots) and
 the block is as compact as the repetition allows: microbatch 0's forwards down the stages, its
 I's back up, then each W after its I (off the critical path), every action in the first slot after its inputs whose
-place in the period is still free on its device. Each device then runs the repeated blocks in
+place in the period is still free on its rank. Each rank then runs the repeated blocks in
 time order; the simulator runs that order as early as it can, which squeezes the warm-up and
 the cool-down. A compact block has the shortest lifespans: with the V placement, about K/3
-microbatches' activations per device (V-Min).
+microbatches' activations per rank (V-Min).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def periodic(stage_to_rank: Sequence[int], microbatches: int, name: str = "perio
     ranks = 1 + max(dev)
     counts = [dev.count(d) for d in range(ranks)]
     if len(set(counts)) != 1:
-        raise ValueError(f"stage_to_rank must give every device as many stages, got {dev}")
+        raise ValueError(f"stage_to_rank must give every rank as many stages, got {dev}")
     period = 3 * counts[0]
     used: list[set[int]] = [set() for _ in range(ranks)]
     start: dict[Action, int] = {}

@@ -19,13 +19,13 @@ from modelpar.schedules.kinds import STYLES, inputs_of, producers, style_of
 
 @renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def contiguous_map(num_ranks: int) -> tuple[int, ...]:
-    """Stage s on device s: one stage per device."""
+    """Stage s on rank s: one stage per rank."""
     return tuple(range(check_int("num_ranks", num_ranks, minimum=1)))
 
 
 @renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def loop_map(num_ranks: int, chunks: int) -> tuple[int, ...]:
-    """Megatron's interleaved ("loop") placement: device d holds stages d, d + K, d + 2K, ..."""
+    """Megatron's interleaved ("loop") placement: rank d holds stages d, d + K, d + 2K, ..."""
     k = check_int("num_ranks", num_ranks, minimum=1)
     v = check_int("chunks", chunks, minimum=1)
     return tuple(s % k for s in range(k * v))
@@ -33,7 +33,7 @@ def loop_map(num_ranks: int, chunks: int) -> tuple[int, ...]:
 
 @renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def v_map(num_ranks: int) -> tuple[int, ...]:
-    """The V placement of ZB-V and DualPipe-V: 2K stages, device d holds d and 2K − 1 − d."""
+    """The V placement of ZB-V and DualPipe-V: 2K stages, rank d holds d and 2K − 1 − d."""
     k = check_int("num_ranks", num_ranks, minimum=1)
     return tuple(range(k)) + tuple(range(k - 1, -1, -1))
 
@@ -54,11 +54,11 @@ class Schedule:
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
         if not self.actions:
-            raise ValueError("a schedule needs at least one device, got 0 action lists")
+            raise ValueError("a schedule needs at least one rank, got 0 action lists")
         for s, d in enumerate(self.stage_to_rank):
             if not 0 <= d < len(self.actions):
                 raise ValueError(
-                    f"stage {s} is mapped to device {d}, but devices are 0..{len(self.actions) - 1}"
+                    f"stage {s} is mapped to rank {d}, but ranks are 0..{len(self.actions) - 1}"
                 )
 
     # --- shape -----------------------------------------------------------------------------
@@ -73,7 +73,7 @@ class Schedule:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per device (v): 1 unless interleaved."""
+        """Model chunks per rank (v): 1 unless interleaved."""
         return max(1, self.num_stages // self.num_ranks)
 
     @cached_property
@@ -112,12 +112,12 @@ class Schedule:
     stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
 
     def stages_on(self, rank: int) -> list[int]:
-        """The virtual stages device ``device`` holds, in model order."""
+        """The virtual stages rank ``rank`` holds, in model order."""
         return [s for s, d in enumerate(self.stage_to_rank) if d == rank]
 
     # --- dependencies ------------------------------------------------------------------------
     def dependencies(self, action: Action) -> list[Action]:
-        """Actions that must finish before ``action`` can start (same device or across).
+        """Actions that must finish before ``action`` can start (same rank or across).
 
         The producers of what ``action`` consumes (``kinds.SPECS``), within the model's stages.
         """
@@ -125,12 +125,12 @@ class Schedule:
         return [Action(s, made[v], m) for v, s in inputs_of(action.kind, action.stage) if 0 <= s <= last]
 
     def is_transfer(self, producer: Action, consumer: Action) -> bool:
-        """True when ``consumer`` depends on ``producer`` across devices (a send/recv)."""
+        """True when ``consumer`` depends on ``producer`` across ranks (a send/recv)."""
         return self.rank_of(producer.stage) != self.rank_of(consumer.stage)
 
     # --- text form ---------------------------------------------------------------------------
     def to_text(self) -> str:
-        """One line per device, actions separated by spaces: ``0F0 0F1 0B0 ...``."""
+        """One line per rank, actions separated by spaces: ``0F0 0F1 0B0 ...``."""
         return "\n".join(" ".join(str(a) for a in acts) for acts in self.actions)
 
     def __str__(self) -> str:
@@ -138,9 +138,9 @@ class Schedule:
 
     @classmethod
     def from_text(cls, text: str, name: str = "") -> Schedule:
-        """Parse the text form; each stage's device is the line its actions appear on.
+        """Parse the text form; each stage's rank is the line its actions appear on.
 
-        Blank lines and ``#`` comments are skipped; a line may start with ``device N:``.
+        Blank lines and ``#`` comments are skipped; a line may start with ``rank N:``.
         """
         lines: list[list[Action]] = []
         for raw in text.splitlines():
@@ -154,15 +154,15 @@ class Schedule:
 
     @classmethod
     def from_actions(cls, per_rank: Sequence[Iterable[Action]], name: str = "") -> Schedule:
-        """Build a schedule from action lists, inferring the stage -> device map from them."""
+        """Build a schedule from action lists, inferring the stage -> rank map from them."""
         per_rank = [list(acts) for acts in per_rank]
         owner: dict[int, int] = {}
         for d, acts in enumerate(per_rank):
             for a in acts:
                 if owner.setdefault(a.stage, d) != d:
                     raise ValueError(
-                        f"stage {a.stage} appears on device {owner[a.stage]} and device {d} "
-                        f"(action {a}); a stage lives on exactly one device"
+                        f"stage {a.stage} appears on rank {owner[a.stage]} and rank {d} "
+                        f"(action {a}); a stage lives on exactly one rank"
                     )
         num_stages = 1 + max(owner, default=-1)
         missing = [s for s in range(num_stages) if s not in owner]
@@ -171,7 +171,7 @@ class Schedule:
         return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_rank)), name)
 
     def validate(self) -> Schedule:
-        """Check completeness, per-device order and freedom from deadlock; return self."""
+        """Check completeness, per-rank order and freedom from deadlock; return self."""
         from modelpar.schedules.validate import validate_schedule
 
         validate_schedule(self)

@@ -1,4 +1,4 @@
-"""Pick, among candidate schedules, the fastest whose held activations fit a per-device limit.
+"""Pick, among candidate schedules, the fastest whose held activations fit a per-rank limit.
 
 ``timer`` gives a schedule's step time (default: every action one unit, no transfers — the
 generators' view; the simulator passes real costs). The peak is the simulator's (``memory``).
@@ -24,7 +24,7 @@ def unit_step(schedule: Schedule) -> float:
 
 
 def peak(schedule: Schedule) -> float:
-    """The largest per-device peak of held activations (whole-stage microbatches)."""
+    """The largest per-rank peak of held activations (whole-stage microbatches)."""
     return max(peak_held(schedule.actions, schedule.chunks))
 
 

@@ -1,6 +1,6 @@
-"""The step × device table of a schedule (as torch.distributed.pipelining prints it).
+"""The step × rank table of a schedule (as torch.distributed.pipelining prints it).
 
-Every action takes one step; a device's action sits in the first step at which its
+Every action takes one step; a rank's action sits in the first step at which its
 dependencies are done, so blank cells are the schedule's bubbles counted in actions.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["schedule_table"]
 
 
 def schedule_table(schedule: Schedule, label: str = "Device") -> str:
-    """Rows are steps, columns devices, cells the ``0F3``-style actions (validates the schedule)."""
+    """Rows are steps, columns ranks, cells the ``0F3``-style actions (validates the schedule)."""
     starts, _ = execute(schedule)
     steps = 1 + int(max((max(s) for s in starts if s), default=-1))
     grid = [[""] * schedule.num_ranks for _ in range(steps)]

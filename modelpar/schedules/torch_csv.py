@@ -32,7 +32,7 @@ _DROPPED = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "
 
 
 def to_csv(schedule: Schedule, comm: bool = False) -> str:
-    """One row per device: its actions (``compute_only``) or its lowered program (``compute_comms``).
+    """One row per rank: its actions (``compute_only``) or its lowered program (``compute_comms``).
 
     ``compute_comms`` is what torch's own lowering writes: the program, and ``<stage>REDUCE_GRAD``
     after each stage's last weight-gradient action (B or W) and its sends — where torch scales the gradients
@@ -53,7 +53,7 @@ def to_csv(schedule: Schedule, comm: bool = False) -> str:
 
 
 def from_csv(text: str, name: str = "") -> Schedule:
-    """The schedule a torch schedule CSV describes (row r = device r); ValueError naming the first bad cell."""
+    """The schedule a torch schedule CSV describes (row r = rank r); ValueError naming the first bad cell."""
     per_rank: list[list[Action]] = []
     for r, row in enumerate(csv.reader(io.StringIO(text))):
         acts: list[Action] = []
@@ -76,7 +76,7 @@ def _cell(cell: str, row: int, column: int) -> list[Action]:
         return [a for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for a in _cell(sub.strip(), row, column)]
     match = _CELL.match(cell)
     if match is None or (match[2] in "FIBW" and not match[3]):
-        raise ValueError(f"CSV row {row} (device {row}), column {column}: {cell!r} is not an action of torch's "
+        raise ValueError(f"CSV row {row} (rank {row}), column {column}: {cell!r} is not an action of torch's "
                          f"schedule CSV (<stage><F|I|B|W><microbatch>, a SEND/RECV, UNSHARD, RESHARD, "
                          f"REDUCE_GRAD or (a;b)OVERLAP_F_B)")
     if match[2] in _DROPPED:

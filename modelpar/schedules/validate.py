@@ -1,8 +1,8 @@
-"""Schedule validation: complete, ordered on each device, and free of deadlock.
+"""Schedule validation: complete, ordered on each rank, and free of deadlock.
 
 ``validate_schedule`` runs the linear-time blocking execution of ``execute``; only when that
 fails does ``diagnose`` walk the schedule again, slowly and clearly, to name the first
-offending action: wrong device, mixed B with I/W, duplicate, missing, out of order, deadlock.
+offending action: wrong rank, mixed B with I/W, duplicate, missing, out of order, deadlock.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["DeadlockError", "deadlock_chain", "diagnose", "validate_schedule"]
 
 
 class DeadlockError(ValueError):
-    """The schedule is complete and ordered on each device, but its devices wait on each other."""
+    """The schedule is complete and ordered on each rank, but its ranks wait on each other."""
 
 
 def validate_schedule(schedule: Schedule) -> None:
@@ -45,13 +45,13 @@ def _placement(schedule: Schedule) -> str:
         for p, a in enumerate(acts):
             if not 0 <= a.stage < schedule.num_stages or a.microbatch < 0:
                 return (
-                    f"action {a} (device {d}, position {p}) is out of range: stages are "
+                    f"action {a} (rank {d}, position {p}) is out of range: stages are "
                     f"0..{schedule.num_stages - 1}, microbatches >= 0"
                 )
             if schedule.rank_of(a.stage) != d:
                 return (
-                    f"action {a} is in device {d}'s list (position {p}), but stage {a.stage} "
-                    f"lives on device {schedule.rank_of(a.stage)}"
+                    f"action {a} is in rank {d}'s list (position {p}), but stage {a.stage} "
+                    f"lives on rank {schedule.rank_of(a.stage)}"
                 )
     return ""
 
@@ -66,7 +66,7 @@ def _kinds(schedule: Schedule) -> str:
             if a.kind not in style:
                 names = " and ".join(k.value for k in others)
                 return (
-                    f"action {a} (device {d}, position {p}) is {SPECS[a.kind].describe}, but the schedule "
+                    f"action {a} (rank {d}, position {p}) is {SPECS[a.kind].describe}, but the schedule "
                     f"splits the backward into {names} (e.g. {example}); use {names} everywhere"
                 )
     return ""
@@ -79,7 +79,7 @@ def _duplicates(schedule: Schedule) -> str:
             if a in seen:
                 d0, p0 = seen[a]
                 return (
-                    f"action {a} appears twice (device {d0} position {p0}, device {d} position "
+                    f"action {a} appears twice (rank {d0} position {p0}, rank {d} position "
                     f"{p}); each (stage, microbatch) gets each kind exactly once"
                 )
             seen[a] = (d, p)
@@ -96,7 +96,7 @@ def _missing(schedule: Schedule) -> str:
                 a = Action(s, k, m)
                 if a not in present:
                     return (
-                        f"action {a} is missing (device {schedule.rank_of(s)}): every stage "
+                        f"action {a} is missing (rank {schedule.rank_of(s)}): every stage "
                         f"0..{schedule.num_stages - 1} needs {names} for every microbatch "
                         f"0..{schedule.num_microbatches - 1}"
                     )
@@ -111,17 +111,17 @@ def _local_order(schedule: Schedule) -> str:
                 dd, dp = where[dep]
                 if dd == d and dp > p:
                     return (
-                        f"device {d} runs {a} (position {p}) before its dependency {dep} "
+                        f"rank {d} runs {a} (position {p}) before its dependency {dep} "
                         f"(position {dp})"
                     )
     return ""
 
 
 def deadlock_chain(schedule: Schedule) -> list[tuple[int, int, Action, Action, int]]:
-    """The devices of a deadlocking schedule that wait on each other, from the lowest stuck one.
+    """The ranks of a deadlocking schedule that wait on each other, from the lowest stuck one.
 
-    Each link: (device, the position it stopped at, the action there, the dependency it waits
-    for, the device that owes it); the chain follows owners until it closes. Empty if none is stuck.
+    Each link: (rank, the position it stopped at, the action there, the dependency it waits
+    for, the rank that owes it); the chain follows owners until it closes. Empty if none is stuck.
     """
     from modelpar.schedules.execute import run_blocking
 
@@ -141,5 +141,5 @@ def _deadlock(schedule: Schedule) -> str:
     chain = deadlock_chain(schedule)
     if not chain:
         return ""
-    return "deadlock: " + "; ".join(f"device {d} waits at {a} (position {p}) for {need} on device {owner}"
-                                    for d, p, a, need, owner in chain) + " (a cycle: no device can move)"
+    return "deadlock: " + "; ".join(f"rank {d} waits at {a} (position {p}) for {need} on rank {owner}"
+                                    for d, p, a, need, owner in chain) + " (a cycle: no rank can move)"

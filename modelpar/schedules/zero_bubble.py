@@ -6,8 +6,8 @@ action for action (DualPipe-V's overlapped F+B pairs run one after the other, as
 runs them; its full backwards B are written I then W, which the runtime merges back into one
 backward). The others are built for equal F, I and W times:
 
-    schedule    placement            how                           held per device (1F1B: K on device 0)
-    zb-h2       one stage a device   list scheduler (``greedy``)   2(K − d) − 1 on device d  (2024a §3.1)
+    schedule    placement            how                           held per rank (1F1B: K on rank 0)
+    zb-h2       one stage a rank   list scheduler (``greedy``)   2(K − d) − 1 on rank d  (2024a §3.1)
     v-min       V: d and 2K − 1 − d  compact repeated block        about K/3                 (2024b §3–4)
     v-half      V                    the fastest of v-min and the  ≤ ⌈(K + 2)/2⌉, about half (2024b §4)
                                      list scheduler under that limit
@@ -39,10 +39,10 @@ def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
 
 @renamed_kwargs(stages="ranks")  # rename: keep
 def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
-    """ZB-H2: more warm-up forwards (device d holds up to 2(K − d) − 1) so W's fill the whole drain.
+    """ZB-H2: more warm-up forwards (rank d holds up to 2(K − d) − 1) so W's fill the whole drain.
 
     Step (K − 1)T_F + M(T_F + T_B + T_W) with equal times and M ≥ 2K: only the unavoidable fill
-    before the last device's first forward is idle.
+    before the last rank's first forward is idle.
     """
     k, m = _counts(ranks, microbatches)
     return greedy(contiguous_map(k), m, [2 * (k - d) - 1 for d in range(k)], name="zb-h2")
@@ -50,7 +50,7 @@ def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
 
 @renamed_kwargs(stages="ranks")  # rename: keep
 def v_half(*, ranks: int, microbatches: int) -> Schedule:
-    """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any device.
+    """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any rank.
 
     The fastest (equal F, I, W) of V-Min's order and the list scheduler at admission limits
     1, 1.5, ... that stays within that bound; where none of the latter does better, V-Min's order.
@@ -66,7 +66,7 @@ def v_half(*, ranks: int, microbatches: int) -> Schedule:
 @renamed_kwargs(stages="ranks")  # rename: keep
 def v_min(*, ranks: int, microbatches: int) -> Schedule:
     """V-Min: V placement, the compact repeated building block (``periodic``): about K/3
-    microbatches' activations held per device, a step no longer than 1F1B's."""
+    microbatches' activations held per rank, a step no longer than 1F1B's."""
     k, m = _counts(ranks, microbatches)
     return periodic(v_map(k), m, name="v-min")
 

@@ -1,4 +1,4 @@
-"""The reference's ASCII timeline: one row per device, one character pair per time unit.
+"""The reference's ASCII timeline: one row per rank, one character pair per time unit.
 
     Device 0 |F0F1F2F3····B0B0F4B1B1|
 

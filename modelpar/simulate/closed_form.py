@@ -24,7 +24,7 @@ __all__ = [
 
 
 def one_f_one_b_bubble_time(stages: int, t_f: float, t_b: float) -> float:
-    """Idle time per device of GPipe and 1F1B with no transfers: (K − 1)(t_f + t_b).
+    """Idle time per rank of GPipe and 1F1B with no transfers: (K − 1)(t_f + t_b).
 
     The step is (M + K − 1)(t_f + t_b): M microbatches plus K − 1 to fill and drain (§2.3).
     """
@@ -33,7 +33,7 @@ def one_f_one_b_bubble_time(stages: int, t_f: float, t_b: float) -> float:
 
 
 def zb_h1_bubble_time(stages: int, t_f: float, t_b: float, t_w: float) -> float:
-    """ZB-H1 idle time per device, (K − 1)(T_F + T_B − T_W) (Qi et al. 2024 §3.1; M ≥ K).
+    """ZB-H1 idle time per rank, (K − 1)(T_F + T_B − T_W) (Qi et al. 2024 §3.1; M ≥ K).
 
     T_B is the input-gradient part of the backward (our I) and T_W the weight-gradient part:
     with T_F = T_B = T_W this is one third of 1F1B's (K − 1)(T_F + T_B + T_W).

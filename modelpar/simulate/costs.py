@@ -17,13 +17,13 @@ __all__ = ["Costs"]
 
 @dataclass(frozen=True)
 class Costs:
-    """How long each kind of action takes, and how long a tensor takes to cross devices."""
+    """How long each kind of action takes, and how long a tensor takes to cross ranks."""
 
     forward: float = 1.0  # T_F: one microbatch through one whole stage (the time unit)
     backward: float | None = None  # full backward B = T_B + T_W; None: backward_ratio × forward
     backward_ratio: float = 2.0  # used when backward is None (the reference's "backward = 2 × forward")
     weight: float | None = None  # T_W, the W part of a split backward; None: half the backward
-    transfer: float = 0.0  # one activation or gradient crossing devices (every cross-device dependency)
+    transfer: float = 0.0  # one activation or gradient crossing ranks (every cross-rank dependency)
     stage_multipliers: tuple[float, ...] | None = None  # per virtual stage; None: balanced
 
     def __post_init__(self) -> None:
@@ -72,6 +72,6 @@ class Costs:
         return {k: [t * x for x in scale] for k, t in base.items()}
 
     def transfer_in(self, schedule: Schedule) -> list[float]:
-        """``transfer_in[s]``: time to cross from stage s - 1 to stage s (0 on the same device)."""
+        """``transfer_in[s]``: time to cross from stage s - 1 to stage s (0 on the same rank)."""
         dev = schedule.stage_to_rank
         return [0.0] + [self.transfer if dev[s] != dev[s - 1] else 0.0 for s in range(1, len(dev))]

@@ -1,10 +1,10 @@
-"""PNG/SVG timelines via matplotlib: one panel per timeline, one row per device.
+"""PNG/SVG timelines via matplotlib: one panel per timeline, one row per rank.
 
 Colour = microbatch; F solid, B hatched ``//``, I hatched ``\\\\``, W hatched ``xx`` and paler;
 the grey band behind each row is the step, so what shows through is the bubble. Labels in lower
-case are a device's second chunk (interleaved). A measured timeline with data-parallel
-collectives (``Timeline.comm``) gets a thin row under each device for them, dark where they run
-past the device's last action (exposed), light where they overlap it. Communication inside an action
+case are a rank's second chunk (interleaved). A measured timeline with data-parallel
+collectives (``Timeline.comm``) gets a thin row under each rank for them, dark where they run
+past the rank's last action (exposed), light where they overlap it. Communication inside an action
 (``Timeline.inner``: a MoE layer's expert all-to-alls, dispatch and combine) is drawn in the box
 itself, a dark violet dotted segment over the box's own colour, with a legend entry. Panels share one time axis, labelled in the
 timelines' unit (forward units when simulated, s/ms/µs when measured; mixing them is an error);
@@ -99,10 +99,10 @@ def _rows(tl: Timeline) -> float:
 def _draw(ax, tl: Timeline, cmap, span: float, min_label: float) -> None:
     n = tl.num_ranks
     few = sum(len(a) for a in tl.actions) <= _MAX_LABELS
-    pitch = 1.5 if _has_comm(tl) else 1.0  # a device row, and its collectives' row under it
+    pitch = 1.5 if _has_comm(tl) else 1.0  # a rank row, and its collectives' row under it
     ticks, names = [], []
     for d in range(n):
-        y = (n - 1 - d) * pitch + (pitch - 1)  # device 0 on top, as in the ASCII chart
+        y = (n - 1 - d) * pitch + (pitch - 1)  # rank 0 on top, as in the ASCII chart
         ticks.append(y)
         names.append(f"Device {d}")
         if pitch > 1:
@@ -181,7 +181,7 @@ def plot_pareto(named: Sequence[Timeline], synthesised: Sequence[Timeline], fron
                    label="auto (synthesised for these costs)")
     ax.legend(loc="upper right", frameon=False)
     unit = (named or synthesised)[0].unit_name
-    ax.set_xlabel("peak held activations per device (microbatches of one stage)")
+    ax.set_xlabel("peak held activations per rank (microbatches of one stage)")
     ax.set_ylabel(f"step time ({unit})")
     ax.grid(alpha=0.3)
     if title:

@@ -1,4 +1,4 @@
-"""Time a schedule: every device runs its list in order, each action as soon as its inputs arrive."""
+"""Time a schedule: every rank runs its list in order, each action as soon as its inputs arrive."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""``--schedule auto``: the fastest schedule whose held activations fit a per-device limit (pure Python).
+"""``--schedule auto``: the fastest schedule whose held activations fit a per-rank limit (pure Python).
 
 Given each stage's forward, input-backward and weight-backward times (T_F, T_I, T_W: measured or
-from the cost model), the transfer time and a limit on held activations per device (in
+from the cost model), the transfer time and a limit on held activations per rank (in
 microbatches' worth of one whole stage), ``synthesize`` simulates candidates and keeps the one
 with the smallest step time whose peak fits. The candidates: every named schedule of the family
 (so the result is never worse than the best of them under the same limit), and — planned with
@@ -35,7 +35,7 @@ __all__ = ["StageCosts", "candidates", "pareto", "synthesize"]
 class StageCosts:
     """T_F, T_I, T_W of each of the K whole stages (model order), and one transfer's time.
 
-    A schedule with v chunks per device cuts each whole stage into v virtual stages: virtual
+    A schedule with v chunks per rank cuts each whole stage into v virtual stages: virtual
     stage s takes 1/v of whole stage ⌊s / v⌋'s times.
     """
 
@@ -108,7 +108,7 @@ def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collect
 @renamed_kwargs(stages="ranks")  # rename: keep
 def synthesize(ranks: int, microbatches: int, costs: StageCosts, limit: float | None = None,
                chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
-    """The fastest candidate whose peak held activations per device are ≤ ``limit`` (None: any).
+    """The fastest candidate whose peak held activations per rank are ≤ ``limit`` (None: any).
 
     ValueError naming the smallest limit that works when none fits. The result is named "auto"
     when a synthesised candidate wins, else keeps the winning schedule's name. ``chunks``: the v
@@ -129,7 +129,7 @@ def synthesize(ranks: int, microbatches: int, costs: StageCosts, limit: float | 
         if best is None or tl.step_time < best[0] - 1e-12:
             best = (tl.step_time, s, tl)
     if best is None:
-        raise ValueError(f"memory limit must be >= {smallest:g} microbatches' activations per device (the least "
+        raise ValueError(f"memory limit must be >= {smallest:g} microbatches' activations per rank (the least "
                          f"any schedule for K = {ranks}, M = {microbatches} holds), got {limit:g}")
     return best[1], best[2]
 

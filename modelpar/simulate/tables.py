@@ -24,13 +24,13 @@ def headline(timeline: Timeline) -> str:
     return (
         f"{timeline.name or 'schedule'} (K = {timeline.num_ranks}, "
         f"M = {timeline.num_microbatches}{v}): step {timeline.format_time(timeline.step_time)}, bubble "
-        f"{timeline.bubble:.1%}, peak held microbatches per device [{peaks}]"
+        f"{timeline.bubble:.1%}, peak held microbatches per rank [{peaks}]"
     )
 
 
 def metrics_table(timelines: Sequence[Timeline]) -> str:
     """One row per timeline: step time, bubble, peak held activations, transfers, speed-up."""
-    header = ("schedule", "K", "M", "v", "step", "bubble", "peak held per device", "transfers", "speed-up")
+    header = ("schedule", "K", "M", "v", "step", "bubble", "peak held per rank", "transfers", "speed-up")
     rows = [header]
     for t in timelines:
         rows.append((
@@ -48,7 +48,7 @@ def metrics_table(timelines: Sequence[Timeline]) -> str:
 
 
 def pareto_table(timelines: Sequence[Timeline], front: Sequence[Timeline]) -> str:
-    """One row per timeline, by peak: name, peak held (max over devices), step, bubble; * on the frontier."""
+    """One row per timeline, by peak: name, peak held (max over ranks), step, bubble; * on the frontier."""
     rows = [("", "schedule", "peak held", "step", "bubble")]
     for t in sorted(timelines, key=lambda t: (max(t.peak_held), t.step_time)):
         rows.append(("*" if any(t is f for f in front) else "", label(t.name or "schedule", t.chunks),

@@ -1,14 +1,14 @@
-"""A timeline: (device, action, start, end) events, simulated or measured, and its metrics.
+"""A timeline: (rank, action, start, end) events, simulated or measured, and its metrics.
 
 Metrics (all derived, nothing stored twice):
 - step time: from the first start to the last end;
-- bubble: idle / total, overall (sum over devices) and per device;
-- peak held activations per device, in microbatch × whole-stage units (an interleaved chunk is
+- bubble: idle / total, overall (sum over ranks) and per rank;
+- peak held activations per rank, in microbatch × whole-stage units (an interleaved chunk is
   1/v of a stage): a microbatch is held from its F until its B (or, split, its I) — the
   zero-bubble paper's in-flight count; ``peak_held_until_w`` also keeps it until W;
-- transfers: cross-device dependencies (one activation forward, one gradient back per boundary);
-- speed-up: the same work done back to back on one device, divided by the step time;
-- exposed communication: per device, how long its data-parallel collectives (``comm`` spans:
+- transfers: cross-rank dependencies (one activation forward, one gradient back per boundary);
+- speed-up: the same work done back to back on one rank, divided by the step time;
+- exposed communication: per rank, how long its data-parallel collectives (``comm`` spans:
   label, start, end — measured runs only) run past its last compute action, the time the
   optimizer waits for them; the rest of their time overlapped with the pipeline;
 - communication inside actions (``inner`` spans: label, start, end — e.g. a MoE layer's expert
@@ -62,12 +62,12 @@ CommSpan.device = renamed_attribute("rank", "CommSpan.device")  # type: ignore[a
 
 
 class Timeline:
-    """Actions, starts and ends per device (aligned lists, times from 0) plus metrics.
+    """Actions, starts and ends per rank (aligned lists, times from 0) plus metrics.
 
     The simulator builds it from columns; ``Timeline.from_events`` builds it from measured or
     hand-made events. ``unit`` says what times are in: ``"forward"`` (simulated, the default)
-    or ``"s"``/``"ms"``/``"us"``. ``comm`` holds each device's data-parallel collectives
-    (label, start, end), drawn as a row of their own; ``inner`` the communication inside each device's
+    or ``"s"``/``"ms"``/``"us"``. ``comm`` holds each rank's data-parallel collectives
+    (label, start, end), drawn as a row of their own; ``inner`` the communication inside each rank's
     actions (label, start, end: part of an action's time, not beside it), drawn inside the boxes.
     """
 
@@ -90,11 +90,11 @@ class Timeline:
         self.comm: list[list[tuple[str, float, float]]] = ([list(c) for c in comm] if comm is not None
                                                            else [[] for _ in self.actions])
         if len(self.comm) != len(self.actions):
-            raise ValueError(f"comm must hold one list per device ({len(self.actions)}), got {len(self.comm)}")
+            raise ValueError(f"comm must hold one list per rank ({len(self.actions)}), got {len(self.comm)}")
         self.inner: list[list[tuple[str, float, float]]] = ([list(c) for c in inner] if inner is not None
                                                             else [[] for _ in self.actions])
         if len(self.inner) != len(self.actions):
-            raise ValueError(f"inner must hold one list per device ({len(self.actions)}), got {len(self.inner)}")
+            raise ValueError(f"inner must hold one list per rank ({len(self.actions)}), got {len(self.inner)}")
 
     @classmethod
     @renamed_kwargs(num_devices="num_ranks")  # rename: keep
@@ -106,7 +106,7 @@ class Timeline:
         unit: str = FORWARD,
         comm: Iterable[CommSpan | tuple] = (),
     ) -> Timeline:
-        """Sort each device's events (and ``comm`` spans) by start and shift times so that the
+        """Sort each rank's events (and ``comm`` spans) by start and shift times so that the
         earliest action starts at 0 (measured clocks start anywhere)."""
         d_count = check_int("num_ranks", num_ranks, minimum=1)
         rows: list[list[Event]] = [[] for _ in range(d_count)]
@@ -121,7 +121,7 @@ class Timeline:
         for raw in comm:
             c = CommSpan(*raw)
             if not 0 <= c.rank < d_count or not c.end >= c.start:
-                raise ValueError(f"comm span must have a device in 0..{d_count - 1} and end >= start, got {c}")
+                raise ValueError(f"comm span must have a rank in 0..{d_count - 1} and end >= start, got {c}")
             spans[c.rank].append(c)
         rows = [sorted(r, key=lambda e: (e.start, e.end)) for r in rows]
         t0 = min((r[0].start for r in rows if r), default=0.0)
@@ -171,12 +171,12 @@ class Timeline:
 
     @property
     def chunks(self) -> int:
-        """v: virtual stages per device (1 unless interleaved)."""
+        """v: virtual stages per rank (1 unless interleaved)."""
         return max(1, len(self.stage_to_rank) // self.num_ranks)
 
     @cached_property
     def chunk_of(self) -> list[int]:
-        """Stage -> which of its device's chunks it is (0 for the device's first stage, 1, ...)."""
+        """Stage -> which of its rank's chunks it is (0 for the rank's first stage, 1, ...)."""
         seen: dict[int, int] = {}
         out = []
         for d in self.stage_to_rank:
@@ -185,7 +185,7 @@ class Timeline:
         return out
 
     def token(self, action: Action, digits: int = 1) -> str:
-        """Short label as drawn: ``F3``; lower case (``f3``) for a device's odd-numbered chunks."""
+        """Short label as drawn: ``F3``; lower case (``f3``) for a rank's odd-numbered chunks."""
         letter = action.kind.value if self.chunk_of[action.stage] % 2 == 0 else action.kind.value.lower()
         return f"{letter}{action.microbatch:0{digits}d}"
 
@@ -197,7 +197,7 @@ class Timeline:
 
     @property
     def events(self) -> list[Event]:
-        """All events, device by device, in start order."""
+        """All events, rank by rank, in start order."""
         return [
             Event(d, a, s, e)
             for d in range(self.num_ranks)
@@ -211,34 +211,34 @@ class Timeline:
 
     @cached_property
     def busy(self) -> list[float]:
-        """Time each device spends computing."""
+        """Time each rank spends computing."""
         return [sum(e) - sum(s) for s, e in zip(self.starts, self.ends)]
 
     @property
     def idle(self) -> list[float]:
-        """Bubble time of each device: step time minus busy time."""
+        """Bubble time of each rank: step time minus busy time."""
         return [self.step_time - b for b in self.busy]
 
     @property
     def bubble_per_rank(self) -> list[float]:
-        """Idle / total for each device."""
+        """Idle / total for each rank."""
         t = self.step_time
         return [1 - b / t if t else 0.0 for b in self.busy]
 
     @property
     def bubble(self) -> float:
-        """Idle / total over all devices: 1 - sum(busy) / (devices × step time)."""
+        """Idle / total over all ranks: 1 - sum(busy) / (ranks × step time)."""
         t = self.step_time
         return 1 - sum(self.busy) / (t * self.num_ranks) if t else 0.0
 
     @property
     def speedup(self) -> float:
-        """Throughput relative to one device doing all the same work back to back."""
+        """Throughput relative to one rank doing all the same work back to back."""
         return sum(self.busy) / self.step_time if self.step_time else 0.0
 
     @cached_property
     def peak_held(self) -> list[float]:
-        """Per device: the most microbatch × whole-stage activations held (F until B or I)."""
+        """Per rank: the most microbatch × whole-stage activations held (F until B or I)."""
         return peak_held(self.actions, self.chunks)
 
     @cached_property
@@ -248,13 +248,13 @@ class Timeline:
 
     @cached_property
     def transfers(self) -> int:
-        """Cross-device dependencies: per crossing boundary, M activations forward, M gradients back."""
+        """Cross-rank dependencies: per crossing boundary, M activations forward, M gradients back."""
         dev = self.stage_to_rank
         crossings = sum(dev[s] != dev[s - 1] for s in range(1, len(dev)))
         return 2 * self.num_microbatches * crossings
 
     def exposed_comm(self, labels: Collection[str] | None = None) -> list[float]:
-        """Per device: how long its communication spans (those with ``labels``, or all) run past its
+        """Per rank: how long its communication spans (those with ``labels``, or all) run past its
         last compute action; 0 without any."""
         return [max([0.0] + [end - (max(e) if e else 0.0) for what, _, end in c if labels is None or what in labels])
                 for e, c in zip(self.ends, self.comm)]

@@ -1,9 +1,9 @@
 """Chrome trace JSON (the format chrome://tracing, Perfetto and torch.profiler use).
 
-One process per timeline, one thread per device, one complete event (``"ph": "X"``) per
-action; cross-device dependencies become flow arrows (``"s"`` at the producer's end, ``"f"``
+One process per timeline, one thread per rank, one complete event (``"ph": "X"``) per
+action; cross-rank dependencies become flow arrows (``"s"`` at the producer's end, ``"f"``
 at the consumer's start), so the sends and receives the schedule implies are visible. A
-device's data-parallel collectives (``Timeline.comm``) go on a thread of their own, "Device d
+rank's data-parallel collectives (``Timeline.comm``) go on a thread of their own, "Device d
 dp comm".
 """
 

@@ -23,7 +23,7 @@ its own causally and later ones not at all, which are skipped. Key/value heads t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,21 +52,18 @@ def zigzag_index(seq_len: int, cp: int, rank: int, device: Any = None) -> torch.
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """The cp group (None: one rank) and how attention communicates over it."""
+    """The cp group (None: one rank) and how attention communicates over it; the group's size and this
+    rank's place in it are read once, here, not at every attention call."""
 
     group: Any = None
     comm: str = "ring"
+    size: int = field(init=False, compare=False)
+    rank: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         check_choice("cp_comm", self.comm, CP_COMMS)
-
-    @property
-    def size(self) -> int:
-        return group_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return group_rank(self.group)
+        object.__setattr__(self, "size", group_size(self.group))
+        object.__setattr__(self, "rank", group_rank(self.group))
 
     def positions(self, local_len: int, device: Any = None) -> torch.Tensor:
         """Positions of this rank's ``local_len`` tokens in the whole sequence."""

@@ -26,7 +26,7 @@ from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
-from modelpar.recompute.plan import Strategy, parse_strategy, plan_recompute
+from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
 from modelpar.tensor_parallel.context_parallel import CP_COMMS
 from modelpar.text.config import DataConfig
@@ -58,7 +58,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig, metadata=about(
         "the text and its tokenizer (default: the shipped corpus, bytes): DataConfig", section="data"))
     tp: int = option(2, section="parallelism", help="t: tensor-parallel ranks (consecutive ranks, inside a machine)")
-    pp: int = option(2, section="parallelism", help="p: pipeline stages (devices along the pipeline)")
+    pp: int = option(2, section="parallelism", help="p: pipeline-parallel ranks (positions along the pipeline)")
     dp: int = option(1, section="parallelism", help="d: data-parallel replicas")
     cp: int = option(1, section="parallelism", help="cp: context-parallel ranks; each sequence is split across them "
                                                      "(load-balanced zig-zag chunks; docs/context_parallel.md)")
@@ -67,12 +67,11 @@ class TrainConfig:
                                                               "overlapped) or allgather (key/value all-gathered)")
     ep: int = option(1, section="parallelism", help="expert-parallel ranks: the MoE layers' experts split over ep of "
                                                     "the d replicas (ep divides d and experts; docs/moe.md)")
-    schedule: str = option("1f1b", section="schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, "
-                                                            "looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, "
-                                                            "dualpipe-v, or auto: the fastest the cost model's "
-                                                            "stage times give within memory_limit (docs/schedules.md)")
+    schedule: str = option("1f1b", section="schedule", help=f"pipeline schedule: {', '.join(SCHEDULE_CHOICES)}, or "
+                                                            "auto: the fastest the cost model's stage times give "
+                                                            "within memory_limit (docs/schedules.md)")
     memory_limit: float = option(0.0, section="schedule", help="with schedule auto: the most activations a pipeline "
-                                                               "device may hold, in micro-batches' worth of one whole "
+                                                               "rank may hold, in micro-batches' worth of one whole "
                                                                "stage, as modelpar simulate --memory-limit (0: no "
                                                                "limit)")
     chunks: int = option(1, section="schedule", help="v: model chunks per pipeline rank: >= 2 with interleaved and "
@@ -84,7 +83,8 @@ class TrainConfig:
              "extra layers to the middle stages (modelpar.layer_split, as modelpar plan)")
     microbatches: int = option(0, section="schedule", help="m: micro-batches per replica per step; 0: chosen for the "
                                                             "pipeline (1 at p = 1, else the smallest m >= p whose "
-                                                            "bubble is <= 25% of the ideal compute), the summary says why")
+                                                            f"bubble is <= {BUBBLE_TARGET:.0%} of the ideal compute), "
+                                                            "the summary says why")
     batch_size: int = option(16, section="optimisation", help="global batch: sequences per optimizer step, all "
                                                                "replicas together")
     recompute: str = option("none", section="schedule", parse=str.lower,
@@ -138,7 +138,7 @@ class TrainConfig:
                                                        "the run fails")
     preempt_signal: str = option("SIGTERM", section="run", parse=_signal_name,
                                  help="signal that asks for a checkpoint at the next step and an exit with code 75: "
-                                      "SIGTERM, SIGUSR1 or SIGUSR2 (docs/stopping.md)")
+                                      f"{', '.join(PREEMPT_SIGNALS[:-1])} or {PREEMPT_SIGNALS[-1]} (docs/stopping.md)")
     preempt_grace: float = option(30.0, section="run", help="seconds from that signal within which the checkpoint "
                                                             "must be written, else none is (0: no limit)")
     skip_nonfinite: int = option(0, section="optimisation", help="skip the update of up to this many steps with a "
@@ -219,7 +219,7 @@ class TrainConfig:
             check_int("chunks", self.chunks, minimum=2)
         elif self.schedule in V_SHAPED:
             check_chunks(self.schedule, self.chunks)
-        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per device) or 2 (V or loop)
+        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per rank) or 2 (V or loop)
             check_choice("chunks", self.chunks, (1, 2))
         elif self.chunks != 1:
             raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "

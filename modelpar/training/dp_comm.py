@@ -9,7 +9,7 @@ run it while this one computes, and ``wait`` gives up after the run's timeout.
 What it records, for the accounting and the measured timeline:
 
 - ``bytes_sent``: what this rank sends with ring algorithms (the cost model's convention,
-  ``modelpar.costmodel.zero``): all-reduce 2(d-1)/d·n elements, reduce-scatter and all-gather
+  ``modelpar.costmodel.zero_bytes``): all-reduce 2(d-1)/d·n elements, reduce-scatter and all-gather
   (d-1)/d·n, n being the elements of the full flat buffer;
 - ``spans``: (label, start, end) of each collective in this rank's step clock — from when it is
   issued (after the gradients it reads are computed) until it completes. On a GPU both ends are
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar._compat import all_gather_single, reduce_scatter_single
-from modelpar.pipeline.collectives import FlightRecorder, is_nccl
+from modelpar.pipeline.bounded_comm import FlightRecorder, is_nccl
 from modelpar.pipeline.timing import CudaTimer, HostTimer
 
 __all__ = ["REDUCTIONS", "DataParallelComm", "Pending"]

@@ -43,6 +43,6 @@ def build_optimizer(zero: int, sync: GradSync, comm: DataParallelComm, dp_rank: 
 
 def measured_state_bytes(optimizer: Optimizer) -> int:
     """Bytes of the AdamW state tensors this rank holds (the moments; the 0-d step counts aside), counted
-    from the tensors; ``modelpar.costmodel.zero.optimizer_state_bytes`` is the prediction."""
+    from the tensors; ``modelpar.costmodel.zero_bytes.optimizer_state_bytes`` is the prediction."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for key, v in state.items() if key != "step")

@@ -8,7 +8,7 @@ group with context parallelism): a cp rank's gradient is its tokens' share of th
 stages also need the "embedding group": the first and last rank of each pipeline group
 (Megatron's ``_EMBEDDING_GROUP``). Every group times out after the run's ``timeout``, except the
 pipeline groups on NCCL, whose watchdog must let a receive posted at a step's start wait for the
-step (``modelpar.pipeline.collectives.step_timeout``; docs/stopping.md).
+step (``modelpar.pipeline.bounded_comm.step_timeout``; docs/stopping.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar.distributed.mesh import DIM_NAMES
-from modelpar.pipeline.collectives import step_timeout
+from modelpar.pipeline.bounded_comm import step_timeout
 from modelpar.training.config import TrainConfig
 from modelpar.training.prediction import run_schedule
 

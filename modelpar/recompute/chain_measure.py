@@ -19,7 +19,7 @@ from modelpar._validate import check_divisible, check_int
 from modelpar.recompute.functions import chain_parameters
 from modelpar.recompute.meter import ActivationMeter
 from modelpar.recompute.module import Recompute
-from modelpar.recompute.plan import Strategy, chain_cost
+from modelpar.recompute.strategies import Strategy, chain_cost
 
 __all__ = ["ChainReport", "ScaledTanh", "measure_chain", "scaled_tanh_stages", "strategy_table"]
 
