@@ -67,8 +67,6 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_step: int = 0
     bubble_measured: float | None = None  # idle share of the pipeline in the last steps
-    bubble_simulated: float | None = None  # the simulator's bubble with the measured action costs
-    bubble_ideal: float | None = None  # the simulator's bubble with equal stages, F = 1, B = 2
     num_parameters: int = 0
     flops_per_token: float = 0.0  # model FLOPs per trained token (ModelConfig.flops_per_token)
     device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
@@ -87,7 +85,8 @@ class TrainResult:
     message_bytes: list[float] | None = None  # the pipeline's message into each stage (PipelineRunner.message_bytes)
     exposed_reduction: float | None = None  # s of gradient reduction past the last compute action (median of the
     #                                         last steps, the device that waits longest); the rest overlapped
-    timeline: Any = None  # the last measured step's Timeline of this rank's pipeline (with its dp collectives)
+    schedule: Any = None  # the Schedule this rank ran
+    timelines: list[Any] = field(default_factory=list)  # the last measured steps' Timelines of this rank's pipeline
     unigram_baseline: float = 0.0  # nats/token on validation, see Corpus.unigram_baseline
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
@@ -95,6 +94,25 @@ class TrainResult:
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
+
+    @property
+    def bubble_simulated(self) -> float | None:
+        """The simulator's bubble with the measured action costs of ``timelines`` (computed when a report asks:
+        the loop does not simulate)."""
+        if not self.timelines:
+            return None
+        from modelpar.pipeline.measure import measured_durations, predict
+
+        return predict(self.schedule, measured_durations(self.timelines)).bubble
+
+    @property
+    def bubble_ideal(self) -> float | None:
+        """The simulator's bubble of ``schedule`` with equal stages, F = 1, B = 2."""
+        if self.schedule is None:
+            return None
+        from modelpar.simulate import simulate
+
+        return simulate(self.schedule).bubble
 
     def fields(self, names: tuple[str, ...]) -> dict[str, Any]:
         """The named fields (and properties) by name: what the step event and summary.json carry."""
@@ -396,22 +414,16 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
     if run.gather_waits:
         run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
     run.result.peak_held = run.runner.record.peak_held
-    _bubbles(run.result, run.schedule, run.timelines)
+    _measured(run.result, run.schedule, run.timelines)
     if run.emit:
         run.emit({"event": "done"})
     return run.result
 
 
-def _bubbles(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
-    """Measured bubble and exposed data-parallel time of the last steps, the simulator's bubble with
-    their costs, and the ideal one."""
-    from modelpar.pipeline.measure import measured_durations, predict
-    from modelpar.simulate import simulate
-
-    result.bubble_ideal = simulate(schedule).bubble
+def _measured(result: TrainResult, schedule: Any, timelines: list[Any]) -> None:
+    """The schedule, the last steps' timelines, their measured bubble and exposed data-parallel time."""
+    result.schedule, result.timelines = schedule, timelines
     if timelines:
         result.bubble_measured = statistics.median(tl.bubble for tl in timelines)
-        result.bubble_simulated = predict(schedule, measured_durations(timelines)).bubble
         if any(any(tl.comm) for tl in timelines):  # d > 1
             result.exposed_reduction = statistics.median(max(tl.exposed_comm(REDUCTIONS)) for tl in timelines)
-        result.timeline = timelines[-1]
