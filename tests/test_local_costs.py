@@ -172,6 +172,9 @@ def test_cp_ring_hides_its_hops_the_allgather_not():
     assert cp_layer_seconds(CP, gpu, 1.0) == (0.0, pytest.approx(hop))
     assert cp_layer_seconds(CP, gpu, 0.0) == (pytest.approx(hop), pytest.approx(3 * hop))
     assert cp_layer_seconds(CP, CPU_DEFAULT, 1.0) == (pytest.approx(hop), pytest.approx(3 * hop))  # a CPU: no overlap
+    shift = 2e-3 + 2048 / 0.5e9  # both ranks send and receive at once: the measured exchange, where there is one
+    measured = _profile(busy={"exchange": {"2": [2e-3, 0.5]}, "p2p": {"2": [1e-4, 1.0]}})
+    assert cp_layer_seconds(CP, measured, 0.0) == (pytest.approx(shift), pytest.approx(3 * shift))
     gather = 2 * _time(1024)
     assert cp_layer_seconds(dataclasses.replace(CP, cp_comm="allgather"), CPU_DEFAULT, 1.0) == \
         (pytest.approx(gather), pytest.approx(gather))

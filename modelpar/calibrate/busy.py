@@ -14,6 +14,11 @@ measurement on 2 cores is what 4 training ranks sharing 2 cores get:
   message and sends it; the delay is the receiver's clock when its wait returns minus the stamp.
 * ``all_reduce``, ``all_gather``, ``reduce_scatter`` over the pair: both compute the same GEMM,
   then call the collective; its seconds on each rank, averaged over both.
+* ``exchange``: both compute the GEMM, then each sends its buffer to the other and receives the
+  other's at once (``isend`` + ``irecv``, both waited), as context parallelism's ring shifts its
+  key/value blocks; the seconds from posting to both done, averaged over both ranks. On a 2-core VM
+  it cost several times a one-way message (about 1.3 ms against 0.3 ms), which priced cp = 2 runs
+  20-45% too fast.
 
 Each is the mean over repetitions (a slow wake-up on the critical path costs its full length, so
 the mean, not the median) at the sizes of ``comm.py``, fitted as ``latency + bytes/bandwidth``
@@ -30,11 +35,11 @@ import torch.distributed as dist
 from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.calibrate.comm import SIZES, fit_line
 from modelpar.calibrate.compute import sync
+from modelpar.costmodel.profiles import BUSY_OPS
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
 __all__ = ["BUSY_OPS", "measure_busy"]
 
-BUSY_OPS = ("p2p", "all_reduce", "all_gather", "reduce_scatter")
 _WORK = 384  # the GEMM each rank runs before a message: 384³·2 ≈ 0.11 GFLOP, about 1 ms on one CPU core
 
 
@@ -62,8 +67,9 @@ def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]
     seconds = torch.zeros(len(BUSY_OPS), len(SIZES), dtype=torch.float64)
     for j, size in enumerate(SIZES):
         for i, op in enumerate(BUSY_OPS):
-            if op == "p2p":
+            if op in ("p2p", "exchange"):
                 buf = torch.zeros(size // 8, dtype=torch.float64, device=device)
+                into = torch.zeros_like(buf)
             else:
                 full = torch.ones(size // 8, dtype=torch.float64, device=device)
                 shard = torch.ones(full.numel() // 2, dtype=torch.float64, device=device)
@@ -83,6 +89,13 @@ def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]
                         buf[0] = time.perf_counter()
                         _wait(dist.isend(buf, peer))
                         took = 0.0
+                elif op == "exchange":
+                    x @ x
+                    sync(device)
+                    t0 = time.perf_counter()
+                    for work in (dist.isend(buf, peer), dist.irecv(into, peer)):
+                        _wait(work)
+                    took = (time.perf_counter() - t0) / 2
                 else:
                     x @ x
                     sync(device)
@@ -97,7 +110,8 @@ def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]
 
 
 def _fit(seconds: torch.Tensor) -> dict[str, list[float]]:
-    sent = {"p2p": lambda n: n, "all_reduce": lambda n: allreduce_bytes(n, 2), "all_gather": lambda n: allgather_bytes(n, 2),
-            "reduce_scatter": lambda n: allgather_bytes(n, 2)}  # SIZES are whole float64 pairs
+    # SIZES are whole float64 pairs
+    sent = {"p2p": lambda n: n, "exchange": lambda n: n, "all_reduce": lambda n: allreduce_bytes(n, 2),
+            "all_gather": lambda n: allgather_bytes(n, 2), "reduce_scatter": lambda n: allgather_bytes(n, 2)}
     return {op: list(fit_line([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(SIZES)]))
             for i, op in enumerate(BUSY_OPS)}

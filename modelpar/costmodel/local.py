@@ -231,8 +231,9 @@ def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tupl
     if run.cp == 1:
         return 0.0, 0.0
     kv = kv_block_bytes(run.micro_batch, run.model.seq, run.cp, run.kv_features, COMPUTE_BYTES[run.precision])
-    if run.cp_comm == "ring":
-        comm = _comm(run, hw, "p2p", 2, kv)
+    if run.cp_comm == "ring":  # a shift: each rank sends its block on and receives the previous one at once
+        exchange = hw.busy_cost("exchange", run.world)
+        comm = exchange.time(kv) if exchange is not None else _comm(run, hw, "p2p", 2, kv)
     else:  # k and v gathered one after the other
         comm = 2 * _comm(run, hw, "all_gather", run.cp, allgather_bytes(run.cp * kv / 2, run.cp))
     hidden = block_s if hw.overlaps_compute else 0.0  # on a CPU a hop costs its time beside the block's

@@ -28,12 +28,13 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
 
-__all__ = ["COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
+__all__ = ["BUSY_OPS", "COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
            "HardwareProfile", "check_torch", "load_profile", "node_profile", "save_profile"]
 
 PROFILE_FORMAT = "modelpar-hardware-profile"
 PROFILE_VERSION = 2  # 2: the trainer's own work measured whole (layer, ends, blockwise, runtime_s, optimizer)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+BUSY_OPS = (*COLLECTIVES, "exchange")  # exchange: both ranks of a pair send and receive at once (cp's ring shift)
 LINKS = ("intra", "inter")  # inside one node (NVLink, shared memory, loopback), across nodes
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 
@@ -125,7 +126,7 @@ class HardwareProfile:
             _check_rows(f"optimizer[{ranks}]", [fit], 3, 0)
             check_number(f"optimizer[{ranks}] GB/s", fit[2], strict=True)
         for op, per_ranks in self.busy.items():
-            check_choice("busy op", op, COLLECTIVES)
+            check_choice("busy op", op, BUSY_OPS)
             for count, fit in per_ranks.items():
                 _ranks(f"busy[{op}] ranks", count)
                 _check_fit(f"busy[{op}][{count}]", fit)
