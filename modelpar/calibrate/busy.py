@@ -20,7 +20,7 @@ measurement on 2 cores is what 4 training ranks sharing 2 cores get:
   it cost several times a one-way message (about 1.3 ms against 0.3 ms), which priced cp = 2 runs
   20-45% too fast.
 
-Each is the mean over repetitions (a slow wake-up on the critical path costs its full length, so
+Each is the mean over 20 repetitions (a slow wake-up on the critical path costs its full length, so
 the mean, not the median) at the sizes of ``comm.py``, fitted as ``latency + bytes/bandwidth``
 (bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes alongside.
 """
@@ -57,7 +57,7 @@ def _collective(op: str, group: object, full: torch.Tensor, shard: torch.Tensor)
         reduce_scatter_single(shard, full, group=group)
 
 
-def measure_busy(device: torch.device, reps: int = 10) -> dict[str, list[float]]:
+def measure_busy(device: torch.device, reps: int = 20) -> dict[str, list[float]]:
     """op -> [latency_s, GB/s] of ``BUSY_OPS`` over a pair while every pair runs the same (module docstring)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group

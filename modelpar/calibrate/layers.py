@@ -16,7 +16,8 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
   ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
-Times are means of at least ``REPS`` runs, each with the caches flushed first (``timed``): a step's time is
+Times are means of at least ``REPS`` runs, each with the caches flushed first, a forward and its backward
+timed within the same run (``timed_pair``, ``timed``): a step's time is
 the sum of its parts, so their means add up to its mean (a median or the fastest run leaves out the pauses a
 shared machine gives every process, which a step of many parts always meets), and in a step every layer
 finds the caches holding the other layers' work. A
@@ -28,10 +29,12 @@ interpolates between grid points (``costmodel.local_compute``).
 from __future__ import annotations
 
 import statistics
+import time
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from modelpar.calibrate.compute import DTYPES
 from modelpar.calibrate.compute import timed as _timed
@@ -46,6 +49,7 @@ __all__ = [
     "measure_layers",
     "measure_optimizer",
     "measure_runtime",
+    "timed_pair",
 ]
 
 LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
@@ -65,6 +69,34 @@ def timed(fn: Any, device: torch.device, budget_s: float) -> float:
                   cold=True)
 
 
+def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: float) -> tuple[float, float]:
+    """Mean seconds of ``forward()`` and of ``backward(out)`` on its output, each timed within the same run (as a
+    step runs an F and later its B; two means of separate runs subtracted would add both runs' noise to the
+    backward): one warm-up, then at least ``REPS`` runs (one below ``QUICK_S``) within ``budget_s``, the caches
+    flushed before each."""
+    from modelpar.calibrate.compute import flush_cache, sync
+
+    backward(forward())
+    sync(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    reps = REPS if budget_s >= QUICK_S else 1
+    f: list[float] = []
+    b: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(f) < reps or (time.perf_counter() < end and len(f) < 200):
+        flush_cache(device)
+        t0 = time.perf_counter()
+        out = forward()
+        sync(device)
+        t1 = time.perf_counter()
+        backward(out)
+        sync(device)
+        f.append(t1 - t0)
+        b.append(time.perf_counter() - t1)
+    return statistics.fmean(f), statistics.fmean(b)
+
+
 def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU, 2 × 2
     below ``QUICK_S``."""
@@ -82,21 +114,12 @@ def _layer_times(stack: torch.nn.Sequential, x: torch.Tensor, device: torch.devi
 
     grad = torch.ones_like(x)
 
-    def forward() -> torch.Tensor:
-        return stack(x)
+    def backward(out: torch.Tensor) -> None:
+        out.backward(grad)
 
-    def both() -> None:
-        stack(x).backward(grad)
-
-    def forward_kept() -> torch.Tensor:
-        return recompute_sequential(list(stack), x, "full")
-
-    def both_kept() -> None:
-        recompute_sequential(list(stack), x, "full").backward(grad)
-
-    f, fb = timed(forward, device, budget_s), timed(both, device, budget_s)
-    fk, fbk = timed(forward_kept, device, budget_s), timed(both_kept, device, budget_s)
-    return [t / len(stack) for t in (f, max(fb - f, 0.0), fk, max(fbk - fk, 0.0))]
+    f, b = timed_pair(lambda: stack(x), backward, device, budget_s)
+    fk, bk = timed_pair(lambda: recompute_sequential(list(stack), x, "full"), backward, device, budget_s)
+    return [t / len(stack) for t in (f, b, fk, bk)]
 
 
 def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
@@ -116,10 +139,8 @@ def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> 
     return out
 
 
-def _attend_backward(args: tuple[Any, ...]) -> None:
-    from modelpar.tensor_parallel.context_parallel import _ChunkAttention
-
-    _ChunkAttention.apply(*args).sum().backward()
+def _sum_backward(out: torch.Tensor) -> None:
+    out.sum().backward()
 
 
 def measure_blockwise(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
@@ -141,9 +162,9 @@ def measure_blockwise(dtype: str, device: torch.device, budget_s: float = 0.05) 
                 k, v = (torch.randn(b, LAYER_HEADS, seq, d, device=device, dtype=DTYPES[dtype], requires_grad=True)
                         for _ in range(2))
                 args = (q, k, v, chunks_of(0, cp), every, d ** -0.5)
-                forward = timed(partial(_ChunkAttention.apply, *args), device, budget_s)
-                both = timed(partial(_attend_backward, args), device, budget_s)
-                out.append([cp, h, seq, b * seq // cp, forward, max(both - forward, 0.0)])
+                forward, backward = timed_pair(partial(_ChunkAttention.apply, *args), _sum_backward, device,
+                                               budget_s)
+                out.append([cp, h, seq, b * seq // cp, forward, backward])
     return out
 
 
@@ -158,11 +179,9 @@ def _end_times(embed: Any, norm: Any, head: Any, loss_fn: Any, ids: torch.Tensor
                device: torch.device, budget_s: float) -> list[float]:
     """Embedding forward and backward, norm + head + loss forward and backward."""
     grad = torch.ones(*ids.shape, x.shape[-1], device=device, dtype=x.dtype)
-    ef = timed(lambda: embed(ids), device, budget_s)
-    efb = timed(lambda: embed(ids).backward(grad), device, budget_s)
-    hf = timed(lambda: loss_fn(head(norm(x)), ids), device, budget_s)
-    hfb = timed(lambda: loss_fn(head(norm(x)), ids).backward(), device, budget_s)
-    return [ef, max(efb - ef, 0.0), hf, max(hfb - hf, 0.0)]
+    ef, eb = timed_pair(lambda: embed(ids), lambda out: out.backward(grad), device, budget_s)
+    hf, hb = timed_pair(lambda: loss_fn(head(norm(x)), ids), lambda out: out.backward(), device, budget_s)
+    return [ef, eb, hf, hb]
 
 
 def measure_ends(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
