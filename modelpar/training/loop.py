@@ -96,6 +96,11 @@ class TrainResult:
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
 
     @property
+    def timeline(self) -> Any:
+        """The last measured step's Timeline of this rank's pipeline (with its dp collectives), or None."""
+        return self.timelines[-1] if self.timelines else None
+
+    @property
     def bubble_simulated(self) -> float | None:
         """The simulator's bubble with the measured action costs of ``timelines`` (computed when a report asks:
         the loop does not simulate)."""
