@@ -202,7 +202,7 @@ def test_uneven_splits_compute_the_single_process_model(request, changes):
      r"schedule must be one of \{gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, "
      r"auto\}, got 'pipedream'"),
     ({"pp": 2, "schedule": "auto", "memory_limit": 0.5}, r"memory limit must be >= 1 microbatches' activations per "
-                                                         r"device .*got 0.5"),
+                                                         r"rank .*got 0.5"),
     ({"pp": 2, "schedule": "dualpipe-v", "chunks": 2}, r"microbatches must be >= 4, got 2"),
 ])
 def test_bad_input_is_one_error_on_every_rank(c2, changes, message):
