@@ -76,3 +76,22 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert main(["calibrate", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_slowest_rank_sets_the_whole_work_tables():
+    """A synchronous step goes at its slowest rank's pace: each cell of the whole-work tables is the ranks' largest,
+    the optimizer fit the largest latency and per-tensor cost and the least bandwidth; the rest is rank 0's."""
+    from modelpar.calibrate.run import slowest
+
+    a = {"matmul": {"fp32": [[1, 2, 3, 0.5]]}, "layer": {"fp32": [[64, 4, 64, 128, 1.0, 2.0, 1.5, 3.0]]},
+         "ends": {"fp32": [[64, 128, 256, 0.1, 0.4, 0.3, 0.2]]}, "blockwise": {"fp32": [[2, 64, 64, 64, 0.5, 0.9]]},
+         "runtime_s": [1e-4, 2e-4], "optimizer": [1e-3, 2e-5, 3.0]}
+    b = {"matmul": {"fp32": [[1, 2, 3, 0.4]]}, "layer": {"fp32": [[64, 4, 64, 128, 2.0, 1.0, 1.0, 4.0]]},
+         "ends": {"fp32": [[64, 128, 256, 0.2, 0.3, 0.3, 0.1]]}, "blockwise": {"fp32": [[2, 64, 64, 64, 0.4, 1.0]]},
+         "runtime_s": [3e-4, 1e-4], "optimizer": [5e-4, 4e-5, 2.0]}
+    got = slowest([a, b])
+    assert got["layer"] == {"fp32": [[64, 4, 64, 128, 2.0, 2.0, 1.5, 4.0]]}
+    assert got["ends"] == {"fp32": [[64, 128, 256, 0.2, 0.4, 0.3, 0.2]]}
+    assert got["blockwise"] == {"fp32": [[2, 64, 64, 64, 0.5, 1.0]]}
+    assert got["runtime_s"] == [3e-4, 2e-4] and got["optimizer"] == [1e-3, 4e-5, 2.0]
+    assert got["matmul"] == a["matmul"] and slowest([a]) == a  # the kernels stay rank 0's

@@ -30,7 +30,7 @@ from modelpar.calibrate.compute import (
 from modelpar.calibrate.layers import measure_blockwise, measure_ends, measure_layers, measure_optimizer, measure_runtime
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
-__all__ = ["calibrate", "default_ranks", "measure_rank"]
+__all__ = ["calibrate", "default_ranks", "measure_rank", "slowest"]
 
 
 def default_ranks(cores: int | None = None) -> list[int]:
@@ -82,7 +82,7 @@ def _host_memory() -> int:
 
 
 def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
-    """Per process count: rank 0's measurements in a local gloo cluster of that many processes."""
+    """Per process count: the measurements of a local gloo cluster of that many processes (``slowest``)."""
     from modelpar.distributed import LocalCluster
     from modelpar.training.start import rank_threads
 
@@ -92,9 +92,30 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[i
             found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s)
             continue
         with LocalCluster(n, timeout=120.0, run_timeout=600.0) as cluster:
-            found[n] = cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s,
-                                   n <= (os.cpu_count() or 1))[0]
+            found[n] = slowest(cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s,
+                                           n <= (os.cpu_count() or 1)))
     return found
+
+
+_KEYS = {"layer": 4, "ends": 3, "blockwise": 4}  # leading key columns of each whole-work table's rows
+
+
+def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's measurements with the whole-work tables of the slowest rank, cell by cell: a synchronous step
+    goes at its slowest rank's pace, and the cores of a VM need not be equally fast (two processes' plain
+    stage forwards: 5.6 against 4.1 ms at one moment, 4.8 against 4.9 at another). The optimizer fit takes
+    the largest latency and per-tensor cost and the least bandwidth."""
+    out = dict(ranks[0])
+    for name, keys in _KEYS.items():
+        if name in out:
+            out[name] = {d: [[*rows[0][:keys], *(max(col) for col in zip(*(r[keys:] for r in rows)))]
+                             for rows in zip(*(m[name][d] for m in ranks))] for d in out[name]}
+    if "runtime_s" in out:
+        out["runtime_s"] = [max(col) for col in zip(*(m["runtime_s"] for m in ranks))]
+    if "optimizer" in out:
+        fits = [m["optimizer"] for m in ranks]
+        out["optimizer"] = [max(f[0] for f in fits), max(f[1] for f in fits), min(f[2] for f in fits)]
+    return out
 
 
 def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = None, budget_s: float = 0.05,
