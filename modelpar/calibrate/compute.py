@@ -23,6 +23,7 @@ __all__ = [
     "measure_elementwise",
     "measure_matmul",
     "measure_op_latency",
+    "repeated",
     "sync",
     "timed",
 ]
@@ -57,31 +58,38 @@ def flush_cache(device: torch.device) -> None:
     sync(device)
 
 
+def repeated(once: Callable[[], tuple[float, ...]], device: torch.device, budget_s: float = 0.05, min_reps: int = 3,
+             reps: int | None = None, cold: bool = False) -> list[tuple[float, ...]]:
+    """What ``once()`` timed (a tuple of seconds) over at least ``min_reps`` calls within ``budget_s`` (at most 200),
+    or exactly ``reps`` (a collective: every rank must run it as often); ``cold``: the caches flushed before each
+    call (``flush_cache``, untimed). The caller warms up first. Under a process group every rank starts
+    together (a barrier), so concurrent ranks overlap."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    runs: list[tuple[float, ...]] = []
+    end = time.perf_counter() + budget_s
+    while len(runs) < (reps or min_reps) or (reps is None and time.perf_counter() < end):
+        if cold:
+            flush_cache(device)
+        runs.append(once())
+        if len(runs) >= (reps or 200):
+            break
+    return runs
+
+
 def timed(fn: Callable[[], object], device: torch.device, budget_s: float = 0.05, min_reps: int = 3,
           reps: int | None = None, statistic: Callable[[list[float]], float] = statistics.median,
           cold: bool = False) -> float:
-    """Median (or ``statistic``) seconds of one ``fn()`` call: one warm-up, then at least ``min_reps`` runs within
-    ``budget_s``, or exactly ``reps`` runs (a collective: every rank must run it as often); ``cold``: the caches
-    flushed before each run (``flush_cache``, untimed).
-
-    Under a process group every rank starts together (a barrier), so concurrent ranks overlap.
-    """
-    fn()
-    sync(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-    times: list[float] = []
-    end = time.perf_counter() + budget_s
-    while len(times) < (reps or min_reps) or (reps is None and time.perf_counter() < end):
-        if cold:
-            flush_cache(device)
+    """Median (or ``statistic``) seconds of one ``fn()`` call: one warm-up, then ``repeated``'s runs."""
+    def once() -> tuple[float]:
         t0 = time.perf_counter()
         fn()
         sync(device)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= (reps or 200):
-            break
-    return statistic(times)
+        return (time.perf_counter() - t0,)
+
+    fn()
+    sync(device)
+    return statistic([t for (t,) in repeated(once, device, budget_s, min_reps, reps, cold)])
 
 
 def measure_matmul(dtype: str, device: torch.device, shapes: list[tuple[int, int, int]],

@@ -34,9 +34,8 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from modelpar.calibrate.compute import DTYPES
+from modelpar.calibrate.compute import DTYPES, repeated, sync
 from modelpar.calibrate.compute import timed as _timed
 
 __all__ = [
@@ -73,28 +72,20 @@ def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: floa
     """Mean seconds of ``forward()`` and of ``backward(out)`` on its output, each timed within the same run (as a
     step runs an F and later its B; two means of separate runs subtracted would add both runs' noise to the
     backward): one warm-up, then at least ``REPS`` runs (one below ``QUICK_S``) within ``budget_s``, the caches
-    flushed before each."""
-    from modelpar.calibrate.compute import flush_cache, sync
-
-    backward(forward())
-    sync(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-    reps = REPS if budget_s >= QUICK_S else 1
-    f: list[float] = []
-    b: list[float] = []
-    end = time.perf_counter() + budget_s
-    while len(f) < reps or (time.perf_counter() < end and len(f) < 200):
-        flush_cache(device)
+    flushed before each (``compute.repeated``)."""
+    def once() -> tuple[float, float]:
         t0 = time.perf_counter()
         out = forward()
         sync(device)
         t1 = time.perf_counter()
         backward(out)
         sync(device)
-        f.append(t1 - t0)
-        b.append(time.perf_counter() - t1)
-    return statistics.fmean(f), statistics.fmean(b)
+        return t1 - t0, time.perf_counter() - t1
+
+    backward(forward())
+    sync(device)
+    runs = repeated(once, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, cold=True)
+    return statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs)
 
 
 def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
