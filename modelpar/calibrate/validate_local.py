@@ -130,8 +130,9 @@ def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: An
                 for case in mine:
                     times, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
                     case.round_steps.append(statistics.median(times))
+                    first = case.measured.get("step_spread")  # the first round's, computed once
                     case.measured = {"step_time_s": statistics.median(case.round_steps),
-                                     "step_spread": case.measured.get("step_spread", spread(times)),
+                                     "step_spread": spread(times) if first is None else first,
                                      "bubble": bubble if bubble is not None else 0.0,
                                      "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
                                      "activations_bytes": act or 0.0}
