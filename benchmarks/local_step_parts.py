@@ -29,7 +29,7 @@ def _rank(cfg: Any, steps: int) -> dict[str, float]:
     import modelpar.training.loop as loop
     from modelpar.training.start import rank_threads
 
-    torch.set_num_threads(rank_threads(1))
+    torch.set_num_threads(rank_threads(cfg.dims.world_size))
     parts: dict[str, list[float]] = {}
     build = loop._Run.__init__
 
