@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from modelpar._compat import all_gather_single, reduce_scatter_single
-from modelpar.calibrate.comm import SIZES, fit_line
+from modelpar.calibrate.comm import fit_line, sizes
 from modelpar.calibrate.compute import sync
 from modelpar.costmodel.profiles import BUSY_OPS
 from modelpar.formulas import allgather_bytes, allreduce_bytes
@@ -64,8 +64,9 @@ def measure_busy(device: torch.device, reps: int = 20) -> dict[str, list[float]]
     mine = rank // 2 if rank < 2 * len(pairs) else None
     peer = rank ^ 1
     x = torch.randn(_WORK, _WORK, device=device)
-    seconds = torch.zeros(len(BUSY_OPS), len(SIZES), dtype=torch.float64)
-    for j, size in enumerate(SIZES):
+    measured = sizes(device)
+    seconds = torch.zeros(len(BUSY_OPS), len(measured), dtype=torch.float64)
+    for j, size in enumerate(measured):
         for i, op in enumerate(BUSY_OPS):
             if op in ("p2p", "exchange"):
                 buf = torch.zeros(size // 8, dtype=torch.float64, device=device)
@@ -106,12 +107,12 @@ def measure_busy(device: torch.device, reps: int = 20) -> dict[str, list[float]]
                     total += took
             seconds[i, j] = total / reps
     dist.all_reduce(seconds)  # per pair: the receiver's delay, the mean of the two ranks' collective
-    return _fit(seconds / max(1, len(pairs)))  # the mean over the pairs (each ran the same)
+    return _fit(seconds / max(1, len(pairs)), measured)  # the mean over the pairs (each ran the same)
 
 
-def _fit(seconds: torch.Tensor) -> dict[str, list[float]]:
-    # SIZES are whole float64 pairs
+def _fit(seconds: torch.Tensor, measured: tuple[int, ...]) -> dict[str, list[float]]:
+    # every measured size is a whole number of float64 pairs
     sent = {"p2p": lambda n: n, "exchange": lambda n: n, "all_reduce": lambda n: allreduce_bytes(n, 2),
             "all_gather": lambda n: allgather_bytes(n, 2), "reduce_scatter": lambda n: allgather_bytes(n, 2)}
-    return {op: list(fit_line([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(SIZES)]))
+    return {op: list(fit_line([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(measured)]))
             for i, op in enumerate(BUSY_OPS)}

@@ -16,9 +16,18 @@ from modelpar._compat import all_gather_single, reduce_scatter_single
 from modelpar.calibrate.compute import timed
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
-__all__ = ["SIZES", "fit_line", "measure_collectives"]
+__all__ = ["SIZES", "fit_line", "measure_collectives", "sizes"]
 
-SIZES = (1 << 12, 1 << 16, 1 << 20)  # bytes of the whole tensor (fp32)
+# bytes of the whole tensor (fp32): from a latency-bound message to past what a step sends at once (a CPU-sized
+# model's gradient bucket is a few MB; a GPU's is tens). A fit through sizes all below a step's bucket
+# extrapolates its bandwidth from points the latency dominates: from 4 KB - 1 MB on a 2-core VM, three
+# calibrations minutes apart gave a pair's all-reduce 0.48-1.6 GB/s.
+SIZES = {"cpu": (1 << 12, 1 << 16, 1 << 20, 1 << 22), "cuda": (1 << 16, 1 << 20, 1 << 24, 1 << 26)}
+
+
+def sizes(device: torch.device) -> tuple[int, ...]:
+    """The message sizes measured on ``device``'s kind."""
+    return SIZES.get(device.type, SIZES["cpu"])
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -79,13 +88,13 @@ def measure_collectives(device: torch.device, local_size: int, reps: int = 5) ->
         link = "intra" if g <= local_size else "inter"
         for op in ("all_reduce", "all_gather", "reduce_scatter"):
             if dist.get_rank() < g:
-                points = [_time_op(op, group, g, size, device, reps=reps) for size in SIZES]
+                points = [_time_op(op, group, g, size, device, reps=reps) for size in sizes(device)]
             else:  # outside the group: nothing to time, but keep in step with the group's barriers
                 points = [(1.0, 1.0)]
-                for _ in SIZES:
+                for _ in sizes(device):
                     timed(lambda: None, device, reps=reps)
             latency, gbps = fit_line(points)
             out.setdefault(op, {}).setdefault(link, {})[str(g)] = [latency, gbps]
-    p2p = fit_line([(float(size), _ping_pong(size, device, reps=reps)) for size in SIZES])
+    p2p = fit_line([(float(size), _ping_pong(size, device, reps=reps)) for size in sizes(device)])
     out["p2p"] = {"intra" if local_size >= 2 else "inter": {"2": list(p2p)}}
     return out
