@@ -40,10 +40,12 @@ def test_build_profile_from_measurements():
     assert p.collective("all_reduce", 2).latency_s == 1e-4
     assert p.layer == p.ends == p.blockwise == {} and p.runtime_s == p.optimizer == {}  # not measured: the kernels
     whole = {"layer": {"fp32": [[64, 4, 64, 128, 1e-3, 2e-3, 1e-3, 3e-3]]}, "ends": {"fp32": [[64, 128, 256, 1, 1, 1, 1]]},
-             "blockwise": {"fp32": []}, "runtime_s": [1e-4, 1e-3], "optimizer": [1e-3, 1e-5, 2.0]}
+             "blockwise": {"fp32": []}, "runtime_s": [1e-4, 1e-3],
+             "optimizer": [[t, b, 1e-3 + t * 1e-5 + b / 2e9] for t, b in ((10, 1e6), (40, 4e6), (20, 1e7))]}
     p = build_profile({1: {**one, **whole}, 2: two}, "gloo", "box")  # 2 processes sharing 2 cores: not measured
     assert p.layer == {"fp32": {"1": whole["layer"]["fp32"]}} and p.runtime_s == {"1": [1e-4, 1e-3]}
-    assert p.layer_rows("fp32", 2) == whole["layer"]["fp32"] and p.optimizer_fit(4) == (1e-3, 1e-5, 2.0)
+    assert p.layer_rows("fp32", 2) == whole["layer"]["fp32"]
+    assert p.optimizer_fit(4) == pytest.approx((1e-3, 1e-5, 2.0), rel=1e-6)  # the rows fitted
 
 
 def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
@@ -80,18 +82,30 @@ def test_bad_input_is_one_line(capsys, args, message):
 
 def test_the_slowest_rank_sets_the_whole_work_tables():
     """A synchronous step goes at its slowest rank's pace: each cell of the whole-work tables is the ranks' largest,
-    the optimizer fit the largest latency and per-tensor cost and the least bandwidth; the rest is rank 0's."""
+    the optimizer's rows the largest seconds (fitted afterwards); the rest is rank 0's."""
     from modelpar.calibrate.run import slowest
 
     a = {"matmul": {"fp32": [[1, 2, 3, 0.5]]}, "layer": {"fp32": [[64, 4, 64, 128, 1.0, 2.0, 1.5, 3.0]]},
          "ends": {"fp32": [[64, 128, 256, 0.1, 0.4, 0.3, 0.2]]}, "blockwise": {"fp32": [[2, 64, 64, 64, 0.5, 0.9]]},
-         "runtime_s": [1e-4, 2e-4], "optimizer": [1e-3, 2e-5, 3.0]}
+         "runtime_s": [1e-4, 2e-4], "optimizer": [[10, 1e6, 1e-3], [40, 4e6, 2e-3]]}
     b = {"matmul": {"fp32": [[1, 2, 3, 0.4]]}, "layer": {"fp32": [[64, 4, 64, 128, 2.0, 1.0, 1.0, 4.0]]},
          "ends": {"fp32": [[64, 128, 256, 0.2, 0.3, 0.3, 0.1]]}, "blockwise": {"fp32": [[2, 64, 64, 64, 0.4, 1.0]]},
-         "runtime_s": [3e-4, 1e-4], "optimizer": [5e-4, 4e-5, 2.0]}
+         "runtime_s": [3e-4, 1e-4], "optimizer": [[10, 1e6, 2e-3], [40, 4e6, 1e-3]]}
     got = slowest([a, b])
     assert got["layer"] == {"fp32": [[64, 4, 64, 128, 2.0, 2.0, 1.5, 4.0]]}
     assert got["ends"] == {"fp32": [[64, 128, 256, 0.2, 0.4, 0.3, 0.2]]}
     assert got["blockwise"] == {"fp32": [[2, 64, 64, 64, 0.5, 1.0]]}
-    assert got["runtime_s"] == [3e-4, 2e-4] and got["optimizer"] == [1e-3, 4e-5, 2.0]
+    assert got["runtime_s"] == [3e-4, 2e-4] and got["optimizer"] == [[10, 1e6, 2e-3], [40, 4e6, 2e-3]]
     assert got["matmul"] == a["matmul"] and slowest([a]) == a  # the kernels stay rank 0's
+
+
+def test_passes_are_averaged_cell_by_cell():
+    """The whole-work tables of two passes: each number the mean of the two, the key columns as they were."""
+    from modelpar.calibrate.run import mean_passes
+
+    a = {"layer": {"fp32": [[64, 4, 64, 128, 1.0, 3.0]]}, "runtime_s": [1e-4, 3e-4], "optimizer": [[10, 1e6, 1e-3]]}
+    b = {"layer": {"fp32": [[64, 4, 64, 128, 2.0, 1.0]]}, "runtime_s": [3e-4, 1e-4], "optimizer": [[10, 1e6, 3e-3]]}
+    got = mean_passes([a, b])
+    assert got["layer"] == {"fp32": [[64, 4, 64, 128, 1.5, 2.0]]}
+    assert got["runtime_s"] == pytest.approx([2e-4, 2e-4]) and got["optimizer"] == [[10, 1e6, pytest.approx(2e-3)]]
+    assert mean_passes([a]) == a

@@ -13,8 +13,8 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
 - ``measure_runtime``: a ``PipelineRunner`` step of a tiny model at 1 and 8 microbatches beside the
   same microbatches computed directly: the runtime's cost per action and per step.
 - ``measure_optimizer``: AdamW as the trainer builds it (``training.optimizer.param_groups``), the
-  gradient norm and the zeroing of a flat gradient buffer, over four model sizes, fitted as
-  ``latency + tensors·per_tensor + state bytes / bandwidth``.
+  gradient norm and the zeroing of a flat gradient buffer, over six model sizes; ``fit_optimizer`` fits
+  them as ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
 Times are means of at least ``REPS`` runs, each with the caches flushed first, a forward and its backward
 timed within the same run (``timed_pair``, ``timed``): a step's time is
@@ -28,14 +28,14 @@ interpolates between grid points (``costmodel.local_compute``).
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
-from modelpar.calibrate.compute import DTYPES, repeated, sync
+from modelpar.calibrate.compute import DTYPES, repeated, steady_mean, sync
 from modelpar.calibrate.compute import timed as _timed
 
 __all__ = [
@@ -64,7 +64,7 @@ QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run ea
 def timed(fn: Any, device: torch.device, budget_s: float) -> float:
     """The mean of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up, the caches flushed before each
     (``compute.timed``)."""
-    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=statistics.fmean,
+    return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=steady_mean,
                   cold=True)
 
 
@@ -85,7 +85,7 @@ def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: floa
     backward(forward())
     sync(device)
     runs = repeated(once, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, cold=True)
-    return statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs)
+    return steady_mean([r[0] for r in runs]), steady_mean([r[1] for r in runs])
 
 
 def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -218,7 +218,7 @@ def measure_runtime(device: torch.device, budget_s: float = 0.05) -> list[float]
     return [max(0.0, (per_microbatch - direct) / 2), max(0.0, steps[1] - per_microbatch)]
 
 
-OPTIMIZER_MODELS = ((32, 1), (32, 4), (128, 2), (256, 2))  # (hidden, layers): tensor counts and bytes apart
+OPTIMIZER_MODELS = ((32, 1), (32, 4), (64, 2), (128, 1), (128, 2), (256, 2))  # (hidden, layers): tensors, bytes apart
 
 
 def _optimizer_step(hidden: int, layers: int, device: torch.device, budget_s: float) -> tuple[int, int, float]:
@@ -246,14 +246,14 @@ def _optimizer_step(hidden: int, layers: int, device: torch.device, budget_s: fl
     return len(params), 2 * flat.numel() * flat.element_size(), seconds
 
 
-def measure_optimizer(device: torch.device, budget_s: float = 0.05) -> list[float]:
-    """[latency_s, per_tensor_s, GB/s] of a step's gradient norm, AdamW update and gradient zeroing: the least
-    squares fit of ``latency + tensors·per_tensor + state bytes/bandwidth`` over ``OPTIMIZER_MODELS``."""
-    rows = [_optimizer_step(h, n, device, budget_s) for h, n in OPTIMIZER_MODELS]
-    return fit_optimizer(rows)
+def measure_optimizer(device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
+    """[[tensors, AdamW state bytes, seconds], ...] of a step's gradient norm, AdamW update and gradient zeroing
+    over ``OPTIMIZER_MODELS``: the rows ``fit_optimizer`` fits once every rank's are in (``calibrate.run.slowest``
+    takes each row's slowest rank before the fit, not the worst of each rank's fitted terms)."""
+    return [list(map(float, _optimizer_step(h, n, device, budget_s))) for h, n in OPTIMIZER_MODELS]
 
 
-def fit_optimizer(rows: list[tuple[int, int, float]]) -> list[float]:
+def fit_optimizer(rows: Sequence[Sequence[float]]) -> list[float]:
     """[latency_s, per_tensor_s, GB/s] fitted to (tensors, bytes, seconds) rows by least squares (normal
     equations, 3 × 3), each term kept non-negative (a negative one is dropped and the rest refitted)."""
     terms = [0, 1, 2]
