@@ -16,7 +16,8 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   gradient norm and the zeroing of a flat gradient buffer, over six model sizes; ``fit_optimizer`` fits
   them as ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
-Times are means of at least ``REPS`` runs, each with the caches flushed first, a forward and its backward
+Times are means of at least ``REPS`` runs (runs over twice their median, a rare pause, left out:
+``compute.steady_mean``), each with the caches flushed first, a forward and its backward
 timed within the same run (``timed_pair``, ``timed``): a step's time is
 the sum of its parts, so their means add up to its mean (a median or the fastest run leaves out the pauses a
 shared machine gives every process, which a step of many parts always meets), and in a step every layer
@@ -54,7 +55,7 @@ __all__ = [
 LAYER_HEADS = 4  # heads of the measured layers (the residual beyond the kernels hardly depends on them)
 LAYER_SEQ = 64  # tokens per sequence of the measured layers (CPU); a micro-batch is tokens / seq sequences
 END_VOCAB = 256  # the padded vocabulary of the measured output layer
-REPS = 5  # at least this many runs; their mean is kept (the fastest ran 10-30% below the trainer's median step)
+REPS = 5  # at least this many runs; their steady mean is kept (the fastest ran 10-30% below the trainer's median)
 STACK = 4  # layers of the measured stack: a layer's figures are the stack's / STACK
 
 
@@ -62,14 +63,14 @@ QUICK_S = 0.01  # a budget below this (tests) measures a 2 × 2 grid, one run ea
 
 
 def timed(fn: Any, device: torch.device, budget_s: float) -> float:
-    """The mean of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up, the caches flushed before each
-    (``compute.timed``)."""
+    """The steady mean (``compute.steady_mean``) of at least ``REPS`` runs (one below ``QUICK_S``) after a warm-up,
+    the caches flushed before each (``compute.timed``)."""
     return _timed(fn, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, statistic=steady_mean,
                   cold=True)
 
 
 def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: float) -> tuple[float, float]:
-    """Mean seconds of ``forward()`` and of ``backward(out)`` on its output, each timed within the same run (as a
+    """Steady mean seconds of ``forward()`` and of ``backward(out)`` on its output, each timed within the same run (as a
     step runs an F and later its B; two means of separate runs subtracted would add both runs' noise to the
     backward): one warm-up, then at least ``REPS`` runs (one below ``QUICK_S``) within ``budget_s``, the caches
     flushed before each (``compute.repeated``)."""
