@@ -6,7 +6,7 @@ import pytest
 
 from modelpar.calibrate import build_profile, default_ranks
 from modelpar.calibrate.busy import BUSY_OPS
-from modelpar.calibrate.comm import fit_line
+from modelpar.calibrate.comm import fit_line, measured_cost, non_decreasing
 from modelpar.calibrate.compute import gemm_shapes
 from modelpar.cli import main
 from modelpar.costmodel.profiles import installed_torch, load_profile
@@ -19,6 +19,14 @@ def test_fit_line_hand_checked():
     assert latency == pytest.approx(1e-3) and gbps == pytest.approx(2.0)
     # noise that makes the slope negative: no latency below zero, the best bytes/s seen
     assert fit_line([(1e3, 2e-3), (1e6, 1e-3)]) == (pytest.approx(1e-3), pytest.approx(1.0))
+
+
+def test_measured_cost_keeps_the_points_non_decreasing():
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]  # the violating pair pooled
+    assert non_decreasing([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0] and non_decreasing([1.0, 2.0]) == [1.0, 2.0]
+    latency, gbps, points = measured_cost([(1e5, 3e-3), (1e3, 1e-3), (1e6, 2e-3)])
+    assert points == [[1e3, 1e-3], [1e5, 2.5e-3], [1e6, 2.5e-3]]  # sorted by bytes, then pooled
+    assert (latency, gbps) == pytest.approx(fit_line([(1e3, 1e-3), (1e5, 3e-3), (1e6, 2e-3)]))
 
 
 def test_default_ranks_and_shapes():

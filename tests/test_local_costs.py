@@ -127,8 +127,26 @@ def test_busy_pair_fit_prices_pair_messages():
     assert predict_local(run, hw).step_time_s > predict_local(run, _profile()).step_time_s
 
 
+def test_measured_points_are_interpolated():
+    """Kept sizes price a message between them by their line, below them as the smallest, above them as the
+    largest plus the rest at the fit's bandwidth; the line alone where none are kept."""
+    points = [[1e3, 1e-3], [1e5, 2e-3], [1e6, 3e-3]]
+    hw = _profile(busy={"all_reduce": {"2": [5e-3, 0.5, points]}})
+    cost = hw.busy_cost("all_reduce", 2)
+    assert cost is not None
+    assert cost.time(10.0) == 1e-3 and cost.time(1e5) == 2e-3
+    assert cost.time(5.5e5) == pytest.approx(2.5e-3)  # halfway between 1e5 and 1e6
+    assert cost.time(2e6) == pytest.approx(3e-3 + 1e6 / 0.5e9)
+    run = dataclasses.replace(RUN, d=1, t=2)
+    assert _comm(run, hw, "all_reduce", 2, 1e5) == 2e-3  # not the line's 5.2 ms
+    assert _profile(busy={"all_reduce": {"2": [5e-3, 0.5]}}).busy_cost("all_reduce", 2).time(1e5) == 5e-3 + 1e5 / 0.5e9
+
+
 @pytest.mark.parametrize("busy, message", [({"bcast": {"2": [0.0, 1.0]}}, "busy op must be one of"),
                                            ({"p2p": {"2": [0.0]}}, "must be [latency_s, GB/s]"),
+                                           ({"p2p": {"2": [0.0, 1.0, [[2.0, 1.0], [1.0, 2.0]]]}},
+                                            "points must be in ascending bytes"),
+                                           ({"p2p": {"2": [0.0, 1.0, [[2.0]]]}}, "points must be [[bytes, seconds]"),
                                            ({"p2p": {"x": [0.0, 1.0]}}, "busy[p2p] ranks must be a whole number")])
 def test_bad_busy_table(busy, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

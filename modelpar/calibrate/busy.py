@@ -20,20 +20,22 @@ measurement on 2 cores is what 4 training ranks sharing 2 cores get:
   it cost several times a one-way message (about 1.3 ms against 0.3 ms), which priced cp = 2 runs
   20-45% too fast.
 
-Each is the mean over 20 repetitions (a slow wake-up on the critical path costs its full length, so
-the mean, not the median) at the sizes of ``comm.py``, fitted as ``latency + bytes/bandwidth``
-(bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes alongside.
+Each is the mean over 40 repetitions (a slow wake-up on the critical path costs its full length, so
+the mean, not the median) at the sizes of ``comm.py``, kept with their ``latency + bytes/bandwidth`` fit
+(``comm.measured_cost``; bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes
+alongside.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from modelpar._compat import all_gather_single, reduce_scatter_single
-from modelpar.calibrate.comm import fit_line, sizes
+from modelpar.calibrate.comm import measured_cost, sizes
 from modelpar.calibrate.compute import sync
 from modelpar.costmodel.profiles import BUSY_OPS
 from modelpar.formulas import allgather_bytes, allreduce_bytes
@@ -57,8 +59,8 @@ def _collective(op: str, group: object, full: torch.Tensor, shard: torch.Tensor)
         reduce_scatter_single(shard, full, group=group)
 
 
-def measure_busy(device: torch.device, reps: int = 20) -> dict[str, list[float]]:
-    """op -> [latency_s, GB/s] of ``BUSY_OPS`` over a pair while every pair runs the same (module docstring)."""
+def measure_busy(device: torch.device, reps: int = 40) -> dict[str, list[Any]]:
+    """op -> ``comm.measured_cost`` of ``BUSY_OPS`` over a pair while every pair runs the same (module docstring)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
     mine = rank // 2 if rank < 2 * len(pairs) else None
@@ -110,9 +112,9 @@ def measure_busy(device: torch.device, reps: int = 20) -> dict[str, list[float]]
     return _fit(seconds / max(1, len(pairs)), measured)  # the mean over the pairs (each ran the same)
 
 
-def _fit(seconds: torch.Tensor, measured: tuple[int, ...]) -> dict[str, list[float]]:
+def _fit(seconds: torch.Tensor, measured: tuple[int, ...]) -> dict[str, list[Any]]:
     # every measured size is a whole number of float64 pairs
     sent = {"p2p": lambda n: n, "exchange": lambda n: n, "all_reduce": lambda n: allreduce_bytes(n, 2),
             "all_gather": lambda n: allgather_bytes(n, 2), "reduce_scatter": lambda n: allgather_bytes(n, 2)}
-    return {op: list(fit_line([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(measured)]))
+    return {op: measured_cost([(float(sent[op](size)), float(seconds[i, j])) for j, size in enumerate(measured)])
             for i, op in enumerate(BUSY_OPS)}

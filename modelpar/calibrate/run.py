@@ -186,7 +186,7 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
     first = found[min(found)]
     measured = [m["collectives"] for _, m in sorted(found.items(), reverse=True) if "collectives" in m]
     collectives: dict[str, Any] = measured[0] if measured else {}
-    p2p = [gbps for link in collectives.get("p2p", {}).values() for _, gbps in link.values()]
+    p2p = [fit[1] for link in collectives.get("p2p", {}).values() for fit in link.values()]
     dtypes = list(first["matmul"])
     return HardwareProfile(
         name=name or f"{platform.node() or 'host'}-{first['device']}",

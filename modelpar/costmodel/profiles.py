@@ -14,7 +14,8 @@ for a core when ranks outnumber cores; ``calibrate/busy.py``), keyed by the proc
 Compute tables are keyed by ``ranks``: how many training processes share the node while measuring
 (a CPU's cores are split between them, as ``modelpar train`` splits its threads), so a profile
 prices a 4-rank run on 2 cores from a 4-rank measurement. Collective costs are
-``latency_s + bytes / (gbps·1e9)``, bytes being what one rank sends with a ring algorithm
+``latency_s + bytes / (gbps·1e9)``, or, where the measured sizes are kept, those interpolated
+(``CollectiveCost``), bytes being what one rank sends with a ring algorithm
 (``formulas.allreduce_bytes`` / ``allgather_bytes``; the message itself for point-to-point).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,13 +43,35 @@ DTYPES = ("fp32", "bf16", "fp16", "fp64")
 
 @dataclass(frozen=True)
 class CollectiveCost:
-    """One collective on one link and group size: ``latency_s + bytes/(gbps·1e9)``."""
+    """One collective on one link and group size: ``latency_s + bytes/(gbps·1e9)``, or where the sizes it was
+    measured at are kept (``points``: (bytes sent, seconds), ascending), between them the measurements
+    interpolated, below them the smallest one's, above the largest one's plus the rest at ``gbps``. A line
+    through every size misprices the small messages: gloo's cost rises steeply up to ~1 MB and slowly
+    after, so the line's latency sat 0.5-0.7 ms above what a 64 KB tensor-parallel all-reduce cost in a step
+    (2.2 ms priced, 1.4-1.7 ms measured on a 2-core VM)."""
 
     latency_s: float
     gbps: float
+    points: tuple[tuple[float, float], ...] = ()
 
     def time(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / (self.gbps * 1e9)
+        if not self.points:
+            return self.latency_s + nbytes / (self.gbps * 1e9)
+        (x0, y0), (xn, yn) = self.points[0], self.points[-1]
+        if nbytes <= x0:
+            return y0
+        if nbytes >= xn:
+            return yn + (nbytes - xn) / (self.gbps * 1e9)
+        for (a, ya), (b, yb) in zip(self.points, self.points[1:]):
+            if nbytes <= b:
+                return ya + (yb - ya) * (nbytes - a) / (b - a)
+        return yn  # not reached
+
+
+def _cost(fit: Sequence[Any]) -> CollectiveCost:
+    """The ``CollectiveCost`` of a profile's ``[latency_s, GB/s]`` or ``[latency_s, GB/s, [[bytes, s], ...]]``."""
+    points = tuple((float(x), float(y)) for x, y in fit[2]) if len(fit) > 2 else ()
+    return CollectiveCost(float(fit[0]), float(fit[1]), points)
 
 
 @dataclass(frozen=True)
@@ -72,10 +96,10 @@ class HardwareProfile:
     attention: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> str(ranks) -> TFLOP/s
     elementwise_gbps: dict[str, float] = field(default_factory=dict)  # str(ranks) -> GB/s per rank
     op_latency_s: dict[str, float] = field(default_factory=dict)  # str(ranks) -> seconds per dispatched op
-    collectives: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
-    #              op -> link -> str(group size) -> [latency_s, GB/s]
-    busy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
-    #       op -> str(ranks) -> [latency_s, GB/s]: a pair's message / collective right after compute, every rank busy
+    collectives: dict[str, dict[str, dict[str, list[Any]]]] = field(default_factory=dict)
+    #              op -> link -> str(group size) -> [latency_s, GB/s] or [latency_s, GB/s, [[bytes, s], ...]]
+    busy: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    #       op -> str(ranks) -> the same: a pair's message / collective right after compute, every rank busy
     layer: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     #      dtype -> str(ranks) -> [[hidden, heads, seq, tokens, fwd_s, bwd_s, fwd_recomputed_s, bwd_recomputed_s]]
     ends: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
@@ -215,8 +239,7 @@ class HardwareProfile:
         if not sizes or group < 2:
             return None
         near = min(sizes, key=lambda n: (abs(math.log(int(n) / group)), -int(n)))
-        latency, gbps = sizes[near]
-        return CollectiveCost(latency, gbps)
+        return _cost(sizes[near])
 
     def busy_cost(self, op: str, ranks: int) -> CollectiveCost | None:
         """``op`` over a pair as the trainer issues it (after compute, every one of ``ranks`` processes busy;
@@ -224,8 +247,7 @@ class HardwareProfile:
         table = self.busy.get(op)
         if not table:
             return None
-        latency, gbps = table[self.ranks_measured(ranks, table)]
-        return CollectiveCost(latency, gbps)
+        return _cost(table[self.ranks_measured(ranks, table)])
 
     def to_json(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
@@ -252,11 +274,21 @@ class HardwareProfile:
 
 
 def _check_fit(where: str, fit: Any) -> None:
-    """A ``[latency_s, GB/s]`` pair: two numbers, the bandwidth above 0."""
-    if len(fit) != 2:
-        raise ValueError(f"{where} must be [latency_s, GB/s], got {fit!r}")
+    """A ``[latency_s, GB/s]`` pair, optionally with the measured ``[[bytes, seconds], ...]`` (ascending bytes):
+    numbers, the bandwidth above 0."""
+    if not isinstance(fit, list | tuple) or len(fit) not in (2, 3):
+        raise ValueError(f"{where} must be [latency_s, GB/s] or [latency_s, GB/s, [[bytes, s], ...]], got {fit!r}")
     check_number(f"{where} latency_s", fit[0])
     check_number(f"{where} GB/s", fit[1], strict=True)
+    if len(fit) == 3:
+        points = fit[2]
+        if not isinstance(points, list | tuple) or any(not isinstance(pt, list | tuple) or len(pt) != 2 for pt in points):
+            raise ValueError(f"{where} points must be [[bytes, seconds], ...], got {points!r}")
+        for x, y in points:
+            check_number(f"{where} point bytes", x, strict=True)
+            check_number(f"{where} point seconds", y)
+        if any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+            raise ValueError(f"{where} points must be in ascending bytes, got {points!r}")
 
 
 def _check_rows(where: str, rows: Any, width: int, grid: int) -> None:
