@@ -20,7 +20,7 @@ measurement on 2 cores is what 4 training ranks sharing 2 cores get:
   it cost several times a one-way message (about 1.3 ms against 0.3 ms), which priced cp = 2 runs
   20-45% too fast.
 
-Each is the mean over 40 repetitions (a slow wake-up on the critical path costs its full length, so
+Each is the mean over 40 repetitions (160 at the two smallest sizes; a slow wake-up on the critical path costs its full length, so
 the mean, not the median) at the sizes of ``comm.py``, kept with their ``latency + bytes/bandwidth`` fit
 (``comm.measured_cost``; bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes
 alongside.
@@ -42,6 +42,9 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes
 
 __all__ = ["BUSY_OPS", "measure_busy"]
 
+SMALL_REPS = 4  # the two smallest sizes get this many times the repetitions: a step issues tens of such
+# collectives (a t = 2 step: 21 all-reduces per micro-batch) and their times are heavy-tailed (mostly 0.4-0.6 ms,
+# now and then several ms, on a 2-core VM), so 40 runs' mean of one moved between 1.3 and 2.0 ms
 _WORK = 384  # the GEMM each rank runs before a message: 384³·2 ≈ 0.11 GFLOP, about 1 ms on one CPU core
 
 
@@ -69,6 +72,7 @@ def measure_busy(device: torch.device, reps: int = 40) -> dict[str, list[Any]]:
     measured = sizes(device)
     seconds = torch.zeros(len(BUSY_OPS), len(measured), dtype=torch.float64)
     for j, size in enumerate(measured):
+        runs = reps * SMALL_REPS if j < 2 else reps  # the latency-bound sizes: heavy-tailed, and called most often
         for i, op in enumerate(BUSY_OPS):
             if op in ("p2p", "exchange"):
                 buf = torch.zeros(size // 8, dtype=torch.float64, device=device)
@@ -77,7 +81,7 @@ def measure_busy(device: torch.device, reps: int = 40) -> dict[str, list[Any]]:
                 full = torch.ones(size // 8, dtype=torch.float64, device=device)
                 shard = torch.ones(full.numel() // 2, dtype=torch.float64, device=device)
             total = 0.0
-            for rep in range(reps + 1):  # the first is a warm-up
+            for rep in range(runs + 1):  # the first is a warm-up
                 dist.barrier()
                 if mine is None:
                     x @ x
@@ -107,7 +111,7 @@ def measure_busy(device: torch.device, reps: int = 40) -> dict[str, list[Any]]:
                     took = (time.perf_counter() - t0) / 2  # the mean of the two ranks' (summed below)
                 if rep > 0:
                     total += took
-            seconds[i, j] = total / reps
+            seconds[i, j] = total / runs
     dist.all_reduce(seconds)  # per pair: the receiver's delay, the mean of the two ranks' collective
     return _fit(seconds / max(1, len(pairs)), measured)  # the mean over the pairs (each ran the same)
 
