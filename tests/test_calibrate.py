@@ -67,6 +67,7 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == {"1", "2"}
     assert set(p.layer["fp32"]) == set(p.ends["fp32"]) == set(p.runtime_s) == set(p.optimizer) == {"1", "2"}
+    assert set(p.tp_layer["fp32"]) == {"2"} and all(row[0] == 2 for row in p.tp_layer_rows("fp32", 2))  # a pair
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
     assert set(p.busy) == set(BUSY_OPS) and all(set(table) == {"2"} for table in p.busy.values())  # 2 processes
@@ -105,6 +106,9 @@ def test_the_slowest_rank_sets_the_whole_work_tables():
     assert got["blockwise"] == {"fp32": [[2, 64, 64, 64, 0.5, 1.0]]}
     assert got["runtime_s"] == [3e-4, 2e-4] and got["optimizer"] == [[10, 1e6, 2e-3], [40, 4e6, 2e-3]]
     assert got["matmul"] == a["matmul"] and slowest([a]) == a  # the kernels stay rank 0's
+    lone = {**b, "tp_layer": {"fp32": []}}  # a rank with no t = 2 partner measured none of that table
+    pair = [[2, 64, 4, 64, 128, 1.0, 2.0, 1.5, 3.0]]
+    assert slowest([{**a, "tp_layer": {"fp32": pair}}, lone])["tp_layer"] == {"fp32": pair}
 
 
 def test_passes_are_averaged_cell_by_cell():

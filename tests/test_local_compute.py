@@ -146,6 +146,7 @@ def test_fit_optimizer_recovers_hand_made_rows():
     ("blockwise", {"fp32": {"1": [[2, 64, 64, 128, -1.0, 0.0]]}}, "blockwise[fp32][1] rows"),
     ("runtime_s", {"1": [1e-4]}, "runtime_s[1] rows must be 2 numbers"),
     ("optimizer", {"1": [1e-3, 1e-5, 0.0]}, "optimizer[1] GB/s"),
+    ("tp_layer", {"fp32": {"2": [[2, 64, 4, 64, 128, 1e-3, 2e-3, 1e-3]]}}, "tp_layer[fp32][2] rows must be 9 numbers"),
 ])
 def test_malformed_tables_are_named(field, value, message):
     data = HW.to_json()
@@ -153,3 +154,34 @@ def test_malformed_tables_are_named(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         HardwareProfile.from_json(data)
     assert HardwareProfile.from_json(HW.to_json()) == HW
+
+
+# tp_layer rows: [t, hidden, heads, seq, tokens, fwd, bwd, fwd recomputed, bwd recomputed], collectives included
+TP_LAYER = [[2, h, 4, 64, n, 5e-3 * h / 64, 9e-3 * h / 64 * n / 128, 6e-3, 1.6e-2] for h in (64, 128) for n in (128, 512)]
+TP_HW = dataclasses.replace(HW, layer={"fp32": {"1": LAYER, "2": LAYER}}, tp_layer={"fp32": {"2": TP_LAYER}})
+
+
+def test_a_measured_tensor_parallel_layer_is_priced_as_measured():
+    """t = 2 at a measured shape (h = 64, 512 tokens): the row itself, collectives and all; full recomputation
+    its recomputed columns; between grid points the priced difference is added; without the table, at another t
+    or with sequence parallelism, the layer and its collectives priced one by one."""
+    from modelpar.costmodel.local import _priced_tp_layer, tp_layer_seconds
+
+    run = dataclasses.replace(RUN, t=2, microbatches=2, batch=16)  # world 2, 512 tokens per micro-batch
+    forward, backward, _ = tp_layer_seconds(run, TP_HW)
+    assert (forward, backward) == pytest.approx((5e-3, 3.6e-2), rel=1e-12)
+    full = dataclasses.replace(run, recompute="full")
+    assert tp_layer_seconds(full, TP_HW)[:2] == pytest.approx((6e-3, 1.6e-2), rel=1e-12)
+    between = dataclasses.replace(run, microbatches=4)  # 256 tokens, between 128 and 512
+    f, b, _ = tp_layer_seconds(between, TP_HW)
+    pf, pb, _ = _priced_tp_layer(between, TP_HW)
+    assert f != pytest.approx(pf) and f == pytest.approx(5e-3 + pf - _priced_tp_layer(run, TP_HW)[0] / 2
+                                                        - _priced_tp_layer(dataclasses.replace(run, microbatches=8),
+                                                                           TP_HW)[0] / 2, rel=1e-9)
+    plain = tp_layer_seconds(run, HW)
+    assert plain == _priced_tp_layer(run, HW)
+    assert tp_layer_seconds(dataclasses.replace(run, sequence_parallel=True), TP_HW) == \
+        _priced_tp_layer(dataclasses.replace(run, sequence_parallel=True), TP_HW)
+    four = dataclasses.replace(run, t=4, batch=16)
+    assert tp_layer_seconds(four, TP_HW) == _priced_tp_layer(four, TP_HW)
+    assert predict_local(run, TP_HW).step_time_s != predict_local(run, dataclasses.replace(TP_HW, tp_layer={})).step_time_s

@@ -35,6 +35,7 @@ from modelpar.calibrate.layers import (
     measure_layers,
     measure_optimizer,
     measure_runtime,
+    measure_tp_layers,
 )
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
@@ -86,11 +87,14 @@ def _whole_work(dtypes: tuple[str, ...], device: torch.device, budget_s: float) 
     """One pass over the trainer's own work (``layers.py``): a cell is measured within a fraction of a second,
     and a VM's speed drifts over seconds (one layer's forward 0.27 then 0.38 ms, 20 s apart), so each pass
     catches another moment and their mean another several."""
-    return {"layer": {d: measure_layers(d, device, budget_s) for d in dtypes},
-            "ends": {d: measure_ends(d, device, budget_s) for d in dtypes},
-            "blockwise": {d: measure_blockwise(d, device, budget_s) for d in dtypes},
-            "runtime_s": measure_runtime(device, budget_s),
-            "optimizer": measure_optimizer(device, budget_s)}
+    out = {"layer": {d: measure_layers(d, device, budget_s) for d in dtypes},
+           "ends": {d: measure_ends(d, device, budget_s) for d in dtypes},
+           "blockwise": {d: measure_blockwise(d, device, budget_s) for d in dtypes},
+           "runtime_s": measure_runtime(device, budget_s),
+           "optimizer": measure_optimizer(device, budget_s)}
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pairs of ranks: the t = 2 layer, collectives in
+        out["tp_layer"] = {d: measure_tp_layers(d, device, budget_s) for d in dtypes}
+    return out
 
 
 def _cell_mean(tables: list[Any]) -> Any:
@@ -131,7 +135,7 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[i
     return found
 
 
-_KEYS = {"layer": 4, "ends": 3, "blockwise": 4}  # leading key columns of each whole-work table's rows
+_KEYS = {"layer": 4, "ends": 3, "blockwise": 4, "tp_layer": 5}  # leading key columns of each whole-work table's rows
 
 
 def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -142,9 +146,9 @@ def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     bandwidth: 0.67 to 3.2 GB/s in six calibrations of one machine)."""
     out = dict(ranks[0])
     for name, keys in _KEYS.items():
-        if name in out:
+        if name in out:  # a rank that measured none of a table (no t = 2 partner) has no say in it
             out[name] = {d: [[*rows[0][:keys], *(max(col) for col in zip(*(r[keys:] for r in rows)))]
-                             for rows in zip(*(m[name][d] for m in ranks))] for d in out[name]}
+                             for rows in zip(*(m[name][d] for m in ranks if m[name][d]))] for d in out[name]}
     if "runtime_s" in out:
         out["runtime_s"] = [max(col) for col in zip(*(m["runtime_s"] for m in ranks))]
     if "optimizer" in out:
@@ -209,6 +213,7 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         layer=_per_dtype(found, "layer", dtypes),
         ends=_per_dtype(found, "ends", dtypes),
         blockwise=_per_dtype(found, "blockwise", dtypes),
+        tp_layer=_per_dtype(found, "tp_layer", dtypes),
         runtime_s={str(n): m["runtime_s"] for n, m in found.items() if "runtime_s" in m},
         optimizer={str(n): fit_optimizer(m["optimizer"]) for n, m in found.items() if "optimizer" in m},
         busy={op: {str(n): m["busy"][op] for n, m in found.items() if "busy" in m} for op in BUSY_OPS

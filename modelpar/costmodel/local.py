@@ -37,6 +37,7 @@ busy p2p fit; more: the ep group's all-gather fit at the same bytes per rank), e
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
@@ -45,6 +46,8 @@ from modelpar.costmodel.local_compute import (
     blockwise_seconds,
     core_share,
     end_seconds,
+    grid_model,
+    interpolate,
     layer_seconds,
     matmul_seconds,
     runtime_seconds,
@@ -224,6 +227,46 @@ def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> floa
     return _comm(run, hw, op, run.t, sent)
 
 
+def _priced_tp_layer(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, float]:
+    """(forward, backward, the forward's collectives) seconds of one layer and micro-batch with its tensor-parallel
+    collectives priced one by one (``_tp_time``); full recomputation runs the forward's again in the backward."""
+    layer = layer_seconds(run, hw)
+    seconds = {"forward": 0.0, "backward": 0.0}
+    for op, phase, nbytes in tp_collectives(run, 0)[0]:  # the per-layer ones (any stage's)
+        seconds[phase] += _tp_time(run, hw, op, nbytes)
+    backward = layer.backward + seconds["backward"] + (seconds["forward"] if run.recompute == "full" else 0.0)
+    return layer.forward + seconds["forward"], backward, seconds["forward"]
+
+
+def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, float]:
+    """One layer's (forward, backward, the forward's collectives) seconds with its tensor-parallel collectives:
+    priced one by one (``_priced_tp_layer``), plus, where the profile measured the layer whole at the run's t
+    (``tp_layer``: the trainer's layer sharded over a pair, collectives inside), what those measurements cost
+    beyond that price at their shapes, interpolated to the run's (``local_compute.interpolate``; none with
+    sequence parallelism, which issues other collectives, or outside the grid). At a measured shape with
+    t = 2 the layer costs what it measured."""
+    forward, backward, collectives = _priced_tp_layer(run, hw)
+    dtype = {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
+    table = hw.tp_layer.get(dtype, {})
+    rows = [r for r in hw.tp_layer_rows(dtype, run.world) if r[0] == run.t and r[3] == run.model.seq]
+    if run.t == 1 or run.sequence_parallel or not rows:
+        return forward, backward, collectives
+    measured_with = int(hw.ranks_measured(run.world, table))
+    full = run.recompute == "full"
+
+    def residual(row: Sequence[float]) -> list[float]:
+        grid = grid_model(run, int(row[1]), int(row[2]), int(row[3]), int(row[4]), run.model.vocab)
+        grid = replace(grid, t=run.t, p=max(1, measured_with // run.t), recompute="full" if full else "none")
+        f, b, _ = _priced_tp_layer(grid, hw)
+        return [(row[7] if full else row[5]) - f, (row[8] if full else row[6]) - b]
+
+    missed = interpolate(rows, (1, 4), (run.model.hidden, run.tokens), residual)
+    if missed is None:
+        return forward, backward, collectives
+    share = core_share(run, hw, table)
+    return max(0.0, forward + missed[0] * share), max(0.0, backward + missed[1] * share), collectives
+
+
 def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
     """Exposed context-parallel seconds of one layer and microbatch, (forward, backward) (``context.cp_exposed``):
     a ring hop of one key/value block (a pair's message), or the all-gathers of k and v over cp; ``block_s``: one
@@ -269,15 +312,12 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     blocks = blockwise_seconds(run, hw)
     attention = (attention_seconds(run, hw) if blocks is None else blocks[0]) * core_share(run, hw)
     cp_f, cp_b = cp_layer_seconds(run, hw, attention / run.cp)
-    per_layer, ends = tp_collectives(run, stage)
-    seconds = {"forward": 0.0, "backward": 0.0}
-    for op, phase, nbytes in per_layer:
-        seconds[phase] += _tp_time(run, hw, op, nbytes)
-    tp_f, tp_b = seconds["forward"], seconds["backward"]
-    f_layer = layer.forward + tp_f + cp_f
-    b_layer = layer.backward + tp_b + cp_b
-    if run.recompute == "full":  # the forward's communication again
-        b_layer += tp_f + cp_f
+    _, ends = tp_collectives(run, stage)
+    f_layer, b_layer, _ = tp_layer_seconds(run, hw)  # compute and its tensor-parallel collectives
+    f_layer += cp_f
+    b_layer += cp_b
+    if run.recompute == "full":  # the forward's communication again (the tensor-parallel part is in b_layer)
+        b_layer += cp_f
     elif run.recompute == "selective":
         b_layer += cp_f  # the core again: with cp its ring or gather too
     end = end_seconds(run, hw, stage)

@@ -106,6 +106,9 @@ class HardwareProfile:
     #     dtype -> str(ranks) -> [[hidden, tokens, vocab, embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s]]
     blockwise: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     #          dtype -> str(ranks) -> [[cp, hidden, seq, tokens, fwd_s, bwd_s]]: context-parallel attention
+    tp_layer: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    #         dtype -> str(ranks) -> [[t, hidden, heads, seq, tokens, fwd_s, bwd_s, fwd_rc_s, bwd_rc_s]]: a layer
+    #         sharded over t ranks, its collectives included (absent from profiles measured before)
     runtime_s: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [per action, per step]
     optimizer: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [latency_s, per_tensor_s, GB/s]
 
@@ -136,7 +139,7 @@ class HardwareProfile:
                     _ranks(f"collectives[{op}][{link}] group size", n)
                     _check_fit(f"collectives[{op}][{link}][{n}]", cost)
 
-        for name, width, grid in (("layer", 8, 4), ("ends", 7, 3), ("blockwise", 6, 4)):
+        for name, width, grid in (("layer", 8, 4), ("ends", 7, 3), ("blockwise", 6, 4), ("tp_layer", 9, 5)):
             for dtype, table in getattr(self, name).items():
                 check_choice(f"{name} dtype", dtype, DTYPES)
                 for ranks, rows in table.items():
@@ -211,6 +214,11 @@ class HardwareProfile:
     def layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured layers (``calibrate.layers``) in ``dtype`` with the most processes at or below ``ranks``."""
         table = self.layer.get(dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else []
+
+    def tp_layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
+        """The measured tensor-parallel layers (``calibrate.layers.measure_tp_layers``), as ``layer_rows``."""
+        table = self.tp_layer.get(dtype, {})
         return table[self.ranks_measured(ranks, table)] if table else []
 
     def end_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
