@@ -71,11 +71,12 @@ def timed(fn: Any, device: torch.device, budget_s: float) -> float:
                   cold=True)
 
 
-def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: float) -> tuple[float, float]:
+def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: float, cold: bool = True,
+               min_reps: int = REPS) -> tuple[float, float]:
     """Steady mean seconds of ``forward()`` and of ``backward(out)`` on its output, each timed within the same run (as a
     step runs an F and later its B; two means of separate runs subtracted would add both runs' noise to the
-    backward): one warm-up, then at least ``REPS`` runs (one below ``QUICK_S``) within ``budget_s``, the caches
-    flushed before each (``compute.repeated``)."""
+    backward): one warm-up, then at least ``min_reps`` runs (one below ``QUICK_S``) within ``budget_s``, the caches
+    flushed before each where ``cold`` (``compute.repeated``)."""
     def once() -> tuple[float, float]:
         t0 = time.perf_counter()
         out = forward()
@@ -87,7 +88,7 @@ def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: floa
 
     backward(forward())
     sync(device)
-    runs = repeated(once, device, budget_s, min_reps=REPS if budget_s >= QUICK_S else 1, cold=True)
+    runs = repeated(once, device, budget_s, min_reps=min_reps if budget_s >= QUICK_S else 1, cold=cold)
     return steady_mean([r[0] for r in runs]), steady_mean([r[1] for r in runs])
 
 
@@ -116,17 +117,16 @@ def _layer_times(stack: torch.nn.Sequential, x: torch.Tensor, device: torch.devi
     return [t / len(stack) for t in (f, b, fk, bk)]
 
 
-def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05, group: Any = None) -> list[list[float]]:
-    """[[hidden, heads, seq, tokens, forward_s, backward_s, forward_recomputed_s, backward_recomputed_s], ...]
-    of a ``ParallelTransformerLayer`` (ffn 4h) over ``layer_grid``, per layer of a stack of ``STACK``; the
-    backward's input needs a gradient, as every stage's but the first does. With a tensor-parallel ``group``
-    the layer is sharded over it and its collectives are in the times (``measure_tp_layers``)."""
+def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
+    """[[hidden, heads, seq, tokens, forward_s, backward_s, forward_recomputed_s, backward_recomputed_s], ...] of a
+    ``ParallelTransformerLayer`` (ffn 4h) over ``layer_grid``, per layer of a stack of ``STACK``; the
+    backward's input needs a gradient, as every stage's but the first does."""
     from modelpar.tensor_parallel import ParallelTransformerLayer
 
     hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     out = []
     for h in hiddens:
-        stack = torch.nn.Sequential(*(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, group=group,
+        stack = torch.nn.Sequential(*(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device,
                                                                dtype=DTYPES[dtype]) for _ in range(STACK)))
         for tokens in token_counts:
             x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
@@ -135,22 +135,46 @@ def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05, gro
 
 
 TP_MEASURED = 2  # the tensor-parallel degree measured whole: every pair of ranks (0, 1), (2, 3), … at once
+TP_REPS = 20  # runs per shape: a run of the stack is 16 collectives, each now and then several times its usual
+# length (one layer's forward 2.3-9.9 ms over 14 runs on a 2-core VM), so 5 runs' mean was 15% off
 
 
 def measure_tp_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
     """[[t, hidden, heads, seq, tokens, forward_s, backward_s, forward_recomputed_s, backward_recomputed_s], ...]:
-    ``measure_layers`` with each pair of ranks one tensor-parallel group of ``TP_MEASURED``, every pair at once,
-    the layer's all-reduces inside the times. A t = 2 step calls them in lockstep, one after each short
-    identical computation; priced one by one from a collective measured after a barrier and a 1 ms GEMM, a
-    64 KB all-reduce came to 1.65-1.9 ms where the step paid 1.31-1.65 (a 2-core VM). [] on a rank without a
-    partner (an odd world), which computes nothing meanwhile."""
+    the layer of ``measure_layers`` sharded over each pair of ranks (a tensor-parallel group of ``TP_MEASURED``;
+    every pair at once), its all-reduces inside the times, at the grid's hidden sizes and its smallest, middle
+    and largest token counts; at least ``TP_REPS`` runs each, the caches not flushed (a flush's length differs
+    between the ranks, and a forward's first collective would wait it out), the cross-rank shape check off as
+    the trainer runs after its first step (it adds an all-gather to every forward collective). A t = 2 step
+    calls its all-reduces in lockstep, one after each short identical computation: priced one by one from a
+    collective measured after a barrier and a 1 ms GEMM, a 64 KB one came to 1.65-1.9 ms where the step paid
+    1.22-1.65 (a 2-core VM). Full recomputation is not timed again: its forward is the forward, its backward
+    the forward and the backward. [] on a rank without a partner (an odd world), which computes nothing."""
     import torch.distributed as dist
+
+    from modelpar.tensor_parallel import ParallelTransformerLayer, set_shape_checks
 
     world, rank = dist.get_world_size(), dist.get_rank()
     pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
     if rank >= 2 * len(pairs):
         return []
-    return [[TP_MEASURED, *row] for row in measure_layers(dtype, device, budget_s, group=pairs[rank // 2])]
+    hiddens, token_counts, seq = layer_grid(device.type, budget_s)
+    tokens_measured = sorted({token_counts[0], token_counts[len(token_counts) // 2], token_counts[-1]})
+    out = []
+    for h in hiddens:
+        stack = torch.nn.Sequential(*(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, dtype=DTYPES[dtype],
+                                                               group=pairs[rank // 2]) for _ in range(STACK)))
+        set_shape_checks(stack, False)
+        for tokens in tokens_measured:
+            x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
+            f, b = (t / STACK for t in timed_pair(partial(stack, x), partial(_backward_with, torch.ones_like(x)),
+                                                   device, budget_s, cold=False, min_reps=TP_REPS))
+            out.append([TP_MEASURED, h, LAYER_HEADS, seq, tokens, f, b, f, f + b])
+    return out
+
+
+def _backward_with(grad: torch.Tensor, out: torch.Tensor) -> None:
+    out.backward(grad)
 
 
 def _sum_backward(out: torch.Tensor) -> None:
