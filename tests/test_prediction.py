@@ -124,6 +124,8 @@ def test_prediction_arithmetic():
     assert 0 < pred.bubble < 1 and pred.peak_held == 2  # 1F1B: the first stage holds p = 2 microbatches
     rows = compare(pred, {"step_time_s": 2 * pred.step_time_s, "bubble": None, "parameters_bytes": pred.memory["parameters"]})
     assert rows["step_time_s"]["error"] == pytest.approx(-0.5) and rows["bubble"]["error"] is None
+    points = compare(pred, {"bubble": 0.001})  # the bubble's error in points: a ratio to a bubble near 0 says nothing
+    assert points["bubble"]["error"] == pytest.approx(pred.bubble - 0.001)
     assert rows["parameters_bytes"]["error"] == 0.0
     assert "activations" not in predict(dataclasses.replace(cfg, recompute="2"), CPU_DEFAULT).memory
 

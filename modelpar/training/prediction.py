@@ -145,13 +145,17 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
 
 
 def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> dict[str, dict[str, float | None]]:
-    """name -> {predicted, measured, error (predicted / measured − 1)} for step time, bubble and rank 0's bytes."""
+    """name -> {predicted, measured, error} for step time, bubble and rank 0's bytes: the error is predicted /
+    measured − 1, for the bubble (itself a fraction of the step, often near 0) predicted − measured."""
     pairs = {"step_time_s": predicted.step_time_s, "bubble": predicted.bubble,
              **{f"{k}_bytes": v for k, v in predicted.memory.items()}}
     rows: dict[str, dict[str, float | None]] = {}
     for name, value in pairs.items():
         got = measured.get(name)
-        error = None if got is None or not got else value / got - 1
+        if name == "bubble":
+            error = None if got is None else value - got
+        else:
+            error = None if got is None or not got else value / got - 1
         rows[name] = {"predicted": value, "measured": got, "error": error}
     return rows
 
@@ -175,11 +179,13 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
             return "-"
         if name == "step_time_s":
             return f"{1e3 * value:,.1f} ms"
-        return f"{100 * value:.1f}%" if name == "bubble" else f"{value / 2**20:,.2f} MiB"
+        if name == "bubble":
+            return f"{100 * max(value, 0.0):.1f}%"  # never below 0: the simulator's rounding can give -0.0
+        return f"{value / 2**20:,.2f} MiB"
 
     lines = []
     for name, row in rows.items():
-        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}%"
+        error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}{' points' if name == 'bubble' else '%'}"
         lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
                       f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
     lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
