@@ -19,7 +19,7 @@ from oracle import plain_loop
 
 from modelpar.checkpoint import Shard, ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
 from modelpar.corpus import load_corpus
-from modelpar.distributed import LocalCluster, free_port
+from modelpar.distributed import LocalCluster
 from modelpar.export import export_checkpoint, load_model
 from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, train
@@ -42,23 +42,33 @@ def cluster():
         yield c
 
 
-def in_world(n, ports, fn, *args):
+def _stores(timeout):
+    """Two TCPStores for the sub-world and the rejoin, hosted by rank 0 on ports it holds from now on (a port picked
+    free in the parent and bound only after a whole training run was once taken meanwhile: EADDRINUSE)."""
+    rank = dist.get_rank()
+    masters = [dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False) for _ in range(2)] \
+        if rank == 0 else []
+    ports = [[s.port for s in masters]]
+    dist.broadcast_object_list(ports, src=0)
+    return masters or [dist.TCPStore("127.0.0.1", port, None, False, timeout) for port in ports[0]]
+
+
+def in_world(n, fn, *args):
     """Run ``fn`` on the first ``n`` ranks as a world of their own (the others wait), then rejoin them all."""
     rank, size = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=120)
+    inner, rejoin = _stores(timeout)
     dist.destroy_process_group()
     try:
         if rank >= n:
             return None
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=n,
-                                timeout=timeout)
+        dist.init_process_group("gloo", store=inner, rank=rank, world_size=n, timeout=timeout)
         try:
             return fn(*args)
         finally:
             dist.destroy_process_group()
     finally:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=size,
-                                timeout=timeout)
+        dist.init_process_group("gloo", store=rejoin, rank=rank, world_size=size, timeout=timeout)
 
 
 def _train(cfg):
@@ -69,7 +79,7 @@ def _train(cfg):
 
 def run_at(cluster, cfg):
     """``train(cfg)`` on t·p·d ranks of the cluster; rank 0's result."""
-    return cluster.run(in_world, cfg.dims.world_size, (free_port(), free_port()), _train, cfg)[0]
+    return cluster.run(in_world, cfg.dims.world_size, _train, cfg)[0]
 
 
 def val_loss(model, cfg):
@@ -161,5 +171,5 @@ def _held_by_one_rank(root):
 
 def test_a_tensor_saved_by_one_rank_loads_on_whichever_rank_asks(cluster, tmp_path):
     # what ZeRO-1 needs: optimizer state held by one data-parallel rank, owned by another after resuming
-    results = cluster.run(in_world, 2, (free_port(), free_port()), _held_by_one_rank, str(tmp_path))
+    results = cluster.run(in_world, 2, _held_by_one_rank, str(tmp_path))
     assert results[:2] == [([2.0] * 3, [0.0, 0.0, 1.0, 1.0]), ([1.0] * 3, [0.0, 0.0, 1.0, 1.0])]
