@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
 from modelpar.costmodel.local_compute import (
+    LayerCost,
     attention_seconds,
     blockwise_seconds,
     core_share,
@@ -52,6 +53,7 @@ from modelpar.costmodel.local_compute import (
     matmul_seconds,
     runtime_seconds,
     step_end_seconds,
+    table_dtype,
 )
 from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
@@ -227,30 +229,29 @@ def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> floa
     return _comm(run, hw, op, run.t, sent)
 
 
-def _priced_tp_layer(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, float]:
-    """(forward, backward, the forward's collectives) seconds of one layer and micro-batch with its tensor-parallel
+def _priced_tp_layer(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
+    """(forward, backward, the compute alone) seconds of one layer and micro-batch with its tensor-parallel
     collectives priced one by one (``_tp_time``); full recomputation runs the forward's again in the backward."""
     layer = layer_seconds(run, hw)
     seconds = {"forward": 0.0, "backward": 0.0}
     for op, phase, nbytes in tp_collectives(run, 0)[0]:  # the per-layer ones (any stage's)
         seconds[phase] += _tp_time(run, hw, op, nbytes)
     backward = layer.backward + seconds["backward"] + (seconds["forward"] if run.recompute == "full" else 0.0)
-    return layer.forward + seconds["forward"], backward, seconds["forward"]
+    return layer.forward + seconds["forward"], backward, layer
 
 
-def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, float]:
-    """One layer's (forward, backward, the forward's collectives) seconds with its tensor-parallel collectives:
+def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
+    """One layer's (forward, backward) seconds with its tensor-parallel collectives, and its compute alone:
     priced one by one (``_priced_tp_layer``), plus, where the profile measured the layer whole at the run's t
     (``tp_layer``: the trainer's layer sharded over a pair, collectives inside), what those measurements cost
     beyond that price at their shapes, interpolated to the run's (``local_compute.interpolate``; none with
     sequence parallelism, which issues other collectives, or outside the grid). At a measured shape with
     t = 2 the layer costs what it measured."""
-    forward, backward, collectives = _priced_tp_layer(run, hw)
-    dtype = {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
-    table = hw.tp_layer.get(dtype, {})
-    rows = [r for r in hw.tp_layer_rows(dtype, run.world) if r[0] == run.t and r[3] == run.model.seq]
+    forward, backward, layer = _priced_tp_layer(run, hw)
+    table = hw.tp_layer.get(table_dtype(run), {})
+    rows = [r for r in hw.tp_layer_rows(table_dtype(run), run.world) if r[0] == run.t and r[3] == run.model.seq]
     if run.t == 1 or run.sequence_parallel or not rows:
-        return forward, backward, collectives
+        return forward, backward, layer
     measured_with = int(hw.ranks_measured(run.world, table))
     full = run.recompute == "full"
 
@@ -262,9 +263,9 @@ def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, 
 
     missed = interpolate(rows, (1, 4), (run.model.hidden, run.tokens), residual)
     if missed is None:
-        return forward, backward, collectives
+        return forward, backward, layer
     share = core_share(run, hw, table)
-    return max(0.0, forward + missed[0] * share), max(0.0, backward + missed[1] * share), collectives
+    return max(0.0, forward + missed[0] * share), max(0.0, backward + missed[1] * share), layer
 
 
 def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
@@ -308,12 +309,11 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``: its layers'
     and ends' compute (``local_compute``), the runtime's cost per action, and the communication beside them."""
     layers = run.model.layers // run.stages
-    layer = layer_seconds(run, hw)
+    f_layer, b_layer, layer = tp_layer_seconds(run, hw)  # compute and its tensor-parallel collectives; compute
     blocks = blockwise_seconds(run, hw)
     attention = (attention_seconds(run, hw) if blocks is None else blocks[0]) * core_share(run, hw)
     cp_f, cp_b = cp_layer_seconds(run, hw, attention / run.cp)
     _, ends = tp_collectives(run, stage)
-    f_layer, b_layer, _ = tp_layer_seconds(run, hw)  # compute and its tensor-parallel collectives
     f_layer += cp_f
     b_layer += cp_b
     if run.recompute == "full":  # the forward's communication again (the tensor-parallel part is in b_layer)

@@ -35,7 +35,7 @@ from modelpar.costmodel.profiles import HardwareProfile
 
 __all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "core_share",
            "end_seconds", "grid_model", "interpolate", "kernel_ends", "kernel_layer", "layer_seconds", "matmul_seconds",
-           "runtime_seconds", "step_end_seconds"]
+           "runtime_seconds", "step_end_seconds", "table_dtype"]
 
 OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
@@ -51,7 +51,7 @@ class LayerCost:
     weight: float
 
 
-def _dtype(run: LocalRun) -> str:
+def table_dtype(run: LocalRun) -> str:
     return {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
 
 
@@ -73,7 +73,7 @@ def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int, r
     """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count (or ``ranks``
     processes), no core sharing."""
     ranks = ranks or _ranks(run, hw)
-    tflops = hw.matmul_tflops(m, n, k, _dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
+    tflops = hw.matmul_tflops(m, n, k, table_dtype(run), ranks) or hw.matmul_tflops(m, n, k, None, ranks)
     return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12)
 
 
@@ -81,7 +81,7 @@ def attention_seconds(run: LocalRun, hw: HardwareProfile, ranks: int | None = No
     """Seconds of one layer's attention forward at the measured rate: each of the rank's tokens sees the whole
     sequence (4·tokens·s·h/t FLOPs)."""
     m = run.model
-    tflops = hw.attention_tflops(_dtype(run), ranks or _ranks(run, hw)) or hw.peak_tflops[hw.dtype]
+    tflops = hw.attention_tflops(table_dtype(run), ranks or _ranks(run, hw)) or hw.peak_tflops[hw.dtype]
     return 4.0 * run.tokens * m.seq * m.hidden / run.t / (tflops * 1e12)
 
 
@@ -172,7 +172,7 @@ def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
     sharing (module docstring)."""
     composed, attention = kernel_layer(run, hw)
     m, ranks = run.model, _ranks(run, hw)
-    rows = hw.layer_rows(_dtype(run), ranks)
+    rows = hw.layer_rows(table_dtype(run), ranks)
     full = run.recompute == "full"
 
     def residual(row: Sequence[float]) -> list[float]:
@@ -194,7 +194,7 @@ def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
     if run.recompute == "selective":
         backward += attention
     weight = (backward - (attention if run.recompute == "selective" else 0.0)) * weight_share
-    share = core_share(run, hw, hw.layer.get(_dtype(run)) if missed is not None else None)
+    share = core_share(run, hw, hw.layer.get(table_dtype(run)) if missed is not None else None)
     return LayerCost(forward * share, backward * share, weight * share)
 
 
@@ -202,7 +202,7 @@ def blockwise_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float]
     """(forward, backward) seconds of one layer's context-parallel attention on one rank, no core sharing: the
     measured blocks (``blockwise`` at the run's cp and sequence, interpolated in hidden and tokens) over its
     t-th of the heads; None at cp = 1 or outside what was measured."""
-    rows = [r for r in hw.blockwise_rows(_dtype(run), _ranks(run, hw)) if r[0] == run.cp and r[2] == run.model.seq]
+    rows = [r for r in hw.blockwise_rows(table_dtype(run), _ranks(run, hw)) if r[0] == run.cp and r[2] == run.model.seq]
     if run.cp == 1 or not rows:
         return None
     got = interpolate(rows, (1, 3), (run.model.hidden, run.tokens), lambda r: r[4:6])
@@ -214,7 +214,7 @@ def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
     measured (``ends``) inside its grid as ``layer_seconds`` is, else composed; × the core sharing."""
     embed, head = kernel_ends(run, hw, stage)
     m, ranks = run.model, _ranks(run, hw)
-    rows = hw.end_rows(_dtype(run), ranks)
+    rows = hw.end_rows(table_dtype(run), ranks)
 
     def residual(row: Sequence[float]) -> list[float]:
         e, h = kernel_ends(grid_model(run, int(row[0]), 1, m.seq, int(row[1]), int(row[2])), hw, 0, ranks)
@@ -227,7 +227,7 @@ def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
         extra = [x if mine else 0.0 for x, mine in zip(missed, holds)]
         forward, backward = max(0.0, forward + extra[0] + extra[2]), max(0.0, backward + extra[1] + extra[3])
         weight = min(weight, backward)
-    share = core_share(run, hw, hw.ends.get(_dtype(run)) if missed is not None else None)
+    share = core_share(run, hw, hw.ends.get(table_dtype(run)) if missed is not None else None)
     return LayerCost(forward * share, backward * share, weight * share)
 
 
