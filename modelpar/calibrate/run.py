@@ -10,6 +10,7 @@ intra- or inter-node. The result is ``modelpar.costmodel.profiles.HardwareProfil
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -39,7 +40,8 @@ from modelpar.calibrate.layers import (
 )
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
-__all__ = ["PASSES", "calibrate", "default_ranks", "mean_passes", "measure_rank", "slowest"]
+__all__ = ["PASSES", "WHOLE_TABLES", "calibrate", "default_ranks", "mean_passes", "measure_rank", "measure_whole",
+           "slowest"]
 
 
 def default_ranks(cores: int | None = None) -> list[int]:
@@ -53,9 +55,10 @@ def default_ranks(cores: int | None = None) -> list[int]:
 
 
 def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
-                 budget_s: float = 0.05, whole: bool = True) -> dict[str, Any]:
+                 budget_s: float = 0.05, whole: bool = True, passes: int = 0) -> dict[str, Any]:
     """Everything one rank measures (called on every rank of the group at once); ``whole``: the trainer's own
-    work too (``layers.py``; locally only up to one process per core, the cost model shares cores beyond)."""
+    work too (``layers.py``; locally only up to one process per core, the cost model shares cores beyond), in
+    ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``)."""
     if threads is not None:
         torch.set_num_threads(threads)
     cuda = (dist.is_initialized() and dist.get_backend() == "nccl") or (not dist.is_initialized() and torch.cuda.is_available())
@@ -71,7 +74,7 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
         "op_latency_s": measure_op_latency(device, budget_s),
     }
     if whole:
-        passes = PASSES if budget_s >= QUICK_S else 1
+        passes = passes or (PASSES if budget_s >= QUICK_S else 1)
         out.update(mean_passes([_whole_work(dtypes, device, budget_s) for _ in range(passes)]))
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["busy"] = measure_busy(device)
@@ -119,23 +122,45 @@ def _host_memory() -> int:
         return 8 << 30
 
 
+def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float) -> dict[str, Any]:
+    """One more pass over the trainer's own work on this rank (``_whole_work``), at ``threads``."""
+    torch.set_num_threads(threads)
+    cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+    return _whole_work(dtypes, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+                       budget_s)
+
+
 def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
-    """Per process count: the measurements of a local gloo cluster of that many processes (``slowest``)."""
+    """Per process count: the measurements of a local gloo cluster of that many processes (``slowest``). The
+    whole-work tables' passes go round the process counts in turn (1, 2, 4, then 1, 2 again): a VM drifts over
+    minutes, and one process count's tables taken in one stretch priced its runs 19-47% too slow in one
+    calibration while the other's were right; in turn, each count's tables span the whole calibration."""
     from modelpar.distributed import LocalCluster
     from modelpar.training.start import rank_threads
 
     found: dict[int, dict[str, Any]] = {}
-    for n in ranks:
-        if n == 1:
-            found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s)
-            continue
-        with LocalCluster(n, timeout=120.0, run_timeout=600.0) as cluster:
-            found[n] = slowest(cluster.run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks), budget_s,
-                                           n <= (os.cpu_count() or 1)))
+    whole = [n for n in ranks if n <= (os.cpu_count() or 1)]
+    passes = PASSES if budget_s >= QUICK_S else 1
+    with contextlib.ExitStack() as stack:
+        clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks if n > 1}
+        for n in ranks:
+            if n == 1:
+                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1)
+            else:
+                found[n] = slowest(clusters[n].run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks),
+                                                   budget_s, n in whole, 1))
+        tables = {n: [{k: found[n][k] for k in WHOLE_TABLES if k in found[n]}] for n in whole}
+        for _ in range(passes - 1):
+            for n in whole:
+                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s) if n == 1 else
+                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s)))
+    for n in whole:
+        found[n].update(mean_passes(tables[n]))
     return found
 
 
 _KEYS = {"layer": 4, "ends": 3, "blockwise": 4, "tp_layer": 5}  # leading key columns of each whole-work table's rows
+WHOLE_TABLES = (*_KEYS, "runtime_s", "optimizer")  # what ``_whole_work`` measures
 
 
 def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
