@@ -20,8 +20,8 @@ measurement on 2 cores is what 4 training ranks sharing 2 cores get:
   it cost several times a one-way message (about 1.3 ms against 0.3 ms), which priced cp = 2 runs
   20-45% too fast.
 
-Each is the mean over 40 repetitions (160 at the two smallest sizes; a slow wake-up on the critical path costs its full length, so
-the mean, not the median) at the sizes of ``comm.py``, kept with their ``latency + bytes/bandwidth`` fit
+Each is the mean over 40 repetitions (160 at the two smallest sizes; a slow wake-up on the critical path
+costs its full length, so the mean, not the median) at the sizes of ``comm.py``, kept with their ``latency + bytes/bandwidth`` fit
 (``comm.measured_cost``; bytes as ``comm.py`` counts them). A rank of an odd world with no partner computes
 alongside.
 """
@@ -40,7 +40,7 @@ from modelpar.calibrate.compute import sync
 from modelpar.costmodel.profiles import BUSY_OPS
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 
-__all__ = ["BUSY_OPS", "measure_busy"]
+__all__ = ["BUSY_OPS", "measure_busy", "pair_groups"]
 
 SMALL_REPS = 4  # the two smallest sizes get this many times the repetitions: a step issues tens of such
 # collectives (a t = 2 step: 21 all-reduces per micro-batch) and their times are heavy-tailed (mostly 0.4-0.6 ms,
@@ -62,11 +62,18 @@ def _collective(op: str, group: object, full: torch.Tensor, shard: torch.Tensor)
         reduce_scatter_single(shard, full, group=group)
 
 
+def pair_groups() -> tuple[list[Any], int | None]:
+    """The process groups of the pairs (0, 1), (2, 3), … (every rank creates every group, as group creation is
+    collective) and the index of this rank's pair (None for the last rank of an odd world)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    return pairs, rank // 2 if rank < 2 * len(pairs) else None
+
+
 def measure_busy(device: torch.device, reps: int = 40) -> dict[str, list[Any]]:
     """op -> ``comm.measured_cost`` of ``BUSY_OPS`` over a pair while every pair runs the same (module docstring)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
-    mine = rank // 2 if rank < 2 * len(pairs) else None
+    rank = dist.get_rank()
+    pairs, mine = pair_groups()
     peer = rank ^ 1
     x = torch.randn(_WORK, _WORK, device=device)
     measured = sizes(device)

@@ -150,20 +150,18 @@ def measure_tp_layers(dtype: str, device: torch.device, budget_s: float = 0.05) 
     collective measured after a barrier and a 1 ms GEMM, a 64 KB one came to 1.65-1.9 ms where the step paid
     1.22-1.65 (a 2-core VM). Full recomputation is not timed again: its forward is the forward, its backward
     the forward and the backward. [] on a rank without a partner (an odd world), which computes nothing."""
-    import torch.distributed as dist
-
+    from modelpar.calibrate.busy import pair_groups
     from modelpar.tensor_parallel import ParallelTransformerLayer, set_shape_checks
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]  # every rank creates every group
-    if rank >= 2 * len(pairs):
+    pairs, mine = pair_groups()
+    if mine is None:
         return []
     hiddens, token_counts, seq = layer_grid(device.type, budget_s)
     tokens_measured = sorted({token_counts[0], token_counts[len(token_counts) // 2], token_counts[-1]})
     out = []
     for h in hiddens:
         stack = torch.nn.Sequential(*(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device, dtype=DTYPES[dtype],
-                                                               group=pairs[rank // 2]) for _ in range(STACK)))
+                                                               group=pairs[mine]) for _ in range(STACK)))
         set_shape_checks(stack, False)
         for tokens in tokens_measured:
             x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)

@@ -61,8 +61,8 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
     ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    cuda = (dist.is_initialized() and dist.get_backend() == "nccl") or (not dist.is_initialized() and torch.cuda.is_available())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = _device()
+    cuda = device.type == "cuda"
     shapes = gemm_shapes(device.type)
     out: dict[str, Any] = {
         "device": device.type,
@@ -74,7 +74,7 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
         "op_latency_s": measure_op_latency(device, budget_s),
     }
     if whole:
-        passes = passes or (PASSES if budget_s >= QUICK_S else 1)
+        passes = passes or _passes(budget_s)
         out.update(mean_passes([_whole_work(dtypes, device, budget_s) for _ in range(passes)]))
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["busy"] = measure_busy(device)
@@ -84,6 +84,17 @@ def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, 
 
 
 PASSES = 2  # the whole-work tables are measured this many times over, one pass after the other, and averaged
+
+
+def _passes(budget_s: float) -> int:
+    """``PASSES``, or one below ``QUICK_S`` (tests)."""
+    return PASSES if budget_s >= QUICK_S else 1
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL, or outside a process group where there is one; else the CPU."""
+    cuda = (dist.is_initialized() and dist.get_backend() == "nccl") or (not dist.is_initialized() and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def _whole_work(dtypes: tuple[str, ...], device: torch.device, budget_s: float) -> dict[str, Any]:
@@ -125,9 +136,7 @@ def _host_memory() -> int:
 def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float) -> dict[str, Any]:
     """One more pass over the trainer's own work on this rank (``_whole_work``), at ``threads``."""
     torch.set_num_threads(threads)
-    cuda = dist.is_initialized() and dist.get_backend() == "nccl"
-    return _whole_work(dtypes, torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-                       budget_s)
+    return _whole_work(dtypes, _device(), budget_s)
 
 
 def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
@@ -140,7 +149,7 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[i
 
     found: dict[int, dict[str, Any]] = {}
     whole = [n for n in ranks if n <= (os.cpu_count() or 1)]
-    passes = PASSES if budget_s >= QUICK_S else 1
+    passes = _passes(budget_s)
     with contextlib.ExitStack() as stack:
         clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks if n > 1}
         for n in ranks:

@@ -60,12 +60,10 @@ class CollectiveCost:
         (x0, y0), (xn, yn) = self.points[0], self.points[-1]
         if nbytes <= x0:
             return y0
-        if nbytes >= xn:
-            return yn + (nbytes - xn) / (self.gbps * 1e9)
         for (a, ya), (b, yb) in zip(self.points, self.points[1:]):
             if nbytes <= b:
                 return ya + (yb - ya) * (nbytes - a) / (b - a)
-        return yn  # not reached
+        return yn + (nbytes - xn) / (self.gbps * 1e9)
 
 
 def _cost(fit: Sequence[Any]) -> CollectiveCost:
