@@ -22,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "AfterApply",
+    "CompileClock",
     "all_gather_single",
     "backend_device",
     "backend_options",
@@ -29,6 +30,7 @@ __all__ = [
     "grad_accumulator_variable",
     "group_timeout",
     "in_backward",
+    "keep_compiled_backward_buffers",
     "read_items_for_chunks",
     "reduce_scatter_single",
     "stop_multiprocessing_helpers",
@@ -173,3 +175,44 @@ def stop_multiprocessing_helpers() -> list[int]:
             stop()
             stopped.append(pid)
     return stopped
+
+
+class CompileClock:
+    """Seconds torch.compile spent compiling (dynamo, AOT autograd and the backend, the lazily compiled
+    backward included) since ``start``: ``torch._dynamo.callback``'s start/end callbacks, private (2.4+),
+    which torch calls around every compilation. Used by ``--compile`` to report its compile time."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def _start(self, args: Any) -> None:
+        import time
+
+        self._began = time.perf_counter()
+
+    def _end(self, args: Any) -> None:
+        import time
+
+        self.seconds += time.perf_counter() - self._began
+
+    def start(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+
+    def stop(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.remove_start_callback(self._start)
+        callback_handler.remove_end_callback(self._end)
+
+
+def keep_compiled_backward_buffers() -> None:
+    """Let a compiled graph's backward run more than once (``retain_graph=True``): a split backward (I, then W)
+    restarts autograd inside it. AOT autograd donates buffers to its backward by default, which then refuses a
+    second call; ``torch._functorch.config.donated_buffer`` (private, 2.6+) turns that off."""
+    from torch._functorch import config
+
+    config.donated_buffer = False

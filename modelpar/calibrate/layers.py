@@ -211,12 +211,12 @@ def _tiny(hidden: int, layers: int, seq: int, vocab: int) -> Any:
                        seq_len=seq, vocab_size=vocab)
 
 
-def _end_times(embed: Any, norm: Any, head: Any, loss_fn: Any, ids: torch.Tensor, x: torch.Tensor,
+def _end_times(embed: Any, norm: Any, loss_fn: Any, ids: torch.Tensor, x: torch.Tensor,
                device: torch.device, budget_s: float) -> list[float]:
     """Embedding forward and backward, norm + head + loss forward and backward."""
     grad = torch.ones(*ids.shape, x.shape[-1], device=device, dtype=x.dtype)
     ef, eb = timed_pair(lambda: embed(ids), lambda out: out.backward(grad), device, budget_s)
-    hf, hb = timed_pair(lambda: loss_fn(head(norm(x)), ids), lambda out: out.backward(), device, budget_s)
+    hf, hb = timed_pair(lambda: loss_fn(norm(x), ids), lambda out: out.backward(), device, budget_s)
     return [ef, eb, hf, hb]
 
 
@@ -229,15 +229,15 @@ def measure_ends(dtype: str, device: torch.device, budget_s: float = 0.05) -> li
     out = []
     for h in hiddens:
         cfg = _tiny(h, 1, seq, END_VOCAB)
-        model = build_stage(cfg, dtype=DTYPES[dtype], device=device)
-        loss_fn = LMLoss(cfg.vocab_size)
+        model = build_stage(cfg, dtype=DTYPES[dtype], device=device, head_in_loss=True)
         assert model.embed is not None and model.norm is not None and model.head is not None
-        embed, norm, head = model.embed, model.norm, model.head
+        loss_fn = LMLoss(cfg.vocab_size, head=model.head)  # the trainer's head and loss (one chunk at these sizes)
+        embed, norm = model.embed, model.norm
         for tokens in token_counts:
             b = tokens // seq
             ids = torch.randint(0, cfg.vocab_size, (b, seq), device=device)
             x = torch.randn(b, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
-            out.append([h, tokens, END_VOCAB, *_end_times(embed, norm, head, loss_fn, ids, x, device, budget_s)])
+            out.append([h, tokens, END_VOCAB, *_end_times(embed, norm, loss_fn, ids, x, device, budget_s)])
     return out
 
 

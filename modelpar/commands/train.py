@@ -237,6 +237,8 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("MFU", f"{100 * mfu:.2f}% of {peak:g} TFLOP/s x {cfg.dims.world_size}" if mfu is not None
          else "- (pass --peak-tflops)"),
         ("precision", _PRECISION[cfg.precision]),
+        ("compiled", "no (--compile: each block compiled)" if result.compile_seconds is None else
+         f"each block, {cfg.compile_backend}: {result.compile_seconds:.1f} s compiling on rank 0"),
         ("data parallel", f"ZeRO-{cfg.zero}, {result.buckets} bucket{'s' if result.buckets != 1 else ''}, "
                           + ("overlapped" if cfg.overlap_grad_reduce and cfg.dp > 1 else "after the step")),
         ("rank 0: params, grads, AdamW", f"{_mib(result.parameter_bytes)}, {_mib(result.gradient_bytes)}, "

@@ -26,7 +26,7 @@ token of one layer (derived from the modules' operations, and checked against
            sharded: q and k after rotation, v (or, under GQA without selective recomputation, k and v
            repeated for the query heads),
            attention output h/t, log-sum-exp a/t, the SwiGLU's gate and up 2·ffn/t, SiLU(gate) and
-           the product ffn/t each; plus cos and sin, 2·s·d per layer and microbatch
+           the product ffn/t each; plus cos and sin, 2·s·d per stage and microbatch (one table for all layers)
 
 Context parallelism (cp > 1) keeps all of that for a rank's s/cp tokens. The core attention runs
 inside one autograd function that repeats key/value heads itself, so k and v are kept unrepeated
@@ -37,7 +37,8 @@ keeps only the core's local inputs; the ring keeps its merged output (h/t), whic
 GPT's first stage keeps the s/cp zig-zag positions (int64) its learned positions are indexed by.
 
 The first stage also keeps the token ids (8 bytes each), the last the final norm's, the head's
-input, the fp32 logits V/t and 10 bytes per token of the loss (targets, masks). Full
+input, the targets and one fp32 log-sum-exp per token (the chunked head and loss, ``loss_chunk_mb``;
+with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
 recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
 """
 
@@ -83,6 +84,7 @@ class LocalRun(RankGrid):
     cp_comm: str = "ring"  # how attention sees the whole sequence (``costmodel.context``)
     moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
     ep: int = 1  # expert-parallel ranks (folded into d)
+    chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
 
     @property
     def stages(self) -> int:
@@ -289,18 +291,17 @@ def activation_parts(run: LocalRun, stage: int) -> tuple[float, float, float]:
     e = COMPUTE_BYTES[run.precision]
     tokens = run.tokens
     sp = run.sequence_parallel and t > 1
-    if run.recompute == "full":
-        layer = 0.0  # the stage's input only, counted once in activation_bytes
-    else:
-        rope = 0 if not m.gated_mlp else 2 * m.seq // run.cp * (m.hidden // m.heads)
-        layer = (tokens * _layer_elements(run) + rope) * e
+    layer = 0.0 if run.recompute == "full" else tokens * _layer_elements(run) * e  # full: the stage's input only
     first = last = 0.0
     if stage == 0:
         first = tokens * _IDS
         first += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index
     if stage == run.stages - 1:
         norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)
-        last = tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
+        if run.chunked_loss:  # the head's input, the targets and one log-sum-exp per token (at least fp32)
+            last = tokens * ((norm / (t if sp else 1) + m.hidden) * e + _IDS + max(e, 4)) + 8
+        else:  # and the fp32 softmax over this rank's V/t ids, the loss's masks
+            last = tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
     return layer, first, last
 
 
@@ -313,4 +314,6 @@ def activation_bytes(run: LocalRun, stage: int) -> float:
         body = run.tokens * run.model.hidden / (run.t if sp else 1) * COMPUTE_BYTES[run.precision] if layers else 0.0
     else:
         body = layers * layer + _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
+        if layers and run.model.gated_mlp:  # one rotary cos/sin for all of the stage's layers
+            body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
     return body + first + last

@@ -72,15 +72,15 @@ def build_stage(cfg: ModelConfig, stage: int = 0, num_stages: int = 1, *, seed: 
                 sequence_parallel: bool = False, recompute: Strategy = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 split: Sequence[int] | None = None, context: ContextParallel | None = None,
-                ep_group: Any = None) -> Transformer:
+                ep_group: Any = None, head_in_loss: bool = False) -> Transformer:
     """Stage ``stage`` of ``num_stages`` on this rank: built on meta, split, then only it materialised.
 
     ``split``: the layers of each stage (``modelpar.layer_split``; None: its default split).
     ``context``: context parallelism (``modelpar.tensor_parallel.context_parallel``).
-    ``ep_group``: the expert-parallel group of the MoE layers."""
+    ``ep_group``: the expert-parallel group of the MoE layers. ``head_in_loss``: see ``Transformer``."""
     with torch.device("meta"):
         model = Transformer(cfg, group=group, sequence_parallel=sequence_parallel, recompute=recompute, dtype=dtype,
-                            context=context, ep_group=ep_group)
+                            context=context, ep_group=ep_group, head_in_loss=head_in_loss)
     split_stage(model, stage, num_stages, split)
     model.to_empty(device=device)
     if cfg.tie_embeddings and model.embed is not None and model.head is not None:

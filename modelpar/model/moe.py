@@ -172,6 +172,7 @@ class MoE(nn.Module):
         self.stats = None
         return out
 
+    @torch.compiler.disable  # --compile: routing has data-dependent sizes and host reads; it runs eagerly
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         logits = self.router(x)

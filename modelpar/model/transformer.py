@@ -1,7 +1,7 @@
 """The model built from the tensor-parallel layers, split into pipeline stages by hand (§3.4, §6).
 
     tokens ─► embed (VocabParallelEmbedding [+ learned positions, gpt]) ─► layers 0..L-1
-           ─► norm (final LayerNorm / RMSNorm) ─► head (ColumnParallelLinear over the padded
+           ─► norm (final LayerNorm / RMSNorm) ─► head (OutputLayer, column-parallel over the padded
               vocabulary, V/t per rank) ─► vocab_parallel_cross_entropy (§5.5: logits never gathered)
 
 Pre-norm layers with causal attention (``modelpar.tensor_parallel.ParallelTransformerLayer``),
@@ -24,7 +24,6 @@ from modelpar.model.config import ModelConfig
 from modelpar.model.moe import moe_block
 from modelpar.recompute.strategies import Strategy, plan_recompute
 from modelpar.tensor_parallel import (
-    ColumnParallelLinear,
     KVCache,
     LayerNorm,
     ParallelTransformerLayer,
@@ -33,7 +32,10 @@ from modelpar.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from modelpar.tensor_parallel.attention import rope_of
 from modelpar.tensor_parallel.context_parallel import ContextParallel
+from modelpar.tensor_parallel.head_loss import OutputLayer
+from modelpar.tensor_parallel.rotary import Rope, RotaryTable
 
 __all__ = ["LMLoss", "TokenEmbedding", "Transformer", "split_stage", "stage_layers"]
 
@@ -83,13 +85,15 @@ class Transformer(nn.Module):
     ``context``: context parallelism (each sequence split over the cp ranks; the ids a rank gets are
     its tokens in ``modelpar.tensor_parallel.context_parallel.zigzag_index`` order).
     ``ep_group``: the expert-parallel group of the MoE layers (``cfg.moe_layers``; docs/moe.md).
+    ``head_in_loss``: the last stage returns the final norm's output, and ``LMLoss(head=model.head)`` applies
+    the head with the loss, in chunks of tokens (the trainer's way: the logits are never whole).
     """
 
     def __init__(self, cfg: ModelConfig, group: Any = None, sequence_parallel: bool = False,
                  recompute: Strategy = None, dtype: torch.dtype | None = None,
-                 context: ContextParallel | None = None, ep_group: Any = None) -> None:
+                 context: ContextParallel | None = None, ep_group: Any = None, head_in_loss: bool = False) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.head_in_loss = cfg, head_in_loss
         selective = recompute == "selective"
         self.recompute = None if (selective or recompute == "none") else recompute
         if self.recompute is not None:
@@ -105,9 +109,21 @@ class Transformer(nn.Module):
         for i in cfg.moe_layers:  # the MLP of these layers becomes a mixture of experts
             self.layers[str(i)].mlp = moe_block(cfg, group, ep_group, dtype)
         self.norm: nn.Module | None = (RMSNorm if llama else LayerNorm)(cfg.hidden, eps=cfg.norm_eps, **kw)
-        self.head: ColumnParallelLinear | None = ColumnParallelLinear(cfg.hidden, cfg.padded_vocab_size, bias=False, **kw)
+        self.head: OutputLayer | None = OutputLayer(cfg.hidden, cfg.padded_vocab_size, bias=False, **kw)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.word.weight  # the same [V/t, h] shard layout
+        # one rotary table for every layer: computed once per length, device and dtype, not per layer and forward
+        self.rotary = RotaryTable(cfg.hidden // cfg.heads, cfg.rope_theta) if llama else None
+        self.context = context if context is not None and context.size > 1 else None
+        self.shards = self.head.tp_world if sequence_parallel else 1  # a block's input is s/shards of the s tokens
+
+    def _rope(self, x: torch.Tensor, start: int) -> Rope | None:
+        """The rotary cos/sin of this input's positions, in the dtype the layers' q and k will have."""
+        if self.rotary is None or not len(self.layers):
+            return None
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        return rope_of(self.rotary, start, x.shape[1] * self.shards, x.device, dtype, self.context)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids (first stage) or hidden states [b, s(/t), h] in; hidden states or this rank's
@@ -116,33 +132,59 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.pos
         if self.embed is not None:
             x = self.embed(x, start)
+        rope = self._rope(x, start)
         if cache is not None:
             for index, layer in self.layers.items():
-                x = layer(x, cache.layer(int(index)))
+                x = layer(x, cache.layer(int(index)), rope)
             cache.advance(x.shape[1])
         elif self.recompute is None or not len(self.layers):
             for layer in self.layers.values():
-                x = layer(x)
+                x = layer(x, rope=rope)
         else:
             from modelpar.recompute import recompute_sequential
 
-            x = recompute_sequential(list(self.layers.values()), x, self.recompute)
+            x = recompute_sequential([_WithRope(layer, rope) for layer in self.layers.values()], x, self.recompute)
         if self.head is not None:
             assert self.norm is not None
-            x = self.head(self.norm(x))
+            x = self.norm(x)
+            if not self.head_in_loss:
+                x = self.head(x)
         return x
 
 
-class LMLoss:
-    """Mean next-token cross entropy of vocabulary-parallel logits, padded ids masked: the last stage's loss_fn."""
+class _WithRope(nn.Module):
+    """A layer called with the forward's rotary tables, as a one-tensor module (what recomputation chains take)."""
 
-    def __init__(self, vocab_size: int, group: Any = None) -> None:
-        self.vocab_size, self.group = vocab_size, group
+    def __init__(self, layer: nn.Module, rope: Rope | None) -> None:
+        super().__init__()
+        self.layer, self.rope = layer, rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, rope=self.rope)
+
+
+class LMLoss:
+    """Mean next-token cross entropy, padded ids masked: the last stage's loss_fn.
+
+    Given logits (a model whose head ran): ``vocab_parallel_cross_entropy`` of the whole [N, V/t] block.
+    Given ``head`` (the last stage's ``OutputLayer``, its model built with ``head_in_loss``): the
+    stage's output is the final norm's, and the head and cross entropy run ``chunk`` tokens at a time
+    (``chunked_head_cross_entropy``: the fp32 logits are never whole), in ``compute_dtype``.
+    """
+
+    def __init__(self, vocab_size: int, group: Any = None, head: OutputLayer | None = None,
+                 chunk: int = 0, compute_dtype: torch.dtype | None = None) -> None:
+        self.vocab_size, self.group, self.head = vocab_size, group, head
+        self.chunk, self.compute_dtype = chunk, compute_dtype
         self.check_shapes = True  # the cross-rank shape check (a training loop turns it off after step 1)
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.group, vocab_size=self.vocab_size,
-                                            check_shapes=self.check_shapes)
+    def __call__(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            loss = vocab_parallel_cross_entropy(out, targets, self.group, vocab_size=self.vocab_size,
+                                                check_shapes=self.check_shapes)
+            self.check_shapes = self.check_shapes and self.group is not None  # one rank: the ids checked once
+            return loss
+        return self.head(out, targets, vocab_size=self.vocab_size, chunk=self.chunk, compute_dtype=self.compute_dtype)
 
 
 def stage_layers(cfg: ModelConfig, stage: int, num_stages: int, split: Sequence[int] | None = None) -> range:

@@ -34,9 +34,9 @@ from modelpar.tensor_parallel.context_parallel import ContextParallel, context_a
 from modelpar.tensor_parallel.dropout import sliced_dropout
 from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import T_NAME, ColumnParallelLinear, RowParallelLinear
-from modelpar.tensor_parallel.rotary import apply_rotary, rotary_angles
+from modelpar.tensor_parallel.rotary import Rope, RotaryTable, apply_rotary
 
-__all__ = ["ParallelAttention", "kv_layout"]
+__all__ = ["ParallelAttention", "kv_layout", "rope_of"]
 
 
 def kv_layout(kv_heads: int, t: int) -> tuple[int, int]:
@@ -73,6 +73,7 @@ class ParallelAttention(nn.Module):
         if self.dropout >= 1.0:
             raise ValueError(f"dropout must be < 1, got {dropout}")
         self.rope_theta = None if rope_theta is None else check_number("rope_theta", rope_theta, strict=True)
+        self.rotary = None if self.rope_theta is None else RotaryTable(hidden // heads, self.rope_theta)
         self.recompute_core, self.sequence_parallel, self.group = recompute_core, sequence_parallel, group
         self.rank, self.world = group_rank(group), group_size(group)
         self.local_heads, self.head_dim = heads // self.world, hidden // heads
@@ -101,19 +102,20 @@ class ParallelAttention(nn.Module):
         k, v = self.kv(x).chunk(2, dim=-1)
         return self.q(x), k, v
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> torch.Tensor:
+        """``rope``: the cos/sin of this input's positions, shared by a model's layers (``Transformer``);
+        None: from this layer's own table."""
         q, k, v = self._project(x)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # [b, a/t, s, d]
         k, v = (u.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2) for u in (k, v))
-        start = cache.pos if cache is not None else 0
         if self.context is not None and cache is not None:
             raise ValueError("a KV cache (decoding) needs the whole sequence on one rank: context parallelism "
                              "is for training")
-        if self.rope_theta is not None:
-            positions = (torch.arange(start, start + s, device=q.device) if self.context is None
-                         else self.context.positions(s, q.device))
-            cos, sin = rotary_angles(positions, self.head_dim, self.rope_theta, q.dtype)
+        if self.rotary is not None:
+            if rope is None:
+                rope = rope_of(self.rotary, 0 if cache is None else cache.pos, s, q.device, q.dtype, self.context)
+            cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
@@ -128,24 +130,33 @@ class ParallelAttention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q·kᵀ/√d, causal)·v for this rank's heads; q's s positions are the last of k's.
 
-        Key/value heads are repeated for the query heads that share them. This is the part
-        selective recomputation re-runs: its s² scores and probabilities are never kept.
+        Grouped-query heads share their key/value head inside SDPA (``enable_gqa``: no copies).
+        This is the part selective recomputation re-runs: its s² scores and probabilities are never kept.
         Context-parallel: over the cp ranks' keys and values (``context_attention``).
         """
         if self.context is not None:
             return context_attention(q, k, v, self.context)
-        if self.local_heads != k.shape[1]:
-            k, v = (u.repeat_interleave(self.local_heads // k.shape[1], dim=1) for u in (k, v))
         s_q, s_k = q.shape[2], k.shape[2]
+        gqa = self.local_heads != k.shape[1]
         p = self.dropout if self.training else 0.0
         if p == 0.0:
             if s_q == s_k:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(s_q, s_k, q.device))
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(s_q, s_k, q.device), enable_gqa=gqa)
         # explicit, so the probabilities' dropout mask can be the single-process one (heads: dim 1)
+        if gqa:
+            k, v = (u.repeat_interleave(self.local_heads // k.shape[1], dim=1) for u in (k, v))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         probs = scores.masked_fill(~_causal(s_q, s_k, q.device), float("-inf")).softmax(dim=-1)
         return sliced_dropout(probs, p, True, dim=1, rank=self.rank, world=self.world) @ v
+
+
+def rope_of(table: RotaryTable, start: int, s: int, device: torch.device, dtype: torch.dtype,
+            context: ContextParallel | None) -> Rope:
+    """cos/sin of s tokens starting at ``start``, or of this rank's zig-zag positions under context parallelism."""
+    if context is None:
+        return table.span(start, s, device, dtype)
+    return table.gather(context.positions(s, device), s * context.size, dtype)
 
 
 def _causal(s_q: int, s_k: int, device: torch.device) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd import Function
 
 from modelpar._validate import check_choice, check_int
@@ -87,6 +88,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     elif target.dtype not in TOKEN_DTYPES:
         raise ValueError(f"target must be an integer tensor, got dtype {target.dtype}")
     logits = logits_shard if logits_shard.dtype in (torch.float32, torch.float64) else logits_shard.float()
+    if group_size(group) == 1:  # nothing to reduce over ranks: torch's fused log-softmax and NLL (fewer kernels)
+        logits = logits if vocab == width else logits[..., :vocab]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                               reduction=reduction).view(target.shape if reduction == "none" else ())
     losses = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                               group, ignore_index, vocab)
     if reduction == "none":

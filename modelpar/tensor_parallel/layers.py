@@ -137,8 +137,8 @@ class VocabParallelEmbedding(TensorParallelModule):
     ``vocab_size``: the ids a tokenizer produces when the table is padded beyond them
     (default ``num_embeddings``); larger ids are refused like ids past the table, while
     ``check_shapes`` is on (the check reads the ids on the host, a device sync, so a training loop
-    turns it off after its first step and the data side validates each batch where it is made:
-    ``modelpar.text.Corpus.batch``).
+    turns it off after its first step, a table of one rank after its first call, and the data side
+    validates each batch where it is made: ``modelpar.text.Corpus.batch``).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Any = None,
@@ -166,6 +166,8 @@ class VocabParallelEmbedding(TensorParallelModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.check_shapes:  # reads the ids on the host: a device sync, so only while checks are on
             check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.vocab_size), True)
+            self.check_shapes = self.tp_world > 1  # one rank: checked once (no shapes to agree on; batches are
+            #                                        validated where they are made, Corpus.batch)
         elif ids.dtype not in TOKEN_DTYPES:
             raise ValueError(f"ids must be an integer tensor, got dtype {ids.dtype}")
         if self.tp_world == 1:
@@ -197,7 +199,8 @@ class RMSNorm(nn.RMSNorm, TensorParallelModule):
     """``nn.RMSNorm`` (Zhang & Sennrich 2019; Llama): x / √(mean(x²) + ε) · γ, no mean, no β.
 
     Replicated like ``LayerNorm``; γ is marked for ``sync_tensor_parallel_grads`` under sequence
-    parallelism. Hugging Face's Llama computes it the same way (float32 for 16-bit inputs).
+    parallelism. torch's fused kernel (``F.rms_norm``) computes the statistics in float32 for 16-bit
+    inputs, as Hugging Face's Llama does.
     """
 
     def __init__(self, normalized_shape: int, eps: float = 1e-6, group: Any = None,
@@ -206,12 +209,6 @@ class RMSNorm(nn.RMSNorm, TensorParallelModule):
         self._init_tensor_parallel(group)
         self.sequence_parallel = sequence_parallel
         self._set_layout("weight", None, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        eps = torch.finfo(wide.dtype).eps if self.eps is None else self.eps
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-        return self.weight * normed.to(x.dtype)
 
 
 TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)

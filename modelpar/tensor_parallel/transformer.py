@@ -29,6 +29,7 @@ from modelpar.tensor_parallel.dropout import sliced_dropout
 from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import LayerNorm, RMSNorm
 from modelpar.tensor_parallel.mlp import ParallelMLP
+from modelpar.tensor_parallel.rotary import Rope
 
 __all__ = ["ParallelTransformerLayer"]
 
@@ -71,6 +72,7 @@ class ParallelTransformerLayer(nn.Module):
             return sliced_dropout(x, self.dropout, self.training, SEQUENCE_DIM, self.rank, self.world)
         return sliced_dropout(x, self.dropout, self.training)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self._drop(self.attn(self.ln1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None, rope: Rope | None = None) -> torch.Tensor:
+        """``rope``: the rotary cos/sin of this input's positions (Llama), shared by a model's layers."""
+        x = x + self._drop(self.attn(self.ln1(x), cache, rope))
         return x + self._drop(self.mlp(self.ln2(x)))

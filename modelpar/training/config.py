@@ -29,8 +29,10 @@ from modelpar.model import ModelConfig
 from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
 from modelpar.tensor_parallel.context_parallel import CP_COMMS
+from modelpar.tensor_parallel.head_loss import chunk_tokens
 from modelpar.text.config import DataConfig
-from modelpar.training.precision import check_precision, param_dtype
+from modelpar.training.compile import check_compile_backend
+from modelpar.training.precision import check_precision, compute_dtype, param_dtype
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
@@ -105,6 +107,18 @@ class TrainConfig:
                                                        "every split)")
     precision: str = option("fp32", section="optimisation", help="fp32, bf16 (autocast, fp32 master weights and "
                                                                  "AdamW) or fp64 (the tests); docs/numerics.md")
+    loss_chunk_mb: float = option(256.0, section="optimisation", help="MiB of fp32 logits the loss forms at once: "
+                                                                       "the head and cross entropy run over chunks "
+                                                                       "of tokens this size (0: all tokens at once, "
+                                                                       "the logits whole; docs/performance.md)")
+    compile: bool = option(False, section="optimisation", help="torch.compile each transformer block (torchtitan's "
+                                                                 "granularity); the summary reports the compile "
+                                                                 "time (docs/performance.md)")
+    compile_backend: str = option("inductor", section="optimisation", help="torch.compile's backend with compile: "
+                                                                          "inductor (generated kernels), aot_eager "
+                                                                          "(traced and differentiated, no code "
+                                                                          "generation: quick, for checking), or any "
+                                                                          "backend torch lists")
     zero: int = option(0, section="parallelism", help="ZeRO stage over the d replicas: 0 every replica holds "
                                                       "everything; 1 AdamW state sharded; 2 and the gradients; 3 and "
                                                       "the parameters (docs/numerics.md)")
@@ -182,6 +196,13 @@ class TrainConfig:
         return param_dtype(self.precision)
 
     @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the head and loss (``loss_chunk_mb`` of fp32 logits); 0: all at once."""
+        if not self.loss_chunk_mb:
+            return 0
+        return chunk_tokens(self.loss_chunk_mb * 2**20, self.model.padded_vocab_size // self.tp, compute_dtype(self.precision))
+
+    @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.model.seq_len
 
@@ -214,6 +235,9 @@ class TrainConfig:
             raise ValueError(f"zero {self.zero} shards over the data-parallel replicas and needs dp >= 2, got dp "
                              f"{self.dp}; use zero 0 on one replica")
         check_number("bucket_mb", self.bucket_mb, 0.0, strict=True)
+        check_number("loss_chunk_mb", self.loss_chunk_mb)
+        if self.compile:
+            check_compile_backend(self.compile_backend)
         self._check_experts()
         if self.schedule in CHUNKED:
             check_int("chunks", self.chunks, minimum=2)

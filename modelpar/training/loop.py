@@ -34,6 +34,7 @@ from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
 from modelpar.training.buckets import BufferMeter
 from modelpar.training.clipping import GradClip
+from modelpar.training.compile import compile_blocks
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
 from modelpar.training.expert_stats import ExpertStats
@@ -41,7 +42,7 @@ from modelpar.training.faults import nonfinite_hook, slow_init
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, measured_state_bytes
-from modelpar.training.precision import wrap_stage
+from modelpar.training.precision import compute_dtype, wrap_stage
 from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
 from modelpar.training.resume import fits, open_directory
 from modelpar.training.setup import release_rank, setup_rank
@@ -94,6 +95,7 @@ class TrainResult:
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
+    compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)
 
     @property
     def timeline(self) -> Any:
@@ -152,7 +154,7 @@ STEP_FIELDS = ("optimizer_state_bytes", "gradient_bytes", "parameter_bytes", "dp
 # ... and those summary.json carries under their own names (beside the config and what the command derives).
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
-                  "skipped_steps", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
+                  "skipped_steps", "compile_seconds", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
                   "exposed_gather", "message_bytes", "expert_imbalance")
 
 
@@ -195,8 +197,10 @@ class _Run:
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
                                        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
                                        dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
-                                       context=self.context, ep_group=rs.ep_group)
+                                       context=self.context, ep_group=rs.ep_group, head_in_loss=cfg.loss_chunk > 0)
                         for s in self.schedule.stages_on(rs.pp_rank)}
+        self.compile_clock = (compile_blocks(self.modules, cfg.compile_backend, self.schedule.split_backward)
+                              if cfg.compile else None)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
         slow_init()
         self.fault = nonfinite_hook()
@@ -205,7 +209,9 @@ class _Run:
 
             for module in self.modules.values():
                 load_hf_shards(module, cfg.init_from)
-        self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group)
+        head = next((m.head for m in self.modules.values() if m.head is not None), None) if cfg.loss_chunk else None
+        self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group, head=head, chunk=cfg.loss_chunk,
+                              compute_dtype=compute_dtype(cfg.precision))
         computed = {s: wrap_stage(m, cfg.precision, last=s == stages - 1) for s, m in self.modules.items()}
         self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
         # cp joins data parallelism for gradients: every cp rank's loss is the mean over its s/cp tokens of each
@@ -225,7 +231,7 @@ class _Run:
             check_bucket_size(self.sync.buckets, elements, cfg.dp * cfg.cp, cfg.bucket_mb)
             if cfg.zero == 3:
                 self.gather = ParamGather(self.modules, self.sync.buckets, self.comm, self.meter,
-                                          cfg.reshard_after_forward, shard_of=self.sync.shard_of)
+                                          cfg.reshard_after_forward, shard_of=self.sync.shard_of, compiled=cfg.compile)
                 self.runner.register_action_hook(self.gather.action_hook)
         else:
             self.sync = GradSync(**sync_args)
@@ -346,6 +352,9 @@ class _Run:
         autograd's C++ side) and the process groups with their threads (a reused rank would keep them all)."""
         self.comm.close()
         self.sync.close()
+        if self.compile_clock is not None:
+            self.compile_clock.stop()
+            self.result.compile_seconds = self.compile_clock.seconds
         if self.gather is not None:
             self.gather.close()
         release_rank(self.rs)

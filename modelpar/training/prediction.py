@@ -39,7 +39,7 @@ def local_run(cfg: TrainConfig) -> LocalRun:
     return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
-                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep)
+                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
@@ -139,7 +139,8 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
             y = module(x)
             if stage == last:
                 gen = torch.Generator().manual_seed(last + 1)
-                loss_fn(y, torch.randint(0, cfg.model.vocab_size, tuple(y.shape[:2]), generator=gen).to(device))
+                b = cfg.batch_size // (cfg.dp * cfg.microbatches)
+                loss_fn(y, torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device))
         out[stage] = sum(seen.values())
     return out
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from modelpar.schedules.action import Action, Kind
 from modelpar.training.buckets import Bucket, BufferMeter
+from modelpar.training.compile import gather_units
 from modelpar.training.dp_comm import DataParallelComm, Pending
 
 __all__ = ["ParamGather"]
@@ -47,7 +48,8 @@ class ParamGather:
 
     def __init__(self, modules: Mapping[int, nn.Module], buckets: Sequence[Bucket], comm: DataParallelComm,
                  meter: BufferMeter, reshard_after_forward: bool = True,
-                 shard_of: Callable[[Bucket], tuple[DataParallelComm, int]] | None = None) -> None:
+                 shard_of: Callable[[Bucket], tuple[DataParallelComm, int]] | None = None,
+                 compiled: bool = False) -> None:
         self.comm, self.meter, self.reshard = comm, meter, reshard_after_forward
         self.shard_of = shard_of or (lambda bucket: (comm, 0))  # an expert bucket's group (``GradSync.shard_of``)
         self.hooks: list[Any] = []  # handles of the module and parameter hooks (``close`` removes them)
@@ -58,11 +60,8 @@ class ParamGather:
         self._position: dict[int, tuple[int, int]] = {}  # bucket index -> (stage, place in that order)
         for stage, module in modules.items():
             order: list[Bucket] = []
-            for m in module.modules():
-                direct = list(m.parameters(recurse=False))
-                if not direct:
-                    continue
-                needed = list({id(of_param[id(p)]): of_param[id(p)] for p in direct}.values())
+            for m in gather_units(module, compiled):  # with compiled blocks: each block whole
+                needed = list({id(of_param[id(p)]): of_param[id(p)] for p in m.parameters()}.values())
                 self._needs[id(m)] = needed
                 for b in needed:
                     self._users[b.index] += 1

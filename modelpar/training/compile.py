@@ -1,0 +1,73 @@
+"""``--compile``: ``torch.compile`` each transformer block, torchtitan's granularity.
+
+One block is one graph: every block of a model has the same code and shapes, so torch compiles it
+once and the blocks share it (guards are on the modules' types and tensor metadata, not their
+identity). What happens between blocks (the embedding, the head and loss, the pipeline's sends,
+the gradient buckets' hooks, ZeRO-3's gathers around each block) stays eager. The block's
+``forward`` is compiled, not its ``__call__``, so hooks on the block itself run outside the graph;
+ZeRO-3 gathers per block under ``--compile`` for that reason (``gather_units``). Tensor- and
+sequence-parallel collectives, context parallelism's ring and the experts' all-to-all inside a
+block are autograd Functions that call ``torch.distributed``: torch runs them between graphs (a
+graph break), so they stay exactly as in eager mode.
+
+A zero-bubble schedule's split backward (I now, W later) restarts autograd from inside a stage;
+a compiled block is one autograd node, so its W re-runs the block's backward (correct, the
+weight-gradient half's saving lost inside compiled blocks; docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from modelpar._compat import CompileClock, keep_compiled_backward_buffers
+
+__all__ = ["COMPILE_BACKENDS", "check_compile_backend", "compile_blocks", "compiled_blocks", "gather_units"]
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others check the tracing
+
+
+def check_compile_backend(backend: str) -> str:
+    """``backend`` if torch.compile knows it; a one-line ValueError naming the choices otherwise."""
+    from torch._dynamo import list_backends
+
+    known = sorted(set(list_backends(exclude_tags=())) | set(COMPILE_BACKENDS))
+    if backend not in known:
+        raise ValueError(f"compile_backend must be one of {', '.join(known)}, got {backend!r}")
+    return backend
+
+
+def compiled_blocks(module: nn.Module) -> Iterator[nn.Module]:
+    """The transformer blocks of a stage (``Transformer.layers``), the units ``compile_blocks`` compiles."""
+    layers = getattr(module, "layers", None)
+    yield from layers.values() if isinstance(layers, nn.ModuleDict) else ()
+
+
+def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",
+                   split_backward: bool = False) -> CompileClock:
+    """Compile the forward of every block of ``modules`` in place (names, parameters and hooks unchanged);
+    return the clock that counts the seconds spent compiling from now on. ``split_backward``: the schedule
+    runs I and W apart, so a block's compiled backward may run twice."""
+    if split_backward:
+        keep_compiled_backward_buffers()
+    clock = CompileClock()
+    clock.start()
+    for module in modules.values():
+        for block in compiled_blocks(module):
+            block.forward = torch.compile(block.forward, backend=backend)
+    return clock
+
+
+def gather_units(module: nn.Module, compiled: bool) -> list[nn.Module]:
+    """The modules ZeRO-3 gathers parameters around, in forward order: every module with parameters of its
+    own, or, with compiled blocks, each block whole (its hooks must stay outside its graph) and the modules
+    with parameters of their own outside the blocks."""
+    blocks = list(compiled_blocks(module)) if compiled else []
+    inside = {id(m) for b in blocks for m in b.modules()}
+    units: list[nn.Module] = []
+    for m in module.modules():
+        if any(m is b for b in blocks) or (id(m) not in inside and next(m.parameters(recurse=False), None) is not None):
+            units.append(m)
+    return units
