@@ -25,8 +25,8 @@ def _modelpar(checkpoint: str, out: str, note: Note) -> list[Path]:
 
 def _hf(checkpoint: str, out: str, note: Note) -> list[Path]:
     """A Hugging Face ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer.json) of an --arch llama run."""
-    from modelpar.checkpoint import read_full_tensors, read_meta, read_newest
     from modelpar import hf
+    from modelpar.checkpoint import read_full_tensors, read_meta, read_newest
     from modelpar.export import TOKENIZER
     from modelpar.hf import save_hf
     from modelpar.model import ModelConfig
