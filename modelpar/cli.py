@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one line, exit code 2, no traceback
         print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a file system that refused a write (read-only, full, a path under a file): one line
+        print(f"modelpar {args.command}: error: {_os_error(err)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as err:  # Ctrl-C: exit code 130, and where it stopped if the command says
         if str(err):
             print(f"modelpar {args.command}: {err}", file=sys.stderr)
@@ -54,6 +57,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
         return 1
+
+
+def _os_error(err: OSError) -> str:
+    """An OSError in words, naming its path: ``'/mnt/ro/model.json': Read-only file system``."""
+    what = err.strerror or str(err)
+    if err.filename is None:
+        return what
+    paths = repr(str(err.filename)) + (f" -> {str(err.filename2)!r}" if err.filename2 is not None else "")
+    return f"{paths}: {what}"
 
 
 def _rank_death(err: BaseException) -> bool:

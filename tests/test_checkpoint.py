@@ -22,6 +22,7 @@ from modelpar.checkpoint import (
     Piece,
     Shard,
     ShardedState,
+    check_fresh,
     check_unlocked,
     checkpoint_step,
     latest_checkpoint,
@@ -29,8 +30,9 @@ from modelpar.checkpoint import (
     read_meta,
 )
 from modelpar.checkpoint.lock import lock_holder
+from modelpar.checkpoint.manager import checkpoint_at
 from modelpar.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
-from modelpar.checkpoint.store import MARKER, leftovers, remove_leftovers
+from modelpar.checkpoint.store import MARKER, is_checkpoint, leftovers, remove_leftovers
 from modelpar.checkpoint.store import seal as _seal
 from modelpar.tensor_parallel import ParamLayout, shard_tensor
 from modelpar.training.state import layout_shard
@@ -125,7 +127,11 @@ def test_latest_is_the_newest_complete_step(tmp_path):
      r"__0_0.distcp is \d+ bytes, \d+ were written"),
     (lambda d: (d / "__0_0.distcp").unlink(), r"__0_0.distcp is missing"),
     (lambda d: (d / ".metadata").write_bytes(b"\0" * (d / ".metadata").stat().st_size), r"unreadable DCP metadata"),
-    (lambda d: (d / "meta.json").write_text("{not json"), r"unreadable meta.json"),
+    (lambda d: (d / "meta.json").write_text("{not json"), r"meta.json is 9 bytes, \d+ were written"),
+    # rule "Valid" (docs/checkpoints.md): the marker is checked before the format, so a meta.json replaced by {}
+    # is damage, not "predates resharding", and a same-size edit is caught by meta.json's CRC-32
+    (lambda d: (d / "meta.json").write_text("{}"), r"meta.json is 2 bytes, \d+ were written"),
+    (lambda d: _edit_meta(d, '"tp": 1', '"tp": 4'), r"meta.json is damaged \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)"),
     (lambda d: (d / MARKER).write_text("[]"), r"unreadable COMPLETE marker"),
 ])
 def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, reason):
@@ -134,6 +140,54 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     skipped = []
     assert latest_checkpoint(tmp_path, skipped).name == "step_00000002"
     assert [p.name for p, _ in skipped] == ["step_00000004"] and re.search(reason, skipped[0][1]), skipped
+
+
+def _edit_meta(path, old, new):
+    """Change ``meta.json`` in place, keeping its size: only its checksum can tell."""
+    text = (path / "meta.json").read_text()
+    assert old in text and len(old) == len(new)
+    (path / "meta.json").write_text(text.replace(old, new))
+
+
+def test_a_same_size_edit_of_meta_json_is_damage_even_without_checksums(tmp_path):
+    # rule "Valid": meta.json's CRC-32 is checked always (the launcher reads a resumed run's settings from it)
+    _checkpoint(tmp_path, 2)
+    _edit_meta(_checkpoint(tmp_path, 4), '"tp": 1', '"tp": 4')
+    skipped = []
+    assert latest_checkpoint(tmp_path, skipped, checksums=False).name == "step_00000002"
+    assert re.fullmatch(r"meta.json is damaged \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)", skipped[0][1])
+
+
+def test_a_named_step_gets_the_checks_a_directory_gets(tmp_path):
+    # rule "Export": a named step_N is checked as a directory's are; a damaged one is refused, never read
+    _checkpoint(tmp_path, 2)
+    newest = _checkpoint(tmp_path, 4)
+    with open(newest / "__0_0.distcp", "r+b") as f:  # one byte flipped, the size unchanged
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(repr(str(newest)))} is damaged \(__0_0.distcp is "
+                                         r"damaged \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)\): give another step, "
+                                         rf"or the directory {re.escape(repr(str(tmp_path)))} for its newest valid"):
+        checkpoint_at(newest)
+    assert checkpoint_at(tmp_path / "step_00000002") == tmp_path / "step_00000002"
+    skipped = []
+    assert checkpoint_at(tmp_path, skipped) == tmp_path / "step_00000002" and [p for p, _ in skipped] == [newest]
+
+
+def test_a_step_folder_that_is_not_a_checkpoint_is_foreign_and_refuses_every_writer(tmp_path):
+    # rule "Ours and foreign": a step_<n> folder without a marker, meta.json or .metadata is someone else's
+    _checkpoint(tmp_path, 2)
+    (tmp_path / "step_00000007").mkdir()
+    (tmp_path / "step_00000007" / "notes.txt").write_text("mine")
+    assert is_checkpoint(tmp_path / "step_00000002") and not is_checkpoint(tmp_path / "step_00000007")
+    for resume, overwrite in ((False, False), (True, False), (False, True)):
+        with pytest.raises(ValueError, match=rf"^checkpoint directory {re.escape(repr(str(tmp_path)))} holds "
+                                             r"step_00000007, which is not a modelpar checkpoint \(no COMPLETE, "
+                                             r"meta.json or .metadata in it\): modelpar writes and removes only its "
+                                             r"own checkpoints; move it out, or choose another --checkpoint-dir$"):
+            check_fresh(tmp_path, resume=resume, overwrite=overwrite)
+    assert latest_checkpoint(tmp_path).name == "step_00000002"  # readers pass it by
 
 
 def test_a_checkpoint_of_the_older_format_says_it_predates_resharding(tmp_path):

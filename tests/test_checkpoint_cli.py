@@ -60,8 +60,8 @@ def test_a_locked_directory_refuses_a_second_run_at_once(capsys, tmp_path):
 
 def test_a_crashed_run_leaves_a_directory_the_next_run_starts_in(capsys, tmp_path):
     ckpt = tmp_path / "ckpt"
-    (ckpt / ".step_00000004.tmp-0badf00d").mkdir(parents=True)  # a save killed mid-write
-    (ckpt / "step_00000002").mkdir()  # a copy without its marker
+    (ckpt / ".step_00000004.tmp-0badf00d").mkdir(parents=True)  # a save killed mid-write (a save's step_N is
+    # renamed whole, so a crash leaves no step_N without its marker; a step_N of no checkpoint is foreign: refused)
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     (ckpt / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "started": "before"}))

@@ -160,3 +160,88 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_removes_the_partial_one(t
         assert steps(disk) == ["step_00000001"]  # no partial directory left
         assert latest_checkpoint(disk) == first
         assert read_full_tensors(first)["w"].tolist() == [1.0] * 20_000
+
+
+def test_overwrite_removes_only_modelpar_checkpoints(tmp_path, world):
+    # rule "Ours and foreign" (docs/checkpoints.md): --overwrite is refused while a foreign step_<n> folder is
+    # there, with nothing removed; without it, every checkpoint of ours goes, valid or damaged
+    save(tmp_path, 2, world)
+    missing_shard(save(tmp_path, 4, world))
+    (tmp_path / "step_00000009").mkdir()
+    (tmp_path / "step_00000009" / "results.csv").write_text("the user's")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=r"holds step_00000009, which is not a modelpar checkpoint"):
+        CheckpointManager(tmp_path, group=world).open(overwrite=True)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing removed, the lock released
+    (tmp_path / "step_00000009" / "results.csv").unlink()
+    (tmp_path / "step_00000009").rmdir()
+    notes = []
+    manager = CheckpointManager(tmp_path, group=world, note=notes.append)
+    manager.open(overwrite=True)
+    manager.close()
+    assert steps(tmp_path) == [] and notes == [
+        "removed the 2 checkpoints of an earlier run (--overwrite), newest step_00000004"]
+
+
+def test_resume_where_no_checkpoint_is_valid_is_refused_naming_them(tmp_path, world):
+    # rule "Resume": checkpoints that exist but none valid stop the run; it never starts over on top of them
+    missing_shard(save(tmp_path, 2, world))
+    zeroed_shard(save(tmp_path, 4, world))
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    manager = CheckpointManager(tmp_path, group=world)
+    manager.open(resume=True)
+    try:
+        with pytest.raises(ValueError, match=rf"^--resume: checkpoint directory {re.escape(repr(str(tmp_path)))} holds "
+                                             r"checkpoints but none is valid: step_00000004 \(__0_0.distcp is damaged "
+                                             r"\(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)\), step_00000002 "
+                                             r"\(__0_0.distcp is missing\); repair or move them away \(modelpar does "
+                                             r"not start over on top of them\)$"):
+            manager.choose()
+    finally:
+        manager.close()
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+def test_a_save_never_replaces_a_foreign_folder_of_its_step(tmp_path, world):
+    # rule "Ours and foreign": a folder that appears under a step's name during a run stays as it is
+    save(tmp_path, 2, world)
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "step_00000003" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"^writing checkpoint step 3 to .* failed \(FileExistsError: "
+                                         r"'.*step_00000003' is not a checkpoint \(someone else's folder\): it is left "
+                                         r"as it is\); the previous checkpoints are kept$"):
+        save(tmp_path, 3, world)
+    assert (tmp_path / "step_00000003" / "notes.txt").read_text() == "mine"
+    assert steps(tmp_path) == ["step_00000002", "step_00000003"]  # the partial save removed
+
+
+_ORPHAN = """
+import multiprocessing, sys
+import torch, torch.distributed as dist
+from modelpar.checkpoint import Shard, ShardedState, save_checkpoint
+from modelpar.distributed import free_port
+from modelpar.distributed.lifeline import watch
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+state = ShardedState()
+state.add("model.w", Shard.whole(torch.zeros(8)))
+lifeline, launcher = multiprocessing.Pipe(duplex=False)
+watch(lifeline)  # as a rank's lifeline thread does, without the thread: no exit but the one under test
+save_checkpoint(sys.argv[1], 1, state, {"losses": []}, group=dist.group.WORLD)
+launcher.close()  # the launcher is gone (kill -9 closes its end of the pipe the same way)
+save_checkpoint(sys.argv[1], 2, state, {"losses": []}, group=dist.group.WORLD, keep=1)
+print("saved after the launcher died")
+"""
+
+
+def test_a_rank_whose_launcher_died_publishes_and_prunes_nothing(tmp_path):
+    # rule "Launcher killed": after the launcher's death a save in progress is abandoned before it is sealed;
+    # the checkpoint before it is neither replaced nor pruned (keep = 1), the torn save is the next run's to remove
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ORPHAN, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "saved after" not in done.stdout, done.stderr
+    names = steps(tmp_path)
+    assert names[-1] == "step_00000001" and len(names) == 2 and names[0].startswith(".step_00000002.tmp-"), names
+    assert not {"COMPLETE", "meta.json"} & {p.name for p in (tmp_path / names[0]).iterdir()}  # never sealed
+    assert latest_checkpoint(tmp_path).name == "step_00000001"

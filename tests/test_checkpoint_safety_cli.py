@@ -9,6 +9,7 @@ are real (``modelpar.cli.main``, one rank process, a tiny model in float64).
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,3 +184,174 @@ def test_export_while_a_run_prunes_takes_the_newest_valid_checkpoint(capsys, tmp
     assert run.returncode == 0, stderr
     assert codes and set(codes) == {0}
     assert main(["export", str(ckpt), "--out", str(model)]) == 0 and names(ckpt) == ["step_00000010"]
+
+
+# --- issue 35: a refused run writes nothing; damage and foreign folders are never passed over in silence ---
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache):
+    """One byte-level run's checkpoint directory (steps 2 and 4), copied by each test that damages it."""
+    root = tmp_path_factory.mktemp("trained")
+    assert main(["train", *TINY, "--steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", str(root / "ck"),
+                 "--out", str(root / "out"), "--cache-dir", str(cache)]) == 0
+    return root / "ck"
+
+
+def copy(trained, tmp_path, name="ck"):
+    return Path(shutil.copytree(trained, tmp_path / name))
+
+
+def listing(*folders):
+    """Every path under ``folders`` with its size and modification time: equal before and after means untouched
+    (the folders' own times aside: --out's lock comes and goes while a run is checked)."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for folder in folders for p in folder.rglob("*")}
+
+
+def flip_a_byte(path, offset=100):
+    """One byte of ``path`` changed in place: the size stays, only the checksum can tell."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def one_line(capsys, command):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip().removeprefix(f"modelpar {command}: error: ")
+
+
+def test_a_refused_resume_writes_nothing(capsys, tmp_path, cache, trained):
+    # rule "A refused run writes nothing" (docs/checkpoints.md): the resume check comes before tokenizer.json
+    ckpt, out = copy(trained, tmp_path), tmp_path / "out"
+    out.mkdir()
+    before = listing(ckpt, out)
+    code = main(["train", *TINY, "--checkpoint-dir", str(ckpt), "--resume", "--tokenizer", "bpe", "--vocab-size", "300",
+                 "--out", str(out), "--cache-dir", str(cache)])
+    assert code == 2 and one_line(capsys, "train") == (
+        f"checkpoint {str(ckpt / 'step_00000004')!r} is of a different model: vocab_size differ (checkpoint [256], "
+        "this run [300])")
+    assert listing(ckpt, out) == before and not (ckpt / "tokenizer.json").exists() and rank_processes() == []
+
+
+def test_resume_where_every_checkpoint_is_damaged_stops_naming_them(capsys, tmp_path, cache, trained):
+    # rule "Resume": checkpoints exist, none valid: exit 2 naming them, nothing started or written
+    ckpt = copy(trained, tmp_path)
+    flip_a_byte(ckpt / "step_00000004" / "__0_0.distcp")
+    (ckpt / "step_00000002" / "__0_0.distcp").unlink()
+    before = listing(ckpt)
+    code, err, _ = train(capsys, tmp_path, cache, "--checkpoint-dir", str(ckpt), "--resume")
+    assert code == 2 and len(err) == 1 and re.fullmatch(
+        rf"modelpar train: error: --resume: checkpoint directory {re.escape(repr(str(ckpt)))} holds checkpoints but none "
+        r"is valid: step_00000004 \(__0_0.distcp is damaged \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)\), "
+        r"step_00000002 \(__0_0.distcp is missing\); repair or move them away \(modelpar does not start over on top "
+        r"of them\)", err[0]), err
+    assert listing(ckpt) == before and not (tmp_path / "out").exists()
+
+
+def test_overwrite_leaves_a_folder_that_is_not_a_checkpoint(capsys, tmp_path, cache, trained):
+    # rule "Ours and foreign": --overwrite removes modelpar checkpoints only; a step_<n> of the user's refuses the run
+    ckpt = copy(trained, tmp_path)
+    (ckpt / "step_00000007").mkdir()
+    (ckpt / "step_00000007" / "notes.txt").write_text("mine")
+    before = listing(ckpt)
+    code, err, _ = train(capsys, tmp_path, cache, "--checkpoint-dir", str(ckpt), "--overwrite")
+    assert code == 2 and err == [
+        f"modelpar train: error: checkpoint directory {str(ckpt)!r} holds step_00000007, which is not a modelpar "
+        "checkpoint (no COMPLETE, meta.json or .metadata in it): modelpar writes and removes only its own checkpoints; "
+        "move it out, or choose another --checkpoint-dir"]
+    assert listing(ckpt) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--exit-after", "2"], "--exit-after 2 stops with a checkpoint, which needs --checkpoint-dir (where to write it), "
+                            "got none"),
+    (["--overwrite"], "--overwrite deletes the checkpoints in --checkpoint-dir, which is not given"),
+])
+def test_checkpoint_flags_without_a_checkpoint_dir_are_refused(capsys, tmp_path, flags, message):
+    # rule "Flags": --exit-after promises a checkpoint, --overwrite names checkpoints to delete: both need the directory
+    assert main(["train", *TINY, "--out", str(tmp_path / "out"), *flags]) == 2
+    assert one_line(capsys, "train") == message and list(tmp_path.iterdir()) == []
+
+
+def test_export_and_generate_check_a_named_step_and_say_which_step_they_took(capsys, tmp_path, trained):
+    # rule "Export": a named step_N gets the directory's checks; a directory's damaged newest is skipped aloud
+    ckpt, model = copy(trained, tmp_path), tmp_path / "model.safetensors"
+    newest = ckpt / "step_00000004"
+    flip_a_byte(newest / "__0_0.distcp")
+    for command in (["export", str(newest), "--out", str(model)], ["generate", str(newest), "--prompt", "a"]):
+        assert main(command) == 2
+        assert re.fullmatch(rf"checkpoint {re.escape(repr(str(newest)))} is damaged \(__0_0.distcp is damaged "
+                            rf"\(CRC-32 [0-9a-f]{{8}}, [0-9a-f]{{8}} was written\)\): give another step, or the "
+                            rf"directory {re.escape(repr(str(ckpt)))} for its newest valid checkpoint",
+                            one_line(capsys, command[0]))
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])  # truncated: the issue's traceback
+    assert main(["export", str(newest), "--out", str(model)]) == 2
+    assert one_line(capsys, "export").endswith("(__0_0.distcp is 1000 bytes, "
+                                               f"{trained.joinpath('step_00000004', '__0_0.distcp').stat().st_size} "
+                                               f"were written): give another step, or the directory {str(ckpt)!r} "
+                                               "for its newest valid checkpoint")
+    assert not model.exists()
+    assert main(["export", str(ckpt), "--out", str(model)]) == 0
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"modelpar export: warning: took {str(ckpt / 'step_00000002')!r} (step 2), the newest valid checkpoint; "
+        f"skipped damaged {str(newest)!r} (__0_0.distcp is 1000 bytes, "
+        f"{trained.joinpath('step_00000004', '__0_0.distcp').stat().st_size} were written)"]
+    assert json.loads(model.with_name("model.json").read_text()) == read_meta(ckpt / "step_00000002")["config"]["model"]
+
+
+def test_a_newest_meta_json_replaced_or_edited_is_damage_not_settings(capsys, tmp_path, cache, trained):
+    # rule "Valid": integrity before format; meta.json's CRC-32 always checked, also before the launcher reads settings
+    ckpt, model = copy(trained, tmp_path), tmp_path / "model.safetensors"
+    (ckpt / "step_00000004" / "meta.json").write_text("{}")
+    assert main(["export", str(ckpt), "--out", str(model)]) == 0
+    assert "skipped damaged" in capsys.readouterr().err and "predates" not in capsys.readouterr().err
+    meta = ckpt / "step_00000004" / "meta.json"
+    meta.write_text(trained.joinpath("step_00000004", "meta.json").read_text().replace('"lr": 0.003', '"lr": 0.004'))
+    assert meta.stat().st_size == trained.joinpath("step_00000004", "meta.json").stat().st_size
+    code, err, summary = train(capsys, tmp_path, cache, "--checkpoint-dir", str(ckpt), "--resume", "--exit-after", "1",
+                               "--keep", "0")
+    assert code == 0 and summary["start_step"] == 2 and summary["config"]["optimisation"]["lr"] == 0.003, err
+    assert re.fullmatch(rf"modelpar train: warning: skipping damaged checkpoint {re.escape(repr(str(meta.parent)))} "
+                        r"\(meta.json is damaged \(CRC-32 [0-9a-f]{8}, [0-9a-f]{8} was written\)\)", notes(err)[0]), err
+
+
+def test_an_export_folder_holds_one_exports_companions(capsys, tmp_path, trained):
+    # rule "Export": the files beside --out are the export's; a stale tokenizer.json of the export it replaces is
+    # removed, another one (another export's, the user's) refuses the export, and generate checks the one it finds
+    bpe = copy(trained, tmp_path, "bpe")
+    (bpe / "tokenizer.json").write_text('{"a run": "with its own tokenizer"}')
+    folder = tmp_path / "export"
+    folder.mkdir()
+    model = folder / "model.safetensors"
+    assert main(["export", str(bpe), "--out", str(model)]) == 0 and (folder / "tokenizer.json").exists()
+    assert main(["export", str(trained), "--out", str(model)]) == 0  # byte tokens: the earlier tokenizer goes
+    assert sorted(p.name for p in folder.iterdir()) == ["model.json", "model.safetensors"]
+    capsys.readouterr()
+    assert main(["generate", str(model), "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+
+    (folder / "tokenizer.json").write_text('{"the user\'s": 1}')
+    assert main(["generate", str(model), "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu"]) == 2
+    assert one_line(capsys, "generate") == (
+        f"{str(folder / 'tokenizer.json')!r} is not the tokenizer of {str(model)!r}, which was exported with byte "
+        "tokens (no tokenizer.json): it is another export's; move it away, or export again")
+    before = listing(folder)
+    assert main(["export", str(trained), "--out", str(folder / "other.safetensors")]) == 2
+    assert one_line(capsys, "export") == (
+        f"--out: {str(folder / 'tokenizer.json')!r} is not the tokenizer.json of this export nor of the earlier "
+        f"export to {str(folder / 'other.safetensors')!r} (another export's in the same folder, or a file of yours), "
+        "and modelpar reads it with the model beside it: export to a folder of its own, or move it away")
+    assert listing(folder) == before
+
+
+@pytest.mark.parametrize("options, error", [("size=64k,ro", "Read-only file system"),
+                                            ("size=64k", "No space left on device")])
+def test_export_to_a_read_only_or_full_file_system_is_one_line(capsys, tmp_path, trained, options, error):
+    # rule "Export": a write the file system refuses is one line naming the file, and leaves nothing behind
+    size, _, read_only = options.partition(",")
+    with tmpfs(tmp_path / "disk", size=size.removeprefix("size="), read_only=bool(read_only)) as disk:
+        assert main(["export", str(trained), "--out", str(disk / "model.safetensors")]) == 2
+        assert one_line(capsys, "export") == f"{str(disk / 'model.safetensors')!r}: {error}"
+        assert list(disk.iterdir()) == []

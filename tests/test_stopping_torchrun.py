@@ -97,9 +97,10 @@ def preempted_at(line: str, ckpt: Path) -> int:
 
 
 def uninterrupted(tmp_path: Path, steps: int) -> list[float]:
-    """The losses of the first ``steps`` steps, run at once by the local launcher (no checkpoints)."""
+    """The losses of the first ``steps`` steps, run at once by the local launcher (--exit-after needs a checkpoint_dir)."""
     out = tmp_path / "uninterrupted"
-    assert main(["train", *MODEL, "--steps", str(STEPS), "--exit-after", str(steps), "--out", str(out)]) == 0
+    assert main(["train", *MODEL, "--steps", str(STEPS), "--exit-after", str(steps), "--out", str(out),
+                 "--checkpoint-dir", str(tmp_path / "uninterrupted-ck")]) == 0
     return json.loads((out / "summary.json").read_text())["losses"]
 
 

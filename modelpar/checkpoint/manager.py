@@ -1,13 +1,19 @@
 """The rules of a checkpoint directory, in one place: who writes, what counts, what is pruned, what resumes.
 
-    valid      a ``step_<n>`` with its marker whose files all have the size and CRC-32 it recorded
+    ours       a ``step_<n>`` holding the marker, ``meta.json`` or DCP's ``.metadata`` (``store.is_checkpoint``);
+               any other ``step_<n>`` folder is foreign: a run that would write the directory is
+               refused naming it (it is never read, replaced or removed)
+    valid      one of ours with its marker whose files all have the size and CRC-32 it recorded
                and whose metadata parse (``store.checkpoint_problem``); anything else is damaged:
-               never resumed from, never counted, never deleted (a warning names it)
-    newest     the valid one with the highest step: what ``--resume``, ``export`` and ``generate`` take
+               never resumed from, never counted, never pruned (a warning names it)
+    newest     the valid one with the highest step: what ``--resume``, ``export`` and ``generate`` take;
+               ``--resume`` where checkpoints exist but none is valid is refused, naming them
     keep-N     after a new checkpoint is complete (sealed and renamed), the valid ones beyond the
                newest N are removed; the new one and the newest valid one always stay
-    fresh run  a run without --resume into a directory holding ``step_<n>`` directories is refused,
-               unless --overwrite, which removes them (under the lock) before the run starts
+    fresh run  a run without --resume into a directory holding checkpoints is refused, unless
+               --overwrite, which removes ours (valid or damaged; under the lock) before the run starts
+    launcher   a rank whose launcher has died (``lifeline.launcher_gone``) ends before sealing,
+               publishing or pruning: nothing more is written after the launcher's ``kill -9``
     lock       ``LOCK``, held by the writing run's rank 0 (``lock.py``); readers take no lock:
                a checkpoint is removed by one rename, so a reader sees it whole or not at all, and
                ``read_newest`` tries again once if it was pruned while being read
@@ -32,6 +38,7 @@ from torch.distributed.checkpoint import CheckpointException
 from modelpar.checkpoint import store
 from modelpar.checkpoint.lock import DirLock
 from modelpar.checkpoint.shards import ShardedState
+from modelpar.distributed.lifeline import end_if_orphaned
 
 __all__ = ["CheckpointManager", "check_fresh", "latest_checkpoint", "load_checkpoint", "read_newest",
            "save_checkpoint"]
@@ -44,32 +51,65 @@ def latest_checkpoint(root: str | os.PathLike, skipped: list[tuple[Path, str]] |
                       checksums: bool = True) -> Path | None:
     """The newest valid checkpoint under ``root`` (None if there is none).
 
-    Newer marked ones that fail ``checkpoint_problem`` are passed over and appended to ``skipped``
+    Newer ones that fail ``checkpoint_problem`` are passed over and appended to ``skipped``
     as (path, reason). ``checksums=False``: sizes and metadata only (no byte read), for messages.
     """
     return CheckpointManager(root).latest(skipped, checksums=checksums)
 
 
-def read_newest(root: str | os.PathLike, read: Callable[[Path], T]) -> T:
-    """``read(path)`` of the newest valid checkpoint under ``root`` (``root`` itself if it is one), tried
-    again once with the then newest if the checkpoint was pruned underneath (a run writing beside)."""
+def checkpoint_at(path: str | os.PathLike, skipped: list[tuple[Path, str]] | None = None) -> Path:
+    """``path`` itself if it is a checkpoint (``step_N``; ValueError if it is damaged, as a directory's
+    damaged ones are skipped), else the newest valid one inside it (``CheckpointManager.newest_or_error``)."""
+    path = Path(path)
+    if not store.is_checkpoint(path):
+        return CheckpointManager(path).newest_or_error(skipped)
+    why = store.checkpoint_problem(path)
+    if why:
+        raise ValueError(f"checkpoint {str(path)!r} is damaged ({why}): give another step, or the directory "
+                         f"{str(path.parent)!r} for its newest valid checkpoint")
+    return path
+
+
+def read_newest(root: str | os.PathLike, read: Callable[[Path], T], note: Note | None = None) -> T:
+    """``read(path)`` of ``checkpoint_at(root)``, tried again once with the then newest if the checkpoint was
+    pruned underneath (a run writing beside). ``note``: told in one line which checkpoint was read when
+    damaged newer ones were skipped. A checkpoint that cannot be read is a ValueError naming it."""
     root = Path(root)
     for attempt in (0, 1):
-        path = root if (root / store.MARKER).is_file() else CheckpointManager(root).newest_or_error()
+        skipped: list[tuple[Path, str]] = []
+        path = checkpoint_at(root, skipped)
         try:
-            return read(path)
-        except (OSError, ValueError, RuntimeError, CheckpointException):
+            value = read(path)
+        except (OSError, ValueError, RuntimeError, CheckpointException) as err:
             if path.exists():  # not pruned: a real error
-                raise
+                if isinstance(err, ValueError):
+                    raise
+                raise ValueError(f"checkpoint {str(path)!r} cannot be read ({_first_line(err)})") from None
             if attempt or path == root:
                 raise ValueError(f"checkpoint {str(path)!r} was removed while it was read (a run writing "
                                  f"{str(path.parent)!r} pruned it): try again") from None
+            continue
+        if skipped and note is not None:
+            note(f"warning: took {str(path)!r} (step {store.checkpoint_step(path)}), the newest valid checkpoint; "
+                 "skipped damaged " + "; ".join(f"{str(p)!r} ({why})" for p, why in skipped))
+        return value
     raise AssertionError("unreachable")
 
 
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
 def check_fresh(root: str | os.PathLike, *, resume: bool, overwrite: bool) -> None:
-    """ValueError if a run without ``resume`` would start in ``root`` while it holds checkpoints (and
-    ``overwrite`` does not ask to remove them)."""
+    """ValueError if a run would write ``root`` while it holds a foreign ``step_<n>`` folder (the run
+    might replace it; ``--overwrite`` would remove it), or if a run without ``resume`` would start
+    there while it holds checkpoints (and ``overwrite`` does not ask to remove them)."""
+    strangers = store.foreign(root)
+    if strangers:
+        more = f" (and {len(strangers) - 1} more)" if len(strangers) > 1 else ""
+        raise ValueError(f"checkpoint directory {str(root)!r} holds {strangers[0].name}{more}, which is not a modelpar "
+                         f"checkpoint (no {store.MARKER}, {store.META} or {store.DCP_METADATA} in it): modelpar "
+                         "writes and removes only its own checkpoints; move it out, or choose another --checkpoint-dir")
     found = store.step_dirs(root)
     if found and not resume and not overwrite:
         raise ValueError(f"checkpoint directory {str(root)!r} holds checkpoints of an earlier run (newest "
@@ -140,7 +180,7 @@ class CheckpointManager:
 
     def valid(self) -> list[Path]:
         """The valid checkpoints, newest first."""
-        return [p for p in store.marked(self.root) if not self.problem(p)]
+        return [p for p in store.checkpoints(self.root) if not self.problem(p)]
 
     def latest(self, skipped: list[tuple[Path, str]] | None = None, *, checksums: bool = True) -> Path | None:
         """The newest valid checkpoint (None: none); damaged newer ones appended to ``skipped`` with why.
@@ -150,7 +190,7 @@ class CheckpointManager:
         """
         for _ in range(3):
             found: list[tuple[Path, str]] = []
-            for path in store.marked(self.root):
+            for path in store.checkpoints(self.root):
                 why = self.problem(path, checksums)
                 if not why:
                     if skipped is not None:
@@ -165,11 +205,11 @@ class CheckpointManager:
                 return None
         return None
 
-    def newest_or_error(self) -> Path:
-        """``latest()``, or a ValueError saying why there is none (naming the damaged ones)."""
+    def newest_or_error(self, skipped: list[tuple[Path, str]] | None = None) -> Path:
+        """``latest(skipped)``, or a ValueError saying why there is none (naming the damaged ones)."""
         if not self.root.is_dir():
             raise ValueError(f"checkpoint {str(self.root)!r} does not exist (expected a checkpoint directory)")
-        skipped: list[tuple[Path, str]] = []
+        skipped = [] if skipped is None else skipped
         found = self.latest(skipped)
         if found is None:
             damaged = "; damaged: " + ", ".join(f"{p.name} ({why})" for p, why in skipped) if skipped else ""
@@ -208,7 +248,7 @@ class CheckpointManager:
         self._say([f"removed {str(p)!r}, a checkpoint save that never completed" for p in store.remove_leftovers(self.root)])
         check_fresh(self.root, resume=resume, overwrite=overwrite)
         if overwrite and not resume:
-            old = store.step_dirs(self.root)
+            old = store.checkpoints(self.root)  # check_fresh refused foreign folders: these are all ours
             for path in old:
                 store.remove(path)
             if old:
@@ -235,6 +275,10 @@ class CheckpointManager:
         path = self.latest(skipped)
         notes += [f"warning: skipping damaged checkpoint {str(p)!r} ({why})" for p, why in skipped]
         if path is None:
+            if skipped:  # never start over on top of them: a later save or --keep would bury them
+                raise ValueError(f"--resume: checkpoint directory {str(self.root)!r} holds checkpoints but none is valid: "
+                                 + ", ".join(f"{p.name} ({why})" for p, why in skipped)
+                                 + "; repair or move them away (modelpar does not start over on top of them)")
             notes.append(f"no complete checkpoint in {str(self.root)!r}: starting from step 0")
             return None
         if check is not None:
@@ -276,7 +320,9 @@ class CheckpointManager:
         final = store.final_path(self.root, step)
         if failure is None:
             try:
+                end_if_orphaned()  # the launcher killed: nothing more is written (the next run removes tmp)
                 store.seal(tmp, step, meta, {k: v for crcs, _, _ in gathered for k, v in crcs.items()})
+                end_if_orphaned()
                 store.publish(tmp, final)
             except OSError as err:
                 failure = err
@@ -292,6 +338,7 @@ class CheckpointManager:
                              f"({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''}); "
                              "the previous checkpoints are kept")
         self._valid.add((str(final), (final / store.MARKER).stat().st_ino, (final / store.MARKER).stat().st_mtime_ns))
+        end_if_orphaned()
         self.prune(final)
         return str(final)
 

@@ -7,8 +7,10 @@
       step_00000010/                  4. rank 0: one atomic rename
 
 A checkpoint counts only with its marker, and only while every file has the size and the CRC-32
-the marker recorded and both metadata files parse (``checkpoint_problem``). The rules of a
-directory of them (which one is newest, what is pruned, the lock) are ``manager.py``'s.
+the marker recorded and both metadata files parse (``checkpoint_problem``). A ``step_<n>`` folder
+holding none of the marker, ``meta.json`` and DCP's ``.metadata`` is not a checkpoint at all
+(``is_checkpoint``): someone else's, never read, replaced or removed. The rules of a directory of
+them (which one is newest, what is pruned, the lock) are ``manager.py``'s.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from modelpar.checkpoint.shards import Shard, ShardedState, ShardLoadPlanner, ShardSavePlanner
 
-__all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "file_crc32", "final_path",
-           "leftovers", "load_into", "marked", "publish", "read_full_tensors", "read_meta", "remove", "remove_leftovers",
-           "scratch", "seal", "step_dirs", "write_files"]
+__all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "checkpoints", "file_crc32",
+           "final_path", "foreign", "is_checkpoint", "leftovers", "load_into", "publish", "read_full_tensors",
+           "read_meta", "remove", "remove_leftovers", "scratch", "seal", "step_dirs", "write_files"]
 
 FORMAT = 2  # meta.json's "checkpoint_format": full tensors under global names (none: per-shard keys, older)
 MARKER = "COMPLETE"
 META = "meta.json"
+DCP_METADATA = ".metadata"  # DCP's index of the chunks
 _PREFIX = "step_"
 _SCRATCH = (".tmp-", ".old-")  # hidden directories of a save in progress (or torn by a crash), or being removed
 _BLOCK = 1 << 24  # bytes read at a time for a checksum
@@ -71,9 +74,20 @@ def step_dirs(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=checkpoint_step, reverse=True)
 
 
-def marked(root: str | os.PathLike) -> list[Path]:
-    """``step_<n>`` directories with a marker, newest first (complete or damaged: ``checkpoint_problem`` says)."""
-    return [p for p in step_dirs(root) if (p / MARKER).is_file()]
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether folder ``path`` is a modelpar checkpoint, complete or damaged: it holds the marker,
+    ``meta.json`` or DCP's ``.metadata``. Any other ``step_<n>`` folder is someone else's."""
+    return any((Path(path) / name).is_file() for name in (MARKER, META, DCP_METADATA))
+
+
+def checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The ``step_<n>`` checkpoints under ``root``, newest first (complete or damaged: ``checkpoint_problem`` says)."""
+    return [p for p in step_dirs(root) if is_checkpoint(p)]
+
+
+def foreign(root: str | os.PathLike) -> list[Path]:
+    """The ``step_<n>`` folders under ``root`` that are not checkpoints (``is_checkpoint``), newest first."""
+    return [p for p in step_dirs(root) if not is_checkpoint(p)]
 
 
 def file_crc32(path: str | os.PathLike) -> int:
@@ -86,50 +100,67 @@ def file_crc32(path: str | os.PathLike) -> int:
 
 
 def checkpoint_problem(path: str | os.PathLike, checksums: bool = True) -> str:
-    """Why checkpoint ``path`` cannot be loaded ("" if it is complete): sizes, metadata and (with
-    ``checksums``) every file's CRC-32 against its marker, which reads every byte once.
+    """Why checkpoint ``path`` cannot be loaded ("" if it is complete): the files its marker lists,
+    their sizes, ``meta.json``'s CRC-32 (always: it is small, and the run's settings are read from
+    it), both metadata files, and with ``checksums`` every file's CRC-32, which reads every byte once.
 
-    A checkpoint of an older format is not a problem here: loading it says that it predates resharding.
-    A marker written before checksums (sizes only) is checked by sizes.
+    The marker is checked before the format, so a damaged ``meta.json`` is damage, never taken for
+    an older format. A checkpoint of the older format (a marker without file sizes, a ``meta.json``
+    without ``checkpoint_format``) is not a problem here: loading it says that it predates
+    resharding. A marker written before checksums (sizes only) is checked by sizes.
     """
     path = Path(path)
     if not (path / MARKER).is_file():
         return f"no {MARKER} marker"
     try:
-        meta = json.loads((path / META).read_text(encoding="utf-8"))
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
+        marker: Any = json.loads((path / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        return f"unreadable {META} ({err})"
-    if "checkpoint_format" not in meta:
-        return ""
-    try:
-        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        return f"unreadable {MARKER} marker ({err})"
+        marker, unreadable = None, f"unreadable {MARKER} marker ({err})"
+    else:
+        unreadable = f"unreadable {MARKER} marker (no file sizes in it)"
     files = marker.get("files") if isinstance(marker, dict) else None
-    if not isinstance(files, dict):
-        return f"unreadable {MARKER} marker (no file sizes in it)"
+    if not isinstance(files, dict):  # the older format's marker, or a damaged one: meta.json says which
+        meta, why = _meta(path)
+        return why or (unreadable if "checkpoint_format" in meta else "")
+    crcs = marker.get("crc32") if isinstance(marker.get("crc32"), dict) else {}
     for name, size in sorted(files.items()):
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
         if file.stat().st_size != size:
             return f"{name} is {file.stat().st_size} bytes, {size} were written"
+    why = _crc_problem(path, {name: crc for name, crc in crcs.items() if name == META})
+    meta, unparsed = _meta(path)
+    if why or unparsed or "checkpoint_format" not in meta:
+        return why or unparsed or f"{META} has no checkpoint_format, though its marker lists the files' sizes"
     try:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # any unpickling error: the file is damaged
         return f"unreadable DCP metadata ({type(err).__name__}: {err})"
-    crcs = marker.get("crc32")
-    if checksums and isinstance(crcs, dict):
-        for name, crc in sorted(crcs.items()):
-            try:
-                found = file_crc32(path / name)
-            except OSError as err:
-                return f"{name} is unreadable ({err.strerror or err})"
-            if found != crc:
-                return f"{name} is damaged (CRC-32 {found:08x}, {crc:08x} was written)"
+    return _crc_problem(path, crcs) if checksums else ""
+
+
+def _crc_problem(path: Path, crcs: dict[str, int]) -> str:
+    """The first file of ``crcs`` (name -> CRC-32 written) in checkpoint ``path`` whose bytes differ ("" if none)."""
+    for name, crc in sorted(crcs.items()):
+        try:
+            found = file_crc32(path / name)
+        except OSError as err:
+            return f"{name} is unreadable ({err.strerror or err})"
+        if found != crc:
+            return f"{name} is damaged (CRC-32 {found:08x}, {crc:08x} was written)"
     return ""
+
+
+def _meta(path: Path) -> tuple[dict[str, Any], str]:
+    """(checkpoint ``path``'s ``meta.json``, "") or ({}, why it cannot be read)."""
+    try:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+        if not isinstance(meta, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return {}, f"unreadable {META} ({err})"
+    return meta, ""
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -193,6 +224,8 @@ def seal(directory: Path, step: int, meta: dict[str, Any], crcs: dict[str, int] 
 def publish(tmp: Path, final: Path) -> None:
     """Rename the sealed ``tmp`` to ``final`` (replacing a checkpoint of the same step) and fsync the parent."""
     if final.exists():  # re-saving a step (after a resume): move the old one out of the way
+        if not is_checkpoint(final):
+            raise FileExistsError(f"{str(final)!r} is not a checkpoint (someone else's folder): it is left as it is")
         remove(final)
     tmp.rename(final)
     _fsync_dir(final.parent)

@@ -7,21 +7,25 @@ which checks its own ``--out`` before any work.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+Note = Callable[[str], None]
 
-def _modelpar(checkpoint: str, out: str) -> list[Path]:
+
+def _modelpar(checkpoint: str, out: str, note: Note) -> list[Path]:
     """safetensors + model.json (+ tokenizer.json), loadable with ``modelpar.export.load_model``."""
     from modelpar._validate import check_output_path
     from modelpar.export import export_checkpoint
 
-    return export_checkpoint(checkpoint, check_output_path("--out", out, [".safetensors"]))
+    return export_checkpoint(checkpoint, check_output_path("--out", out, [".safetensors"]), note)
 
 
-def _hf(checkpoint: str, out: str) -> list[Path]:
+def _hf(checkpoint: str, out: str, note: Note) -> list[Path]:
     """A Hugging Face ``LlamaForCausalLM`` directory (config.json, model.safetensors, tokenizer.json) of an --arch llama run."""
+    from modelpar import hf
     from modelpar.checkpoint import read_full_tensors, read_meta, read_newest
     from modelpar.export import TOKENIZER
     from modelpar.hf import save_hf
@@ -37,13 +41,19 @@ def _hf(checkpoint: str, out: str) -> list[Path]:
             raise ValueError(f"--format hf needs a run of --arch llama; {str(path)!r} holds arch {cfg.arch!r}")
         return path, cfg, read_full_tensors(path, "model.")
 
-    path, cfg, tensors = read_newest(checkpoint, read)
+    path, cfg, tensors = read_newest(checkpoint, read, note)
     tokenizer = path.parent / TOKENIZER
+    stale = folder / TOKENIZER
+    if not tokenizer.is_file() and stale.is_file():  # an earlier export's: this model has byte tokens
+        if not (folder / hf.CONFIG).is_file():
+            raise ValueError(f"--out: {str(stale)!r} is not from an earlier export to {str(folder)!r} and would be read "
+                             "as this byte-level model's tokenizer: export to a new folder, or move it away")
+        stale.unlink()
     save_hf(tensors, cfg, folder, tokenizer if tokenizer.is_file() else None)
     return sorted(folder.iterdir())
 
 
-EXPORTERS: dict[str, Callable[[str, str], list[Path]]] = {"modelpar": _modelpar, "hf": _hf}
+EXPORTERS: dict[str, Callable[[str, str, Note], list[Path]]] = {"modelpar": _modelpar, "hf": _hf}
 DEFAULT_OUT = {"modelpar": "model.safetensors", "hf": "hf-model"}
 
 
@@ -63,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for path in EXPORTERS[args.format](args.checkpoint, args.out or DEFAULT_OUT[args.format]):
+    def note(text: str) -> None:
+        print(f"modelpar export: {text}", file=sys.stderr, flush=True)
+
+    for path in EXPORTERS[args.format](args.checkpoint, args.out or DEFAULT_OUT[args.format], note):
         print(f"wrote {path}")
     return 0

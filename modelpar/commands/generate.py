@@ -28,21 +28,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load(path: Path, device: Any) -> tuple[Any, Path]:
-    """The model at ``path`` and the folder where its tokenizer.json would be."""
+    """The model at ``path`` and the folder where its tokenizer.json would be (an export's: the one it recorded)."""
+    import sys
     import tempfile
 
     from modelpar import hf
-    from modelpar.export import checkpoint_path, export_checkpoint, load_model
+    from modelpar.export import check_tokenizer, checkpoint_path, export_checkpoint, load_model
 
-    if path.is_file():
-        return load_model(path, device=device), path.parent
-    if (path / "model.safetensors").is_file() and not (path / hf.CONFIG).is_file():
-        return load_model(path / "model.safetensors", device=device), path
+    if path.is_file() or ((path / "model.safetensors").is_file() and not (path / hf.CONFIG).is_file()):
+        file = path if path.is_file() else path / "model.safetensors"
+        check_tokenizer(file)
+        return load_model(file, device=device), file.parent
     if (path / hf.CONFIG).is_file():
         return hf.load_hf(path, device=device).eval(), path
     checkpoint = checkpoint_path(path)  # a ValueError if it is not one either
     with tempfile.TemporaryDirectory(prefix="modelpar-generate-") as tmp:
-        export_checkpoint(path, Path(tmp) / "model.safetensors")  # the directory: read again if pruned meanwhile
+        export_checkpoint(path, Path(tmp) / "model.safetensors",  # the directory: read again if pruned meanwhile
+                          note=lambda text: print(f"modelpar generate: {text}", file=sys.stderr, flush=True))
         return load_model(Path(tmp) / "model.safetensors", device=device), checkpoint.parent
 
 

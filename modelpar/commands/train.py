@@ -124,9 +124,10 @@ def run(args: argparse.Namespace) -> int:
 
     from modelpar.commands.preflight import check_memory, check_paths, out_lock
     from modelpar.distributed import is_torchrun
-    from modelpar.training.resume import check_directory
+    from modelpar.training.resume import check_directory, check_flags
 
     cfg, options = build(args)
+    check_flags(cfg)  # --exit-after or --overwrite without --checkpoint-dir
     cfg = _planned(cfg).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything

@@ -71,16 +71,21 @@ def cache_root(cfg: Config) -> Path:
     return Path("modelpar-cache")
 
 
-def prepare_data(cfg: Config, console: Console | None = None, progress: bool = False) -> Config:
+def prepare_data(cfg: Config, console: Console | None = None, progress: bool = False,
+                 check: Callable[[Config], None] | None = None) -> Config:
     """``cfg`` with its data prepared (see the module docstring); ValueError for bad input, before writing.
 
     ``console``: where to say what was done (None: silent); ``progress``: progress bars on it.
+    ``check(prepared)``: the run's own refusal (a checkpoint to resume from that does not fit), made
+    before anything is written to the checkpoint directory (only the token cache is filled before it).
     """
     data = cfg.data.check()
     if data.prepared is not None:
         return cfg
     if data.is_shipped_bytes:
         _check_checkpoint_tokenizer(cfg, ByteTokenizer())
+        if check is not None:
+            check(cfg)
         _save_checkpoint_tokenizer(cfg, ByteTokenizer())
         return cfg
     source = find_source(data.paths, data.glob, data.text_field)
@@ -104,16 +109,20 @@ def prepare_data(cfg: Config, console: Console | None = None, progress: bool = F
             documents = zip(source.documents(), is_val.tolist())
             entry, cached = write_tokens(entry_path, documents, tokenizer, dtype, bar("tokenizing documents", len(is_val))), False
     _check_length(entry, cfg.model.seq_len, source)
+    fingerprint = f"tokens {entry.digest[:16]} ({entry.train_tokens:,} + {entry.val_tokens:,}), tokenizer {tokenizer.digest}"
+    prepared = replace(cfg, model=replace(cfg.model, vocab_size=tokenizer.vocab_size),
+                       data=replace(data, prepared=entry.path, fingerprint=fingerprint))
+    if check is not None:
+        check(prepared)
     _save_checkpoint_tokenizer(cfg, tokenizer)
     if console is not None:
         console.print(_report(source, tokenizer, entry, cached))
-    fingerprint = f"tokens {entry.digest[:16]} ({entry.train_tokens:,} + {entry.val_tokens:,}), tokenizer {tokenizer.digest}"
-    return replace(cfg, model=replace(cfg.model, vocab_size=tokenizer.vocab_size),
-                   data=replace(data, prepared=entry.path, fingerprint=fingerprint))
+    return prepared
 
 
-def prepare_on_rank0(cfg: Config) -> Config:
-    """Under a launcher that did not prepare (torchrun): global rank 0 prepares while the others wait.
+def prepare_on_rank0(cfg: Config, check: Callable[[Config], None] | None = None) -> Config:
+    """Under a launcher that did not prepare (torchrun): global rank 0 prepares while the others wait
+    (``check``: as ``prepare_data``'s, on rank 0).
 
     The others block in a broadcast on a gloo group of its own with a long timeout (tokenizing may
     take longer than a collective's), then receive the prepared config, or rank 0's error, which
@@ -130,7 +139,7 @@ def prepare_on_rank0(cfg: Config) -> Config:
         from rich.console import Console
 
         try:
-            box[0] = prepare_data(cfg, Console(stderr=True), progress=sys.stderr.isatty())
+            box[0] = prepare_data(cfg, Console(stderr=True), progress=sys.stderr.isatty(), check=check)
         except Exception as err:
             failure, box[0] = err, (type(err).__name__, str(err))
     dist.broadcast_object_list(box, src=0, group=group)

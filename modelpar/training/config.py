@@ -144,10 +144,10 @@ class TrainConfig:
                                                             "optimisation settings left out come from it")
     overwrite: bool = option(False, section="checkpoint", help="a fresh run into a checkpoint_dir that holds "
                                                                "checkpoints: delete them first (without it such a "
-                                                               "run is refused)")
+                                                               "run is refused; only modelpar checkpoints are deleted)")
     exit_after: int = option(0, section="checkpoint", help="stop after this many steps of this run, with a "
-                                                           "checkpoint (0: run to the end); for jobs with a time "
-                                                           "limit, as Megatron's --exit-interval")
+                                                           "checkpoint (needs checkpoint_dir; 0: run to the end); for "
+                                                           "jobs with a time limit, as Megatron's --exit-interval")
     timeout: float = option(300.0, section="run", help="seconds a collective or pipeline receive may wait before "
                                                        "the run fails")
     preempt_signal: str = option("SIGTERM", section="run", parse=_signal_name,

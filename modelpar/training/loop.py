@@ -44,7 +44,7 @@ from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import compute_dtype, wrap_stage
 from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
-from modelpar.training.resume import fits, open_directory
+from modelpar.training.resume import fits, open_directory, resume_check
 from modelpar.training.setup import release_rank, setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict
@@ -384,7 +384,8 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
     checkpoints = open_directory(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
-        cfg = prepare_on_rank0(cfg).check()  # may write tokenizer.json: after the lock (a new value is checked once)
+        # may write tokenizer.json: after the lock, and after the resume check (a new value is checked once)
+        cfg = prepare_on_rank0(cfg, check=resume_check(checkpoints)).check()
         run = _Run(cfg, report, checkpoints, stop)
     except BaseException:
         if checkpoints is not None:

@@ -17,7 +17,7 @@ from modelpar.checkpoint import CheckpointManager, check_fresh, check_unlocked, 
 from modelpar.training.config import TrainConfig
 from modelpar.training.state import check_meta
 
-__all__ = ["check_directory", "check_resume", "fits", "open_directory"]
+__all__ = ["check_directory", "check_flags", "check_resume", "fits", "open_directory", "resume_check"]
 
 
 def fits(cfg: TrainConfig) -> Callable[[Path, list[str]], None]:
@@ -52,11 +52,35 @@ def check_directory(cfg: TrainConfig) -> None:
         check_fresh(root, resume=cfg.resume, overwrite=cfg.overwrite)
 
 
+def check_flags(cfg: TrainConfig) -> None:
+    """On the command line: ValueError for a checkpoint flag that needs ``--checkpoint-dir`` without one
+    (``--exit-after`` promises a checkpoint; ``--overwrite`` names checkpoints to delete)."""
+    if cfg.checkpoint_dir:
+        return
+    if cfg.exit_after:
+        raise ValueError(f"--exit-after {cfg.exit_after} stops with a checkpoint, which needs --checkpoint-dir (where "
+                         "to write it), got none")
+    if cfg.overwrite:
+        raise ValueError("--overwrite deletes the checkpoints in --checkpoint-dir, which is not given")
+
+
 def check_resume(cfg: TrainConfig) -> None:
     """Before starting ranks (data prepared): ValueError if the checkpoint to resume from belongs to
-    another model, data or optimisation."""
+    another model, data or optimisation, or if checkpoints exist and none is valid."""
     if cfg.checkpoint_dir and cfg.resume:
         CheckpointManager(_root(cfg)).resume_point([], fits(cfg))
+
+
+def resume_check(checkpoints: CheckpointManager | None) -> Callable[[TrainConfig], None] | None:
+    """``check_resume`` through the run's own manager (its checksums then read once), for ``prepare_on_rank0``."""
+    if checkpoints is None:
+        return None
+    manager = checkpoints
+
+    def check(cfg: TrainConfig) -> None:
+        if cfg.resume:
+            manager.resume_point([], fits(cfg))
+    return check
 
 
 def open_directory(cfg: TrainConfig, *, group: Any, note: Callable[[str], None] | None = None) -> CheckpointManager | None:

@@ -137,8 +137,9 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     every rank at the next step boundary, with ``TrainResult.stop`` saying where; a second Ctrl-C
     ends them at once (KeyboardInterrupt).
     """
-    cfg = prepare_data(cfg.check(), console, progress=progress).check()
-    check_resume(cfg)  # a checkpoint of another model, data or optimisation: fail before starting ranks
+    # a checkpoint of another model, data or optimisation, or none valid: refused before starting ranks, and
+    # before the tokenizer is written to the checkpoint directory (a refused run writes nothing there)
+    cfg = prepare_data(cfg.check(), console, progress=progress, check=check_resume).check()
     if console is not None:
         console.print(f"modelpar train: {cfg.dims.world_size} local processes ({cfg.layout()}), "
                       f"{cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
