@@ -132,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
     check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
+    if cfg.resume:  # the metrics to continue: a bad line is one line now, before any lock or rank
+        from modelpar.training.metrics import read_metrics
+
+        torn = read_metrics(options.out)[1]
+        if torn and os.environ.get("RANK", "0") == "0":
+            print(f"modelpar train: warning: {torn}", file=sys.stderr, flush=True)
     with out_lock(options.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
         return _run(cfg, options)
 
@@ -190,8 +196,9 @@ def _run(cfg: Any, options: Any) -> int:
     from modelpar.training.start import run_in_process, run_local
 
     console = Console(stderr=True)
-    metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
     display = Display(console, title=f"{cfg.layout()} {cfg.schedule}", progress=options.progress)
+    metrics = MetricsLog(options.out, tensorboard=options.tensorboard,
+                         note=lambda text: display({"event": "note", "text": text}))
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
@@ -211,6 +218,7 @@ def _run(cfg: Any, options: Any) -> int:
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
+    from modelpar._outputs import write_file
     from modelpar.training.display import peak_tflops_of, plot_losses, summary_table
     from modelpar.training.loop import SUMMARY_FIELDS
 
@@ -267,7 +275,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
 
     predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)
     rows += predicted_rows
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_file(out / "summary.json", json.dumps(summary, indent=1), "the run summary")
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from modelpar._validate import json_error
+
 __all__ = ["DOC_CHARS", "FileSource", "ShippedSource", "Source", "SourceFile", "find_source", "val_mask"]
 
 DOC_CHARS = 64 * 1024  # a text file is cut into documents of this many characters, up to the next line break
@@ -170,9 +172,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    where = err.msg if err.msg.endswith(" at") else f"{err.msg} at"  # json's "... starting at"
-                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({where} column "
-                                     f"{err.colno})") from None
+                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({json_error(err)})") from None
                 yield _field(record, text_field, f"data file {str(path)!r} line {number}")
     except UnicodeDecodeError:
         raise ValueError(f"data file {str(path)!r} is not UTF-8 text: is it a binary file?") from None
