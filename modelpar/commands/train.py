@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,24 @@ class _TrainParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._build()
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(_negative_values(sys.argv[1:] if args is None else list(args)), namespace)
 
     def format_help(self) -> str:
         self._build()
         return super().format_help()
+
+
+def _negative_values(args: list[str]) -> list[str]:
+    """``--flag -1,5`` as ``--flag=-1,5``: argparse takes a value that starts with ``-`` and is not a plain
+    number for a flag and stops with a usage dump; joined, the value reaches its own check (train has no
+    positional arguments, so a token after a flag is always its value)."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -153,7 +167,7 @@ def _planned(cfg: Any) -> Any:
         from modelpar.training.prediction import profile_of
 
         profile_of(cfg)
-    if cfg.plan == "auto":  # a layout that does not fit is refused here
+    if cfg.check_planning().plan == "auto":  # a layout that does not fit is refused here
         from modelpar.training.autoplan import auto_plan
 
         world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
