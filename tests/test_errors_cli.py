@@ -193,7 +193,7 @@ def test_a_long_one_line_text_file_is_named_as_such(capsys, tmp_path, monkeypatc
     text = tmp_path / "one-line.txt"
     text.write_text("lorem ipsum " * 50_000)  # 600,000 characters, no line break: one document
     err = one_line(capsys, "train", [*TINY, "--data", str(text), "--cache-dir", str(tmp_path / "cache")])
-    assert err == (f"data {str(text)} (1 file(s), 0.6 MB) has 1 document(s): too few to hold out 1 for validation and "
+    assert err == (f"data {text!s} (1 file(s), 0.6 MB) has 1 document(s): too few to hold out 1 for validation and "
                    "train on the rest (documents are whole files, JSONL lines or table rows; text files are cut at line "
                    f"breaks every 64 k characters; {str(text)!r} (600,000 characters) has no line break to cut at: add "
                    "line breaks, or give the text as more files or as JSONL)")
