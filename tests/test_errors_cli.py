@@ -7,6 +7,7 @@ JSONL line. Each: exit code 2, one line naming the cause, no rank started, nothi
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -208,3 +209,44 @@ def test_a_leftover_of_a_removal_is_not_called_an_unfinished_save(capsys, tmp_pa
     notes = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
     assert code == 0 and notes == [f"modelpar train: removed {str(ckpt / '.step_00000004.old-0badf00d')!r}, a "
                                    "checkpoint whose removal never completed (replaced or pruned)"]
+
+
+def test_a_full_disk_under_out_is_one_line_and_leaves_no_empty_lock_or_summary(capsys, tmp_path, monkeypatch):
+    """Issue 35: --out on a full file system, at the lock, at a metrics write (during the run) and at
+    summary.json (after it). Each: one line naming the file, exit 2, no 0-byte lock or summary, no torn
+    line, no rank left."""
+    from modelpar.training import prediction
+    from tests.test_checkpoint_cli import rank_processes
+
+    run = [*TINY, "--eval-batches", "1", "--precision", "fp64", "--cache-dir", str(tmp_path / "cache")]
+    with tmpfs(tmp_path / "disk", size="1m") as disk:
+        out, filler = disk / "out", disk / "filler"
+
+        def fill(free_pages=0):
+            filler.write_bytes(b"")
+            filler.write_bytes(bytes(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - free_pages * 4096))
+
+        fill()
+        assert one_line(capsys, "train", [*run, "--out", str(out)]) == (
+            f"cannot write the lock {str(out / preflight.OUT_LOCK)!r}: no space left on device")
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+        def last_line(*flags):  # a run that started: its banner, then the error
+            code = main(["train", *run, "--out", str(out), *flags])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and len(err) == 2 and err[0].startswith("modelpar train: 1 local processes"), err
+            return err[-1]
+
+        fill(free_pages=2)  # a page for the lock, one for metrics.jsonl: full after about 10 of 12 steps
+        assert last_line("--steps", "12") == (
+            f"modelpar train: error: cannot write metrics {str(out / 'metrics.jsonl')!r}: no space left on device")
+        metrics = (out / "metrics.jsonl").read_text()
+        assert metrics.endswith("\n") and 5 < len([json.loads(line) for line in metrics.splitlines()]) < 16
+        assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"] and rank_processes() == []
+
+        real = prediction.summary_rows
+        monkeypatch.setattr(prediction, "summary_rows", lambda *a: (real(*a), fill())[0])  # full just before it
+        filler.write_bytes(b"")
+        assert last_line() == (f"modelpar train: error: cannot write the run summary {str(out / 'summary.json')!r}: "
+                               "no space left on device")
+        assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics.jsonl"] and rank_processes() == []
