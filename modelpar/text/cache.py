@@ -101,7 +101,7 @@ def _checked_meta(raw: Any, meta: Path) -> dict[str, Any]:
     """meta.json's fields with their types checked: ``DamagedCache`` naming the first missing or wrong one."""
     if not isinstance(raw, dict):
         raise DamagedCache(f"token cache file {str(meta)!r} holds a JSON {type(raw).__name__}, not an object")
-    kinds = {f.name: f.type for f in fields(TokenFiles) if f.name != "path"}
+    kinds = {f.name: str(f.type) for f in fields(TokenFiles) if f.name != "path"}  # annotations as text
     for name, kind in kinds.items():
         value = raw.get(name)
         ok = {"int": isinstance(value, int) and not isinstance(value, bool) and value >= 0,
