@@ -155,7 +155,7 @@ class MetricsLog:
                 self.run = kept[-1]["run"]
             else:
                 if records:
-                    runs = sorted({str(r.get("run", "?")) for r in records})
+                    runs = sorted({str(r.get("run", "no run id")) for r in records})
                     self._note(f"warning: {str(self.path)!r} held the metrics of another run ({', '.join(runs)}), "
                                f"not the steps 1-{start_step} this run resumes after: it starts anew at step "
                                f"{start_step + 1}")
