@@ -10,6 +10,7 @@ the same way). Pure Python: command modules read it without importing torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -114,6 +115,8 @@ def coerce(name: str, kind: Any, value: Any, parse: Callable[[str], Any] | None 
     if base is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):  # NaN and inf: TOML and Python's JSON read them
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     if base is str:
         if not isinstance(value, str):

@@ -63,3 +63,10 @@ def check_output_path(name: str, path: str, suffixes: Iterable[str]) -> str:
     if not os.path.isdir(folder):
         raise ValueError(f"{name}: folder {folder!r} does not exist")
     return path
+
+
+def json_error(err: Any) -> str:
+    """A ``json.JSONDecodeError`` in words with its column: ``Expecting value at column 3`` (json's
+    ``... starting at`` messages keep their own ``at``)."""
+    where = err.msg if err.msg.endswith(" at") else f"{err.msg} at"
+    return f"{where} column {err.colno}"

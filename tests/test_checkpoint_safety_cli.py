@@ -157,7 +157,7 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
         first.send_signal(signal.SIGINT)
         _, stderr = first.communicate(timeout=DEADLINE)
     assert first.returncode == 130, stderr
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"step"' in line]
+    steps = [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if m["event"] == "step"]
     assert steps == list(range(1, len(steps) + 1))  # the first run's lines only, each step once
     assert not (out / OUT_LOCK).exists()
     assert Path(out).is_dir() and rank_processes() == []

@@ -4,6 +4,7 @@ batches from the memory-mapped tokens, bits per byte, and bad input (one line, e
 import json
 import math
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -182,6 +183,89 @@ def test_a_second_start_reuses_the_tokens_and_a_changed_file_tokenizes_again(tmp
     fourth = prepare_data(cfg)
     assert len(writes) == 3 and fourth.data.fingerprint == third.data.fingerprint  # the same tokens: resumable
     assert not any(p.name.startswith(".") for p in (tmp_path / "cache").iterdir())  # no temporary leftovers
+
+
+def _zero(path):
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-6])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_meta(change):
+    def edit(path):
+        meta = json.loads(path.read_text())
+        change(meta)
+        path.write_text(json.dumps(meta))
+    return edit
+
+
+@pytest.mark.parametrize("name, damage, why", [
+    ("train.bin", _zero, "{file!r} does not match its sha256 in meta.json: it is damaged"),
+    ("val.bin", _truncate, "{file!r} has {size:,} bytes, meta.json says {expected:,} (uint16 tokens): it is damaged"),
+    ("counts.npy", _flip, "{file!r} does not match its sha256 in meta.json: it is damaged"),
+    ("meta.json", lambda p: p.write_text("{garbage"),
+     "{file!r} cannot be read (Expecting property name enclosed in double quotes at column 2)"),
+    ("meta.json", _edit_meta(lambda m: m.pop("dtype")),
+     "{file!r} has no 'dtype' (meta.json was not written by this modelpar, or was damaged)"),
+    ("meta.json", _edit_meta(lambda m: m.update(train_tokens="many")),
+     "{file!r} has a bad 'train_tokens' (meta.json was not written by this modelpar, or was damaged)"),
+    ("meta.json", _edit_meta(lambda m: m.update(digest="0" * 64)),
+     "{file!r} gives digest 0000000000000000..., its token files {digest}...: it is damaged"),
+    ("meta.json", lambda p: p.unlink(), None),
+])
+def test_a_damaged_cache_entry_is_named_and_tokenized_again(tmp_path, name, damage, why):
+    """Issue 35 #7, #13: the cache is checked against meta.json's sizes and sha256 when it is used; a damaged
+    entry is named in one line and rebuilt from the source, so the run trains on the real tokens and its
+    fingerprint (for resume) is the tokens' own, not meta.json's claim."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    write_texts(tmp_path / "in", n=10)
+    cfg = config(tmp_path, paths=(str(tmp_path / "in"),), val_fraction=0.2)
+    first = prepare_data(cfg)
+    entry = Path(first.data.prepared)
+    tokens = [np.array(t) for t in tokens_of(first)]  # copies: the maps would show the damage
+    file = entry / name
+    size, expected = file.stat().st_size - 6, file.stat().st_size
+    damage(file)
+    if why is not None and "cannot be read" in why:  # the ranks only map the entry: one line there too
+        with pytest.raises(ValueError, match=f"token cache file {re.escape(repr(str(file)))} cannot be read"):
+            open_corpus(first.data)
+    said = StringIO()
+    again = prepare_data(cfg, Console(file=said, width=400))
+    digest = first.data.fingerprint.split()[1]
+    message = (f"token cache entry {str(entry)!r} has no meta.json" if why is None else
+               "token cache file " + why.format(file=str(file), size=size, expected=expected, digest=digest))
+    assert said.getvalue().splitlines()[0] == f"modelpar train: warning: {message}; tokenizing the data again"
+    assert again == first and all(np.array_equal(a, b) for a, b in zip(tokens_of(again), tokens))
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]  # no leftovers
+
+
+def test_a_damaged_cache_is_retrained_on_the_command_line(tmp_path, capsys):
+    """The issue's case: a same-size zeroed train.bin; the second run warns and gets the first's losses."""
+    write_texts(tmp_path / "in", n=6)
+    flags = ["train", "--data", str(tmp_path / "in"), "--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2",
+             "--layers", "1", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--precision", "fp64",
+             "--eval-batches", "1", "--no-progress", "--cache-dir", str(tmp_path / "cache"), "--val-fraction", "0.5"]
+    assert main([*flags, "--out", str(tmp_path / "a")]) == 0
+    (train,) = (tmp_path / "cache").glob("tokens-*/train.bin")
+    _zero(train)
+    capsys.readouterr()
+    assert main([*flags, "--out", str(tmp_path / "b")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"modelpar train: warning: token cache file {str(train)!r} does not match its sha256 in "
+                        "meta.json: it is damaged; tokenizing the data again"]
+    a, b = (json.loads((tmp_path / out / "summary.json").read_text()) for out in "ab")
+    assert b["losses"] == a["losses"] and b["config"]["data"]["fingerprint"] == a["config"]["data"]["fingerprint"]
 
 
 # --- batches, bits per byte, the unigram baseline -----------------------------------------------------

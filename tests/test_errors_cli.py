@@ -7,6 +7,7 @@ JSONL line. Each: exit code 2, one line naming the cause, no rank started, nothi
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -158,3 +159,94 @@ def test_bad_context_parallel_settings_are_one_line_before_any_rank(capsys, monk
         monkeypatch.setenv(name, value)  # under torchrun: cp must divide the world, refused before joining it
     assert one_line(capsys, "train", [*TINY, "--cp", "2"]) == (
         "tp * cp * pp * dp = 1 * 2 * 1 * 1 = 2 must equal the number of processes (world size 3)")
+
+
+# --- messages that name what is wrong (issue 35 #13, and the small ones) -------------------------------------
+def test_config_files_that_are_not_utf8_or_hold_nan_name_the_file(capsys, tmp_path, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin1.toml").write_bytes("[optimisation]\n# Grüße\nlr = 0.01\n".encode("latin-1"))
+    (tmp_path / "nan.toml").write_text("[optimisation]\nlr = nan\n")
+    (tmp_path / "inf.json").write_text('{"run": {"peak_tflops": Infinity}}')
+    assert one_line(capsys, "train", [*TINY, "--config", "latin1.toml"]) == (
+        "--config 'latin1.toml' is not UTF-8 text (byte 0xfc at offset 19): TOML and JSON files are UTF-8")
+    assert one_line(capsys, "train", [*TINY, "--config", "nan.toml"]) == (
+        "nan.toml: [optimisation] lr must be a finite number, got nan")
+    assert one_line(capsys, "train", [*TINY, "--config", "inf.json"]) == (
+        "inf.json: [run] peak_tflops must be a finite number, got inf")
+    assert one_line(capsys, "train", [*TINY, "--timeout", "nan"]) == "--timeout must be a finite number, got nan"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inf.json", "latin1.toml", "nan.toml"]
+
+
+def test_small_flags_name_themselves_and_what_is_allowed(capsys, tmp_path, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    for flags in (["--stage-layers", "-1,5"], ["--stage-layers=-1,5"]):  # not an argparse usage dump
+        assert one_line(capsys, "train", [*TINY, "--pp", "2", *flags]) == (
+            "stage_layers -1,5: entries must be whole numbers >= 0")
+    # checked before the planner runs (it said "no layout the trainer runs splits this model on 1 ranks")
+    assert one_line(capsys, "train", [*TINY, "--plan", "auto", "--memory-limit-gb", "-1"]) == (
+        "memory_limit_gb must be >= 0.0, got -1.0")
+    assert one_line(capsys, "simulate", ["--backward-ratio", "0"]) == "--backward-ratio must be > 0.0, got 0.0"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_one_line_text_file_is_named_as_such(capsys, tmp_path, monkeypatch, no_ranks):
+    monkeypatch.chdir(tmp_path)
+    text = tmp_path / "one-line.txt"
+    text.write_text("lorem ipsum " * 50_000)  # 600,000 characters, no line break: one document
+    err = one_line(capsys, "train", [*TINY, "--data", str(text), "--cache-dir", str(tmp_path / "cache")])
+    assert err == (f"data {text!s} (1 file(s), 0.6 MB) has 1 document(s): too few to hold out 1 for validation and "
+                   "train on the rest (documents are whole files, JSONL lines or table rows; text files are cut at line "
+                   f"breaks every 64 k characters; {str(text)!r} (600,000 characters) has no line break to cut at: add "
+                   "line breaks, or give the text as more files or as JSONL)")
+    assert list(tmp_path.iterdir()) == [text]
+
+
+def test_a_leftover_of_a_removal_is_not_called_an_unfinished_save(capsys, tmp_path):
+    ckpt = tmp_path / "ck"
+    (ckpt / ".step_00000004.old-0badf00d").mkdir(parents=True)  # a pruned checkpoint whose rmtree was cut short
+    code = main(["train", *TINY, "--steps", "1", "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "out"),
+                 "--cache-dir", str(tmp_path / "cache")])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "removed" in line]
+    assert code == 0 and notes == [f"modelpar train: removed {str(ckpt / '.step_00000004.old-0badf00d')!r}, a "
+                                   "checkpoint whose removal never completed (replaced or pruned)"]
+
+
+def test_a_full_disk_under_out_is_one_line_and_leaves_no_empty_lock_or_summary(capsys, tmp_path, monkeypatch):
+    """Issue 35: --out on a full file system, at the lock, at a metrics write (during the run) and at
+    summary.json (after it). Each: one line naming the file, exit 2, no 0-byte lock or summary, no torn
+    line, no rank left."""
+    from modelpar.training import prediction
+    from tests.test_checkpoint_cli import rank_processes
+
+    run = [*TINY, "--eval-batches", "1", "--precision", "fp64", "--cache-dir", str(tmp_path / "cache")]
+    with tmpfs(tmp_path / "disk", size="1m") as disk:
+        out, filler = disk / "out", disk / "filler"
+
+        def fill(free_pages=0):
+            filler.write_bytes(b"")
+            filler.write_bytes(bytes(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - free_pages * 4096))
+
+        fill()
+        assert one_line(capsys, "train", [*run, "--out", str(out)]) == (
+            f"cannot write the lock {str(out / preflight.OUT_LOCK)!r}: no space left on device")
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+        def last_line(*flags):  # a run that started: its banner, then the error
+            code = main(["train", *run, "--out", str(out), *flags])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and len(err) == 2 and err[0].startswith("modelpar train: 1 local processes"), err
+            return err[-1]
+
+        fill(free_pages=2)  # a page for the lock, one for metrics.jsonl: full after about 10 of 12 steps
+        assert last_line("--steps", "12") == (
+            f"modelpar train: error: cannot write metrics {str(out / 'metrics.jsonl')!r}: no space left on device")
+        metrics = (out / "metrics.jsonl").read_text()
+        assert metrics.endswith("\n") and 5 < len([json.loads(line) for line in metrics.splitlines()]) < 16
+        assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"] and rank_processes() == []
+
+        real = prediction.summary_rows
+        monkeypatch.setattr(prediction, "summary_rows", lambda *a: (real(*a), fill())[0])  # full just before it
+        filler.write_bytes(b"")
+        assert last_line() == (f"modelpar train: error: cannot write the run summary {str(out / 'summary.json')!r}: "
+                               "no space left on device")
+        assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics.jsonl"] and rank_processes() == []

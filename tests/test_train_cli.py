@@ -87,8 +87,9 @@ def test_a_tiny_run_writes_the_summary_and_the_loss_curve(tmp_path, capsys):
     assert 0 < summary["bubble_measured"] < 1 and summary["bubble_ideal"] == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
     assert_drawn(out / "loss.png")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["event"], m["step"]) for m in metrics] == [("step", 1), ("step", 2), ("eval", 2), ("step", 3),
-                                                          ("step", 4), ("eval", 4), ("prediction", 4)]
+    assert [(m["event"], m["step"]) for m in metrics] == [("start", 0), ("step", 1), ("step", 2), ("eval", 2),
+                                                          ("step", 3), ("step", 4), ("eval", 4), ("prediction", 4)]
+    assert len({m["run"] for m in metrics}) == 1
     assert [m["loss"] for m in metrics if m["event"] == "step"] == summary["losses"]
     assert all(m["step_time"] > 0 and m["peak_memory_mb"] > 0 and m["lr"] > 0 for m in metrics if m["event"] == "step")
     assert sum(m["step_time"] for m in metrics if m["event"] == "step") < elapsed  # the steps happened inside the run

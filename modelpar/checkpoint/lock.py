@@ -17,6 +17,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from modelpar._outputs import output_error
+
 __all__ = ["LOCK", "DirLock", "check_unlocked", "lock_holder"]
 
 LOCK = "LOCK"
@@ -98,9 +100,14 @@ class DirLock:
             raise ValueError(f"{self.what} {str(self.root)!r} has a lock from {_describe(previous)}, another "
                              f"host: if that run has ended, delete {str(self.path)!r}")
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"host": host, "pid": os.getpid(), "started": started}).encode())
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"host": host, "pid": os.getpid(), "started": started}).encode())
+            os.fsync(fd)
+        except OSError as err:  # a full or read-only disk: no lock left behind (an empty one would say nothing)
+            self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise output_error("the lock", self.path, err) from None
         self._fd = fd
         return f"took over the stale lock of {_describe(previous)}, which is no longer running" if previous else ""
 

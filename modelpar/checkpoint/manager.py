@@ -245,7 +245,9 @@ class CheckpointManager:
         warning = lock.acquire()
         self.lock = lock
         self._say([f"warning: {warning}"] if warning else [])
-        self._say([f"removed {str(p)!r}, a checkpoint save that never completed" for p in store.remove_leftovers(self.root)])
+        self._say([f"removed {str(p)!r}, " + ("a checkpoint whose removal never completed (replaced or pruned)"
+                                              if ".old-" in p.name else "a checkpoint save that never completed")
+                   for p in store.remove_leftovers(self.root)])
         check_fresh(self.root, resume=resume, overwrite=overwrite)
         if overwrite and not resume:
             old = store.checkpoints(self.root)  # check_fresh refused foreign folders: these are all ours

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     m = _int("--microbatches", args.microbatches or "8", 1)
     v = _int("--chunks", args.chunks, 1)
     costs = Costs(transfer=_float("--transfer", args.transfer),
-                  backward_ratio=_float("--backward-ratio", args.backward_ratio))
+                  backward_ratio=_float("--backward-ratio", args.backward_ratio, strict=True))
     if k * m * v > MAX_ACTIONS:
         raise ValueError(
             f"--ranks x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"

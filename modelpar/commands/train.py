@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,24 @@ class _TrainParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._build()
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(_negative_values(sys.argv[1:] if args is None else list(args)), namespace)
 
     def format_help(self) -> str:
         self._build()
         return super().format_help()
+
+
+def _negative_values(args: list[str]) -> list[str]:
+    """``--flag -1,5`` as ``--flag=-1,5``: argparse takes a value that starts with ``-`` and is not a plain
+    number for a flag and stops with a usage dump; joined, the value reaches its own check (train has no
+    positional arguments, so a token after a flag is always its value)."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -133,6 +147,12 @@ def run(args: argparse.Namespace) -> int:
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
     check_memory(cfg, *_ranks_here(cfg))  # one line for a model this machine cannot hold, before building it
+    if cfg.resume:  # the metrics to continue: a bad line is one line now, before any lock or rank
+        from modelpar.training.metrics import read_metrics
+
+        torn = read_metrics(options.out)[1]
+        if torn and os.environ.get("RANK", "0") == "0":
+            print(f"modelpar train: warning: {torn}", file=sys.stderr, flush=True)
     with out_lock(options.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
         return _run(cfg, options)
 
@@ -148,7 +168,7 @@ def _planned(cfg: Any) -> Any:
         from modelpar.training.prediction import profile_of
 
         profile_of(cfg)
-    if cfg.plan == "auto":  # a layout that does not fit is refused here
+    if cfg.check_planning().plan == "auto":  # a layout that does not fit is refused here
         from modelpar.training.autoplan import auto_plan
 
         world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
@@ -191,8 +211,9 @@ def _run(cfg: Any, options: Any) -> int:
     from modelpar.training.start import run_in_process, run_local
 
     console = Console(stderr=True)
-    metrics = MetricsLog(options.out, tensorboard=options.tensorboard)
     display = Display(console, title=f"{cfg.layout()} {cfg.schedule}", progress=options.progress)
+    metrics = MetricsLog(options.out, tensorboard=options.tensorboard,
+                         note=lambda text: display({"event": "note", "text": text}))
     report = Reporters(display, metrics)
     if is_torchrun():
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
@@ -212,6 +233,7 @@ def _run(cfg: Any, options: Any) -> int:
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
+    from modelpar._outputs import write_file
     from modelpar.training.display import peak_tflops_of, plot_losses, summary_table
     from modelpar.training.loop import SUMMARY_FIELDS
 
@@ -270,7 +292,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
 
     predicted_rows, summary["prediction"] = summary_rows(cfg, result, out)
     rows += predicted_rows
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_file(out / "summary.json", json.dumps(summary, indent=1), "the run summary")
     rows.append(("loss curve", str(png)))
     rows.append(("metrics", str(out / "metrics.jsonl")))
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr

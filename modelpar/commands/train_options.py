@@ -120,6 +120,9 @@ def read_config_file(path: str) -> dict[str, dict[str, Any]]:
         raw = tomllib.loads(file.read_text()) if file.suffix == ".toml" else json.loads(file.read_text())
     except OSError as err:
         raise ValueError(f"--config {path!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config {path!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                         f"{err.start}): TOML and JSON files are UTF-8") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: not valid {file.suffix[1:].upper()}: {err}") from None
     if not isinstance(raw, dict):

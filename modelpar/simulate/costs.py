@@ -28,7 +28,7 @@ class Costs:
 
     def __post_init__(self) -> None:
         check_number("forward", self.forward)
-        check_number("backward_ratio", self.backward_ratio)
+        check_number("backward_ratio", self.backward_ratio, strict=True)  # 0: a backward taking no time
         if self.backward is not None:
             check_number("backward", self.backward)
         if self.weight is not None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import numpy as np
 
 from modelpar.text.batches import Corpus
-from modelpar.text.cache import TokenFiles, cache_key, read_tokens, write_tokens
+from modelpar.text.cache import DamagedCache, TokenFiles, cache_key, discard_tokens, read_tokens, verify_tokens, write_tokens
 from modelpar.text.config import DataConfig, token_dtype_for
 from modelpar.text.sources import Source, find_source
 from modelpar.text.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenizer, describe, load_tokenizer, train_bpe
@@ -58,7 +58,7 @@ Config = TypeVar("Config", bound=RunConfig)  # the caller's config type, returne
 
 __all__ = ["cache_root", "open_corpus", "prepare_data", "prepare_on_rank0"]
 
-_FORMAT = 1  # bump when the token files' layout changes: old cache entries are then ignored
+_FORMAT = 2  # bump when the token files' layout changes: old cache entries are then ignored (2: per-file sha256)
 _RANK0_WAIT = timedelta(days=1)  # how long the other ranks wait for rank 0 to prepare (tokenizing is slow)
 
 
@@ -103,7 +103,7 @@ def prepare_data(cfg: Config, console: Console | None = None, progress: bool = F
         _check_checkpoint_tokenizer(cfg, tokenizer)
         key = cache_key({**split, "tokenizer": tokenizer.digest, "dtype": dtype, "format": _FORMAT})
         entry_path = cache_root(cfg).resolve() / f"tokens-{key}"  # absolute: ranks may start elsewhere
-        entry, cached = read_tokens(entry_path), True
+        entry, cached = _cached_tokens(entry_path, console), True
         if entry is None:
             is_val = mask()
             documents = zip(source.documents(), is_val.tolist())
@@ -165,6 +165,20 @@ def open_corpus(data: DataConfig) -> Corpus:
     if entry is None:
         raise ValueError(f"the prepared tokens {data.prepared!r} are gone (cache deleted?): start the run again")
     return entry.corpus()
+
+
+def _cached_tokens(path: Path, console: Console | None) -> TokenFiles | None:
+    """The verified entry at ``path``; None if there is none, or if it was damaged: then it is removed
+    (the source is at hand to tokenize again) and ``console`` says which file was wrong."""
+    try:
+        entry = read_tokens(path)
+        return None if entry is None else verify_tokens(entry)
+    except DamagedCache as err:
+        discard_tokens(path)
+        if console is not None:
+            console.print(f"modelpar train: warning: {err}; tokenizing the data again", highlight=False,
+                          markup=False, soft_wrap=True)
+        return None
 
 
 def _tokenizer(cfg: Config, source: Source, split: dict[str, Any], mask: Callable[[], np.ndarray],

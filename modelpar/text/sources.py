@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from modelpar._validate import json_error
+
 __all__ = ["DOC_CHARS", "FileSource", "ShippedSource", "Source", "SourceFile", "find_source", "val_mask"]
 
 DOC_CHARS = 64 * 1024  # a text file is cut into documents of this many characters, up to the next line break
@@ -42,13 +44,18 @@ class SourceFile:
     mtime_ns: int
 
 
-def val_mask(num_documents: int, val_fraction: float, seed: int, described: str) -> np.ndarray:
-    """Which documents are validation: ``max(1, round(n · fraction))`` of them, drawn with ``seed``."""
+def val_mask(num_documents: int, val_fraction: float, seed: int, described: str, unsplit: str = "") -> np.ndarray:
+    """Which documents are validation: ``max(1, round(n · fraction))`` of them, drawn with ``seed``.
+
+    ``unsplit``: a text file larger than a document that gave one (no line break to cut at), for the message.
+    """
     k = max(1, round(num_documents * val_fraction))
     if k >= num_documents:
+        why = (f"; {unsplit} has no line break to cut at: add line breaks, or give the text as more files or as "
+               "JSONL" if unsplit else "")
         raise ValueError(f"data {described} has {num_documents} document(s): too few to hold out "
                          f"{k} for validation and train on the rest (documents are whole files, JSONL lines or "
-                         f"table rows; text files split every {DOC_CHARS // 1024} k characters)")
+                         f"table rows; text files are cut at line breaks every {DOC_CHARS // 1024} k characters{why})")
     mask = np.zeros(num_documents, dtype=bool)
     mask[np.random.default_rng([seed, _SPLIT_SALT]).choice(num_documents, size=k, replace=False)] = True
     return mask
@@ -75,14 +82,20 @@ class FileSource:
 
     def val_mask(self, val_fraction: float, seed: int, advance: Callable[[int], None] | None = None) -> np.ndarray:
         """Read every document once (this checks them all) and draw the validation ones."""
-        count = 0
-        for _ in self.documents():
-            count += 1
-            if advance:
-                advance(1)
+        count, unsplit = 0, ""
+        for f in self.files:
+            here, longest = 0, 0
+            for text in _READERS[f.kind](f.path, self.text_field):
+                if text:
+                    here, longest = here + 1, max(longest, len(text))
+                    if advance:
+                        advance(1)
+            count += here
+            if f.kind == "text" and here == 1 and longest > DOC_CHARS:  # one line longer than a document
+                unsplit = unsplit or f"{str(f.path)!r} ({longest:,} characters)"
         if count == 0:
             raise ValueError(f"data {self.describe()} holds no text")
-        return val_mask(count, val_fraction, seed, self.describe())
+        return val_mask(count, val_fraction, seed, self.describe(), unsplit)
 
 
 class ShippedSource:
@@ -170,9 +183,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    where = err.msg if err.msg.endswith(" at") else f"{err.msg} at"  # json's "... starting at"
-                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({where} column "
-                                     f"{err.colno})") from None
+                    raise ValueError(f"data file {str(path)!r} line {number} is not JSON ({json_error(err)})") from None
                 yield _field(record, text_field, f"data file {str(path)!r} line {number}")
     except UnicodeDecodeError:
         raise ValueError(f"data file {str(path)!r} is not UTF-8 text: is it a binary file?") from None

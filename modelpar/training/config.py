@@ -259,8 +259,7 @@ class TrainConfig:
         check_number("clip", self.clip)
         check_number("timeout", self.timeout, 0.0, strict=True)
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
-        check_choice("plan", self.plan, PLAN_CHOICES)
-        check_number("memory_limit_gb", self.memory_limit_gb)
+        self.check_planning()
         check_number("preempt_grace", self.preempt_grace)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
@@ -285,6 +284,13 @@ class TrainConfig:
             from modelpar.hf import check_init_from
 
             check_init_from(self.model, self.init_from)
+
+    def check_planning(self) -> TrainConfig:
+        """The planner's own settings (``plan``, ``memory_limit_gb``): checked before ``--plan auto`` plans,
+        which runs before the rest is checked (the plan sets the layout); return self."""
+        check_choice("plan", self.plan, PLAN_CHOICES)
+        check_number("memory_limit_gb", self.memory_limit_gb)
+        return self
 
     def _check_experts(self) -> None:
         """Expert parallelism folds into d (docs/moe.md); ``costmodel.moe.check_trainer_experts`` is the rule."""

@@ -8,6 +8,7 @@ parent owns the terminal; under torchrun rank 0 displays them itself.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from modelpar._outputs import write_file
 
 __all__ = ["Display", "peak_tflops_of", "plot_losses", "summary_table"]
 
@@ -100,6 +103,8 @@ def plot_losses(path: str | os.PathLike, losses: list[float], val: list[tuple[in
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    write_file(path, png.getvalue(), "the loss curve")  # a full disk: one line, no torn PNG
     return path

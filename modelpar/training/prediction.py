@@ -171,7 +171,7 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
                 "parameters_bytes": held_parameter_bytes(cfg, result), "gradients_bytes": result.gradient_bytes,
                 "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
     rows = compare(predict(cfg, profile), measured)
-    record = {"event": "prediction", "step": result.start_step + len(result.losses), "hardware": profile.name,
+    record = {"event": "prediction", "step": len(result.losses), "hardware": profile.name,
               **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
     append_record(out, record)
 
