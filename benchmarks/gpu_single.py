@@ -1,122 +1,203 @@
-"""One GPU, bf16: a plain PyTorch training loop and `modelpar train` at t = p = d = 1, side by side.
+"""One GPU, bf16: `modelpar train` (eager, --compile, fp8) beside a hand-written Llama loop (eager, compiled).
 
-Both train the same Llama-style model (about 355 M parameters: h = 1024, 32 layers, 16 query and 4
-key/value heads, SwiGLU, sequence 1024, byte tokens of the shipped corpus) for the same steps on the
-same batches: bf16 autocast compute, fp32 master weights and AdamW (fused), fp32 cross entropy,
-4 micro-batches of 8 sequences accumulated per step, clipping at 1.0. The plain loop is what one
-writes by hand; modelpar runs its whole trainer (pipeline runner with one stage, flat gradient
-buckets, the step's loss and norm agreed like on many ranks) in this process, a world of one.
-Printed: tokens/s of each (the median step after the first ones), the ratio (aim: modelpar ≥ 0.95
-of the plain loop) and the MFU of each against the GPU's dense bf16 peak (aim ≥ 40% on an H200,
-989 TFLOP/s).
+The anchor is benchmarks/gpu_anchor.py, a copy of the steering repo's shared/bench/gpu_anchor.py (a
+nanoGPT/torchtitan-style Llama: RMSNorm, rotary, GQA through SDPA, SwiGLU, bf16 autocast, fused fp32
+AdamW, whole-model torch.compile): what a user would write instead of modelpar for one GPU. Both train
+the same shape with the same batch: 32 sequences of 1024 tokens a step as 4 micro-batches, clipping at
+1.0. modelpar runs its whole trainer in this process (a world of one over NCCL: pipeline runner with
+one stage, flat gradient buckets, the step's loss and norm agreed as on many ranks, the chunked head
+and loss). Sizes: 355M (h 1024, L 32, 16 q / 4 kv heads, ffn 2816: the anchor as it is) and 1.06B (h
+2048, L 24, ffn 5632: the anchor's globals set to it).
 
-    python benchmarks/gpu_single.py                  # a GPU: the 355 M model
-    python benchmarks/gpu_single.py --smoke          # any machine: a tiny model, a few steps (checks the script)
-    python benchmarks/gpu_single.py --layers 24 --steps 40 --peak-tflops 989
+Printed, per size and run: tokens/s (median step after the first ones), MFU against the GPU's dense bf16
+peak (the cost model's presets; ModelConfig.flops_per_token for both, the same model), peak memory
+allocated, and the ratio to the anchor (eager to eager, compiled to compiled). Aims (issue 36): eager
+>= 0.95x, --compile >= 1.0x the compiled anchor at 355M; MFU >= 45% at 1B with --compile, more with fp8.
+
+    python benchmarks/gpu_single.py                          # everything (about 6 minutes on an H200)
+    python benchmarks/gpu_single.py --sizes 355m --runs modelpar,anchor --json out.json
+    python benchmarks/gpu_single.py --smoke                  # any machine: tiny shapes, a few steps
+    python benchmarks/gpu_single.py --profile prof.txt       # + a torch.profiler table of modelpar's eager step
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
+import io
+import json
+import os
+import re
 import statistics
+import sys
 import time
-from dataclasses import replace
+from argparse import Namespace
 
 import torch
 import torch.distributed as dist
 
-from modelpar.corpus import load_corpus
-from modelpar.distributed import free_port
-from modelpar.distributed.devices import require_gpus
-from modelpar.model import LMLoss, ModelConfig, build_stage
-from modelpar.training import TrainConfig, lr_at, param_groups, train
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_anchor as A  # noqa: E402
 
-H200_BF16_TFLOPS = 989.0  # dense, no sparsity
+from modelpar.distributed import free_port  # noqa: E402
+from modelpar.model import ModelConfig  # noqa: E402
+from modelpar.training import TrainConfig, train  # noqa: E402
+from modelpar.training.display import peak_tflops_of  # noqa: E402
 
-
-def plain_loop(cfg: TrainConfig, device: torch.device, warmup: int) -> float:
-    """tokens/s of a hand-written loop: autocast bf16, fp32 AdamW and loss, micro-batches accumulated."""
-    torch.manual_seed(cfg.seed)
-    model = build_stage(cfg.model, seed=cfg.seed, dtype=torch.float32, device=device)
-    fused = {"fused": True} if device.type == "cuda" else {}
-    opt = torch.optim.AdamW(param_groups(list(model.parameters()), cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
-                            eps=1e-8, **fused)
-    loss_fn, corpus, m = LMLoss(cfg.model.vocab_size), load_corpus(), cfg.microbatches
-    times = []
-    for step in range(cfg.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        x, y = corpus.batch("train", step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        opt.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=device)
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(xm)
-            loss = loss_fn(logits, ym) / m  # fp32: the loss upcasts bf16 logits
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        total.item()  # the loss of every step, as a training loop logs it
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return cfg.tokens_per_step / statistics.median(times[warmup:])
+SIZES = {"355m": dict(hidden=1024, layers=32, heads=16, kv_heads=4, ffn=2816),
+         "1b": dict(hidden=2048, layers=24, heads=16, kv_heads=4, ffn=5632)}
+SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=192)
+RUNS = {  # name -> (modelpar's TrainConfig changes, or None for the anchor, compiled?)
+    "modelpar": ({}, False),
+    "modelpar --compile": ({"compile": True}, True),
+    "modelpar --compile fp8": ({"compile": True, "precision": "fp8"}, True),
+    "anchor": (None, False),
+    "anchor compiled": (None, True),
+}
 
 
-def modelpar_train(cfg: TrainConfig, device: torch.device, warmup: int) -> float:
-    """tokens/s of `modelpar train`'s loop at t = p = d = 1, in this process (a world of one)."""
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def run_modelpar(model: ModelConfig, changes: dict, steps: int, batch: int, micro: int, warmup: int) -> dict:
+    """tokens/s and peak memory of `modelpar train` at t = p = d = 1 in this process (a world of one)."""
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
-    return cfg.tokens_per_step / statistics.median(train(cfg).step_times[warmup:])
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, device_id=torch.device("cuda", 0) if cuda else None)
+    cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=steps, warmup=5,
+                      precision="bf16", eval_every=0, eval_batches=1, **changes)
+    _free()
+    t0 = time.perf_counter()
+    result = train(cfg)
+    return {"tokens_per_s": cfg.tokens_per_step / statistics.median(result.step_times[warmup:]),
+            "peak_gib": _peak_gib(), "first_step_s": result.step_times[0], "wall_s": time.perf_counter() - t0,
+            "compile_s": result.compile_seconds, "final_loss": result.losses[-1]}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def run_anchor(shape: dict, compiled: bool, steps: int, peak: float, smoke: bool) -> dict:
+    """tokens/s and peak memory of the hand-written loop (gpu_anchor.run), its globals set to ``shape``."""
+    if not smoke:  # the anchor's constants at this size (at 355M they are its own)
+        A.h, A.L, A.nh, A.nkv, A.ffn = shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["ffn"]
+        A.hd = A.h // A.nh
+    A.args = Namespace(steps=steps, peak=peak, smoke=smoke, no_compile=not compiled)
+    _free()
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(out):
+        A.run(compiled)
+    text = out.getvalue()
+    rate = float(re.search(r"tokens/s ([\d,]+)", text).group(1).replace(",", ""))
+    return {"tokens_per_s": rate, "peak_gib": float(re.search(r"peak mem ([\d.]+) GiB", text).group(1)),
+            "wall_s": time.perf_counter() - t0, "line": text.strip()}
+
+
+def profile_modelpar(model: ModelConfig, batch: int, micro: int, path: str) -> None:
+    """A torch.profiler table (top CPU and CUDA time) of two steps of modelpar's eager trainer."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=6, warmup=5,
+                      precision="bf16", eval_every=0, eval_batches=1)
+    with profile(activities=acts, schedule=schedule(wait=3, warmup=1, active=2)) as prof:
+        from modelpar.training import loop
+
+        original = loop._Run.step
+
+        def step(self, i):  # one profiler step per training step
+            verdict = original(self, i)
+            prof.step()
+            return verdict
+
+        loop._Run.step = step
+        try:
+            train(cfg)
+        finally:
+            loop._Run.step = original
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40))
+        f.write("\n\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="a tiny model on this machine's CPU (or GPU), 6 steps")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    ap.add_argument("--peak-tflops", type=float, default=None, help=f"default: {H200_BF16_TFLOPS:g} (H200 dense bf16)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps: checks the script on any machine")
+    ap.add_argument("--sizes", default="355m,1b", help="comma-separated: " + ", ".join(SIZES))
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated: " + ", ".join(RUNS))
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of modelpar's eager step here")
     args = ap.parse_args()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    model = ModelConfig(arch="llama", hidden=args.hidden, heads=16, kv_heads=4, layers=args.layers, seq_len=1024)
-    cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=args.microbatches, batch_size=args.batch_size,
-                      steps=args.steps, warmup=5, precision="bf16", eval_every=0, eval_batches=1)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("gpu_single.py: no CUDA device; run with --smoke to check the script on this machine")
+    if cuda:
+        torch.cuda.set_device(0)
+    name = torch.cuda.get_device_name(0) if cuda else "CPU"
+    peak = peak_tflops_of(name) or 989.0
+    steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
+    batch, micro, seq = (8, 2, 64) if args.smoke else (32, 4, 1024)
+    runs = [r.strip() for r in args.runs.split(",")]
     if args.smoke:
-        cfg = replace(cfg, model=replace(model, hidden=64, heads=4, kv_heads=2, layers=2, seq_len=64), steps=6,
-                      batch_size=8, microbatches=2)
-    else:
-        try:
-            require_gpus(1, "gpu_single.py")
-        except ValueError as err:
-            raise SystemExit(f"{err}; run with --smoke to check the script on this machine") from None
-    warmup = 2 if args.smoke else 5
-    plain = plain_loop(cfg, device, warmup)
-    ours = modelpar_train(cfg, device, warmup)
-    peak = args.peak_tflops or H200_BF16_TFLOPS
-    flops = cfg.model.flops_per_token()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{name}: Llama {cfg.model.num_parameters():,} parameters (h={cfg.model.hidden}, "
-          f"L={cfg.model.layers}, s={cfg.model.seq_len}), bf16, batch {cfg.batch_size} x {cfg.microbatches} "
-          f"micro-batches, {cfg.steps} steps (median after {warmup}), peak {peak:g} TFLOP/s\n")
-    print(f"{'':>16} {'tokens/s':>12} {'MFU':>7}")
-    for label, rate in (("plain PyTorch", plain), ("modelpar train", ours)):
-        print(f"{label:>16} {rate:>12,.0f} {100 * flops * rate / (peak * 1e12):>6.1f}%")
-    print(f"\nmodelpar / plain = {ours / plain:.3f}")
+        runs = [r for r in runs if "fp8" not in r or cuda]
+    figures: dict = {"device": name, "peak_tflops": peak, "torch": torch.__version__, "steps": steps, "sizes": {}}
+    for size in args.sizes.split(","):
+        shape = SMOKE if args.smoke else SIZES[size]
+        model = ModelConfig(arch="llama", vocab_size=256, seq_len=seq, **shape)
+        if args.smoke:
+            A.h, A.L, A.nh, A.nkv, A.ffn, A.s, A.B, A.M = 64, 2, 4, 2, 192, 64, 8, 2
+            A.hd = 16
+        else:
+            A.s, A.B, A.M = seq, batch, micro
+        rows = figures["sizes"][size] = {"parameters": model.num_parameters(), "runs": {}}
+        for run in runs:
+            changes, compiled = RUNS[run]
+            try:
+                if changes is None:
+                    got = run_anchor(shape, compiled, steps, peak, args.smoke)
+                else:
+                    got = run_modelpar(model, changes, steps, batch, micro, warmup)
+            except Exception as err:  # one failed run must not lose the others' figures
+                got = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            got["mfu"] = model.flops_per_token() * got.get("tokens_per_s", 0.0) / (peak * 1e12)
+            rows["runs"][run] = got
+            print(f"[{size}] {run}: {json.dumps(got)}", flush=True)
+        if args.profile and not args.smoke and size == args.sizes.split(",")[0]:
+            try:
+                profile_modelpar(model, batch, micro, args.profile)
+            except Exception as err:
+                print(f"profile failed: {type(err).__name__}: {err}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    print(f"\n{name}, torch {torch.__version__}, peak {peak:g} TFLOP/s, batch {batch} x {seq} tokens as {micro} "
+          f"micro-batches, median of steps {warmup + 1}..{steps}\n")
+    print(f"{'size':>5} {'run':>24} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs anchor':>10} {'compile s':>9}")
+    for size, rows in figures["sizes"].items():
+        base = {c: rows["runs"].get("anchor compiled" if c else "anchor", {}).get("tokens_per_s") for c in (False, True)}
+        for run, got in rows["runs"].items():
+            if "error" in got:
+                print(f"{size:>5} {run:>24}  failed: {got['error'][:80]}")
+                continue
+            anchor = base[RUNS[run][1]]
+            ratio = f"{got['tokens_per_s'] / anchor:.3f}x" if anchor and RUNS[run][0] is not None else "-"
+            comp = got.get("compile_s")
+            print(f"{size:>5} {run:>24} {got['tokens_per_s']:>10,.0f} {100 * got['mfu']:>5.1f}% {got['peak_gib']:>9.1f} "
+                  f"{ratio:>10} {comp if comp is None else round(comp, 1)!s:>9}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -325,7 +325,8 @@ def _why_microbatches(cfg: Any) -> str:
     return f"m={cfg.microbatches}: " + (f"the default, {why}" if cfg.microbatches == chosen else "set (--microbatches)")
 
 
-_PRECISION = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights)", "fp64": "fp64"}
+_PRECISION = {"fp32": "fp32", "bf16": "bf16 (fp32 master weights)", "fp8": "fp8 linear layers (torchao), bf16 elsewhere, "
+              "fp32 master weights", "fp64": "fp64"}
 
 
 def _mib(nbytes: float) -> str:

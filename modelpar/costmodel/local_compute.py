@@ -52,7 +52,8 @@ class LayerCost:
 
 
 def table_dtype(run: LocalRun) -> str:
-    return {"fp32": "fp32", "bf16": "bf16", "fp64": "fp64"}[run.precision]
+    """The measured tables a run's compute is priced from (fp8: the bf16 ones; no float8 tables are measured)."""
+    return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "fp64": "fp64"}[run.precision]
 
 
 def _ranks(run: LocalRun, hw: HardwareProfile) -> int:

@@ -54,8 +54,8 @@ from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
            "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
 
-PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp64": 8}  # the trainer's parameters (bf16: fp32 master weights)
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp64": 8}  # its activations
+PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its activations (fp8: bf16 between the products)
 _IDS = 8  # int64 token ids the embedding keeps, per token
 _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps besides the logits
 

@@ -29,7 +29,28 @@ __all__ = ["ColumnParallelLinear", "LayerNorm", "RMSNorm", "RowParallelLinear", 
 T_NAME = "the tensor-parallel size t"
 
 
-class ColumnParallelLinear(TensorParallelModule):
+class _LocalMatmul:
+    """The local product of a parallel linear layer: ``F.linear``, or a module put in its place (``use_matmul``:
+    ``--precision fp8``'s ``Float8Linear`` around this layer's own weight). Kept outside the module tree, so the
+    state dict and the parameters are the layer's alone."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def use_matmul(self, matmul: nn.Module) -> None:
+        """Compute x·Wᵀ with ``matmul(x)`` from now on (the bias is still added here)."""
+        self.__dict__["matmul"] = matmul
+
+    def _matmul(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        b = self.bias if bias else None
+        matmul = self.__dict__.get("matmul")
+        if matmul is None:
+            return F.linear(x, self.weight, b)
+        y = matmul(x)
+        return y + b.to(y.dtype) if b is not None else y
+
+
+class ColumnParallelLinear(_LocalMatmul, TensorParallelModule):
     """Y = X·A + b with A split by columns: this rank holds ``out_features / t`` outputs.
 
     Input: the full X, replicated (f in front: identity forward, all-reduce backward), or with
@@ -73,7 +94,7 @@ class ColumnParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_collective:
             x = C.enter_column_parallel_region(x, self.group, self.sequence_parallel, self.check_shapes)
-        y = F.linear(x, self.weight, self.bias)
+        y = self._matmul(x)
         return C.gather_from_tensor_parallel_region(y, self.group, self.check_shapes) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -81,7 +102,7 @@ class ColumnParallelLinear(TensorParallelModule):
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(TensorParallelModule):
+class RowParallelLinear(_LocalMatmul, TensorParallelModule):
     """Y = X·A + b with A split by rows: this rank holds ``in_features / t`` inputs.
 
     Input: this rank's columns X_i [..., in/t] (``input_is_parallel``, the output of a column
@@ -115,7 +136,8 @@ class RowParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = C.scatter_to_tensor_parallel_region(x, self.group)
-        y = C.exit_row_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel, self.check_shapes)
+        y = C.exit_row_parallel_region(self._matmul(x, bias=False), self.group, self.sequence_parallel,
+                                       self.check_shapes)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

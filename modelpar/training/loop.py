@@ -39,6 +39,7 @@ from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
 from modelpar.training.expert_stats import ExpertStats
 from modelpar.training.faults import nonfinite_hook, slow_init
+from modelpar.training.float8 import check_float8_device, float8_linears
 from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, measured_state_bytes
@@ -199,6 +200,9 @@ class _Run:
                                        dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
                                        context=self.context, ep_group=rs.ep_group, head_in_loss=cfg.loss_chunk > 0)
                         for s in self.schedule.stages_on(rs.pp_rank)}
+        if cfg.precision == "fp8":  # before compiling: the float8 products are part of the blocks' graphs
+            check_float8_device(rs.device)
+            float8_linears(self.modules)
         self.compile_clock = (compile_blocks(self.modules, cfg.compile_backend, self.schedule.split_backward)
                               if cfg.compile else None)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)

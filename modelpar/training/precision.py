@@ -4,6 +4,9 @@
                 dp reduction, AdamW state  (matmuls, attention)   (activations, grads)
     fp32        float32                    float32                float32              float32
     bf16        float32 (master weights)   bfloat16 (autocast)    bfloat16             float32
+    fp8         float32 (master weights)   bf16, the linear       bfloat16             float32
+                                           layers' products in
+                                           float8 (``float8.py``)
     fp64        float64                    float64                float64              float64
 
 bf16 is mixed precision the way ``torch.autocast`` does it (torchtitan's choice without FSDP):
@@ -25,9 +28,9 @@ from modelpar._validate import check_choice
 
 __all__ = ["PRECISIONS", "MixedPrecisionStage", "check_precision", "compute_dtype", "param_dtype", "wrap_stage"]
 
-PRECISIONS = ("fp32", "bf16", "fp64")
-_PARAM = {"fp32": torch.float32, "bf16": torch.float32, "fp64": torch.float64}
-_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+PRECISIONS = ("fp32", "bf16", "fp8", "fp64")
+_PARAM = {"fp32": torch.float32, "bf16": torch.float32, "fp8": torch.float32, "fp64": torch.float64}
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp64": torch.float64}
 
 
 def check_precision(precision: str) -> str:
