@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.training.resume import check_directory
 
     cfg, options = build(args)
-    cfg = _planned(cfg).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
+    cfg = _planned(cfg, args).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
@@ -136,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(cfg, options)
 
 
-def _planned(cfg: Any) -> Any:
-    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout, with ``--schedule auto``
-    the synthesised schedule, before any process starts."""
+def _planned(cfg: Any, args: argparse.Namespace) -> Any:
+    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout (keeping the layout
+    settings ``args`` gave), with ``--schedule auto`` the synthesised schedule, before any process starts."""
     import os
 
     from modelpar.distributed import is_torchrun
@@ -148,10 +148,11 @@ def _planned(cfg: Any) -> Any:
 
         profile_of(cfg)
     if cfg.plan == "auto":  # a layout that does not fit is refused here
-        from modelpar.training.autoplan import auto_plan
+        from modelpar.commands.train_options import explicit_settings
+        from modelpar.training.autoplan import auto_plan, plan_world
 
-        world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
-        cfg, _, line = auto_plan(cfg, world)  # the same plan on every rank under torchrun; rank 0 prints it
+        world = plan_world(cfg, int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)
+        cfg, _, line = auto_plan(cfg, world, explicit_settings(args))  # the same plan on every rank; rank 0 prints it
         if os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: {line}", file=sys.stderr, flush=True)
     if cfg.schedule == "auto":  # the schedule built here, and a memory limit none meets refused, before any process

@@ -151,10 +151,12 @@ class TrainConfig:
                                                                   "name (a100-80gb, h100-sxm, ...): the prediction "
                                                                   "(and --plan auto) price the run on it (none: a "
                                                                   "nominal CPU; docs/calibrate.md)")
-    plan: str = option("none", section="planning", help="auto: the planner picks t, p, d, schedule, chunks, "
-                                                        "micro-batches, recomputation and ZeRO for the world size "
-                                                        "(tp x pp x dp), prints the plan and runs it; none: the "
-                                                        "flags' layout")
+    plan: str = option("none", section="planning", help="auto: the planner picks t, cp, p, d, schedule, chunks, "
+                                                        "micro-batches, recomputation, SP, ZeRO and ep for "
+                                                        "--plan-ranks ranks, keeping those of them given as flags "
+                                                        "(pins), prints the plan and runs it; none: the flags' layout")
+    plan_ranks: int = option(0, section="planning", help="with --plan auto: the ranks to plan for (0: tp x cp x pp x "
+                                                         "dp of the flags and defaults; under torchrun its world size)")
     memory_limit_gb: float = option(0.0, section="planning", help="with --plan auto: predicted bytes per rank must "
                                                                   "fit this many GB (0: the device's memory)")
 
@@ -237,6 +239,10 @@ class TrainConfig:
         check_choice("preempt_signal", self.preempt_signal, PREEMPT_SIGNALS)
         check_choice("plan", self.plan, PLAN_CHOICES)
         check_number("memory_limit_gb", self.memory_limit_gb)
+        check_int("plan_ranks", self.plan_ranks, minimum=0)
+        if self.plan_ranks and self.plan != "auto":
+            raise ValueError(f"plan_ranks {self.plan_ranks} applies to plan auto (the ranks it plans for), got plan "
+                             f"{self.plan!r}")
         check_number("preempt_grace", self.preempt_grace)
         self.model.check(tp=self.tp, stages=self.pp * v, sequence_parallel=self.sequence_parallel)
         fewest = min([n for n in self.layer_split if n] or [1])  # the shortest chain a stage recomputes
