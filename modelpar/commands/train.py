@@ -199,6 +199,16 @@ def _run(cfg: Any, options: Any) -> int:
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
         result, first = run_local(cfg, report, console, progress=options.progress), True
+        from modelpar.training.stopping import LateSignals
+
+        with LateSignals(cfg) as late:  # the ranks are gone: a signal now cuts nothing short (docs/stopping.md)
+            code = _report(cfg, options, result, report, first)
+        return late.exit_code(code, lambda line: print(f"modelpar train: {line}", file=sys.stderr, flush=True))
+    return _report(cfg, options, result, report, first)
+
+
+def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> int:
+    """The stop's line and exit code, or the summary and 0."""
     if result.stop is not None:
         report.close()
         if first:
