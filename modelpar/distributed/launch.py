@@ -412,7 +412,7 @@ class LocalCluster:
                     continue
                 if status == "error":  # a rank that died is the cause, and its peers' errors follow from it
                     self._raise_if_died(_DEATH_GRACE)
-                    self._raise_if_silent(rank, value[1], results)
+                    self._raise_if_silent(rank, value, results)
                     raise _rebuild_error(rank, value)
                 results[rank] = value
         except BaseException:  # a rank failed, or Ctrl-C here: no rank outlives the run
@@ -451,10 +451,11 @@ class LocalCluster:
                 return
             time.sleep(0.02)
 
-    def _raise_if_silent(self, rank: int, message: str, done: dict[int, Any]) -> None:
-        """After ``rank``'s collective timed out (``message``), raise a hung ``RankError`` naming the rank it waited
-        for: one that has neither answered nor failed, a stopped one (SIGSTOP, state T) first."""
-        if not _TIMED_OUT.search(message):
+    def _raise_if_silent(self, rank: int, error: tuple[str, str, str, Any], done: dict[int, Any]) -> None:
+        """After ``rank``'s collective or receive timed out (``error``: a TimeoutError, or gloo's or NCCL's words),
+        raise a hung ``RankError`` naming the rank it waited for: one that has neither answered nor failed, a
+        stopped one (SIGSTOP, state T) first."""
+        if error[0] != "TimeoutError" and not _TIMED_OUT.search(error[1]):
             return
         silent = [r for r, p in enumerate(self._procs) if r != rank and r not in done and p.pid is not None]
         if not silent:
