@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -162,8 +163,30 @@ def stop_multiprocessing_helpers() -> list[int]:
     """
     from multiprocessing import forkserver, resource_tracker, util
 
-    util._exit_function()  # type: ignore[attr-defined]
+    with _signals_ignored():  # a late Ctrl-C or SIGTERM here (the run is over) must not leave them behind
+        util._exit_function()  # type: ignore[attr-defined]
+        return _stop_helpers(forkserver, resource_tracker)
 
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT, SIGTERM, SIGUSR1 and SIGUSR2 ignored inside (main thread only; elsewhere nothing changes): for
+    the short work at exit, which a signal would cut with a traceback, leaving helper processes behind."""
+    import signal
+    import threading
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs} if main else {}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def _stop_helpers(forkserver: Any, resource_tracker: Any) -> list[int]:
+    """Stop the forkserver and the resource tracker, if running, and wait for them; their pids."""
     stopped = []
     for helper, pid_attr in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
                              (getattr(resource_tracker, "_resource_tracker", None), "_pid")):

@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelpar {args.command}: error: {_os_error(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C: exit code 130, and where it stopped if the command says
-        if str(err):
-            print(f"modelpar {args.command}: {err}", file=sys.stderr)
+        print(f"modelpar {args.command}: {str(err) or 'interrupted (SIGINT)'}", file=sys.stderr)
         return 130
-    except RuntimeError as err:  # a rank that died (killed, out of memory): its launcher says which and how
+    except RuntimeError as err:  # a rank that died or stopped answering: its launcher says which and how
         if not _rank_death(err):
             raise
         print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
@@ -69,10 +68,11 @@ def _os_error(err: OSError) -> str:
 
 
 def _rank_death(err: BaseException) -> bool:
-    """True for the launcher's error about a rank that died (``modelpar.distributed.RankError`` with an exit code)."""
+    """True for the launcher's error about a rank that died or stopped answering (``modelpar.distributed.RankError``
+    with an exit code, or ``hung``): its one line says it all."""
     from modelpar.distributed import RankError
 
-    return isinstance(err, RankError) and err.exitcode is not None
+    return isinstance(err, RankError) and (err.exitcode is not None or err.hung)
 
 
 if __name__ == "__main__":

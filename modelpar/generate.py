@@ -9,12 +9,13 @@ windows, the same tokens, s times the work (the tests compare the two).
 
 Sampling: logits / ``temperature`` (0: greedy), the ``top_k`` largest kept, then one draw from a
 CPU generator seeded with ``seed``: the same tokens on every device for a seed. Padded vocabulary
-ids are never sampled.
+ids are never sampled. ``stream`` yields each token as it is sampled (``modelpar generate`` prints
+them as they come); ``generate`` is its list. There is no length limit: the window slides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -22,7 +23,7 @@ from modelpar._validate import check_int, check_number
 from modelpar.model import Transformer
 from modelpar.tensor_parallel import KVCache
 
-__all__ = ["NonFiniteLogits", "generate", "sample_next"]
+__all__ = ["NonFiniteLogits", "generate", "sample_next", "stream"]
 
 
 class NonFiniteLogits(ValueError):
@@ -42,10 +43,17 @@ def sample_next(logits: torch.Tensor, vocab_size: int, temperature: float, top_k
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
-@torch.no_grad()
 def generate(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> list[int]:
     """``max_new_tokens`` token ids following ``prompt`` (ids), sampled from a whole single-process model."""
+    return list(stream(model, prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                       use_cache=use_cache))
+
+
+def stream(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_tokens: int, *,
+           temperature: float = 1.0, top_k: int | None = None, seed: int = 0, use_cache: bool = True) -> Iterator[int]:
+    """``generate``'s tokens one by one, each as soon as it is sampled (the arguments checked at the call, before
+    any token): a long generation shows its text as it comes, and a consumer may stop early."""
     cfg = model.cfg
     if model.embed is None or model.head is None or len(model.layers) != cfg.layers or model.head.tp_world != 1:
         raise ValueError("generate needs the whole model on one process (build_stage(cfg) with no group)")
@@ -60,6 +68,14 @@ def generate(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_t
     if top_k is not None:
         check_int("top_k", top_k, minimum=1)
     check_int("seed", seed, minimum=0)
+    return _sampled(model, tokens, max_new_tokens, temperature, top_k, seed, use_cache)
+
+
+@torch.no_grad()
+def _sampled(model: Transformer, tokens: list[int], max_new_tokens: int, temperature: float, top_k: int | None,
+             seed: int, use_cache: bool) -> Iterator[int]:
+    """The sampling loop of ``stream`` (arguments checked); the model is back in its mode when it ends or is closed."""
+    cfg = model.cfg
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     keep = max(1, cfg.seq_len // 2)
@@ -79,6 +95,6 @@ def generate(model: Transformer, prompt: Sequence[int] | torch.Tensor, max_new_t
             if i == 0 and not bool(torch.isfinite(logits[:cfg.vocab_size]).all()):
                 raise NonFiniteLogits("the model's logits are not finite (NaN or inf): its weights are not finite")
             tokens.append(sample_next(logits, cfg.vocab_size, temperature, top_k, generator))
+            yield tokens[-1]
     finally:
         model.train(was_training)
-    return tokens[len(tokens) - max_new_tokens:] if max_new_tokens else []

@@ -62,7 +62,7 @@ def test_refused_in_one_line_before_any_process(capsys):
 
 def test_plan_auto_runs_the_plan(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--plan", "auto", "--tp", "1", "--pp", "2", "--dp", "1", "--layers", "2", "--hidden", "32",
+    code = main(["train", "--plan", "auto", "--plan-ranks", "2", "--layers", "2", "--hidden", "32",
                  "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "0",
                  "--eval-batches", "1", "--no-progress", "--out", str(out)])
     captured = capsys.readouterr()
@@ -141,3 +141,38 @@ def test_a_limit_only_context_parallelism_meets(monkeypatch):
         auto_plan(cfg, 2)
 
 
+def test_given_layout_flags_are_pins():
+    """Issue 35 #9: --tp 2 --pp 2 --schedule zb-v (or --cp 2) with --plan auto are kept, the rest is searched."""
+    cfg, _, line = auto_plan(dataclasses.replace(CFG, schedule="zb-v", chunks=2), 4, {"tp", "pp", "schedule"})
+    assert (cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks) == (2, 2, 1, "zb-v", 2)
+    assert "layouts with --tp 2 --pp 2 --schedule zb-v kept fit" in line and "schedule as given (--schedule)" in line
+    free, _, _ = auto_plan(dataclasses.replace(CFG, cp=2), 4)
+    assert free.cp != 2  # unpinned, the planner's choice differs: the pin below is what keeps it
+    cfg, _, line = auto_plan(dataclasses.replace(CFG, cp=2), 4, {"cp"})
+    assert cfg.cp == 2 and cfg.dims.world_size == 4 and "with --cp 2 kept" in line
+
+
+def test_pins_that_no_layout_meets_are_named(capsys):
+    code = main(["train", "--plan", "auto", "--plan-ranks", "4", "--tp", "2", "--pp", "2", "--schedule", "zb-v",
+                 "--memory-limit-gb", "0.0001", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+                 "--batch-size", "8", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "on 4 ranks with --tp 2 --pp 2 --schedule zb-v kept: the leanest (t=2 p=2 d=1, zb-v" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--stage-layers", "1,3"], "--stage-layers 1,3 with --plan auto: the planner prices the default split"),
+    (["--schedule", "auto", "--memory-limit", "4"], "--memory-limit 4 with --plan auto"),
+])
+def test_settings_the_planner_does_not_price_are_refused(tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    code = main(["train", "--plan", "auto", *flags, "--layers", "4", "--hidden", "32", "--heads", "4",
+                 "--seq-len", "16", "--batch-size", "8", "--no-progress", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_plan_ranks_needs_plan_auto(capsys):
+    assert main(["train", "--plan-ranks", "8", "--no-progress"]) == 2
+    assert "plan_ranks 8 applies to plan auto" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``modelpar calibrate``: the fit, the profile it writes (structure, not timings) and bad input."""
 
 import json
+import os
 
 import pytest
 
@@ -82,6 +83,9 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     (["--dtypes", "int8"], "--dtypes must be one of"),
     (["--out", "hw.txt"], "--out must name a .json file"),
     (["--budget", "0"], "--budget must be > 0"),
+    # issue 35: --ranks 1,64 started 64 processes on 2 cores; at most twice the cores, refused before any starts
+    (["--ranks", f"1,{2 * (os.cpu_count() or 1) + 1}"], f"at most {2 * (os.cpu_count() or 1)} local processes on "
+                                                          f"this machine's {os.cpu_count() or 1} cores (2 per core)"),
 ])
 def test_bad_input_is_one_line(capsys, args, message):
     assert main(["calibrate", *args]) == 2

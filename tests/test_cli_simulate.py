@@ -97,6 +97,10 @@ def test_sweep_prints_both_tables(capsys):
         (["--transfer", "-1"], "--transfer must be >= 0.0, got -1.0"),
         (["--from", "/no/such/file"], "--from must be a readable file, got '/no/such/file'"),
         (["--ranks", "100000", "--microbatches", "100000"], "must be <= 10,000,000"),
+        # issue 35: K = 32, M = 128 ran 161 s, K = 64 never answered: refused from the synthesis's cost K^3·M
+        (["--schedule", "auto", "--ranks", "32", "--microbatches", "128"],
+         "grows as K^3·M (--ranks^3 x --microbatches) and answers in seconds up to 524,288"),
+        (["--pareto", "--ranks", "64"], "got K = 64, M = 8: 2,097,152; use fewer --ranks or --microbatches"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
@@ -173,3 +177,24 @@ def test_bad_csv_is_one_line_naming_the_first_bad_action(capsys, tmp_path, text,
 def test_export_csv_needs_one_schedule(capsys, tmp_path):
     code, _, err = run(capsys, "--export-csv", str(tmp_path / "x.csv"))
     assert code == 2 and "--export-csv writes one schedule: give one --schedule or --from, got 4" in err
+
+
+def test_blank_csv_lines_are_no_ranks(capsys, tmp_path):
+    """Issue 35 #10: a blank line (trailing, or between rows) made an idle rank; it is skipped (docs/simulator.md)."""
+    rows = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+    for n, text in enumerate((rows + "\n\n", rows.replace("\n", "\n\n", 1), rows + " , \n")):
+        path = tmp_path / f"s{n}.csv"
+        path.write_text(text)
+        code, out, err = run(capsys, "--from", str(path), "--json")
+        assert code == 0 and json.loads(out)[0]["ranks"] == 2, (text, err)
+
+
+def test_ranks_with_from_must_agree_with_the_file(capsys, tmp_path):
+    """Issue 35 #10: --ranks was ignored with --from; now it is checked against the file's lines."""
+    path = tmp_path / "s.txt"
+    path.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    code, out, err = run(capsys, "--from", str(path), "--ranks", "4")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"--ranks 4 but --from {str(path)!r} has 2 ranks (one line each)" in err
+    code, out, _ = run(capsys, "--from", str(path), "--ranks", "2", "--json")
+    assert code == 0 and json.loads(out)[0]["ranks"] == 2

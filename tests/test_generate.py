@@ -175,3 +175,38 @@ def test_generate_command_uses_the_tokenizer_beside_the_export(tmp_path, capsys)
     if tokenizer.eos_id in tokens:
         tokens = tokens[:tokens.index(tokenizer.eos_id)]
     assert capsys.readouterr().out == "the pipeline" + tokenizer.decode(tokens) + "\n"
+
+
+def test_a_long_generation_prints_as_it_goes_and_ctrl_c_ends_it_in_one_line(tmp_path):
+    """Issue 35: --max-new-tokens 1000000 printed nothing until the end. The text comes token by token (flushed):
+    a real SIGINT then ends the line, says how many tokens came, exit 130, no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from _wait import join, wait_until
+
+    cfg = ModelConfig(seq_len=16, hidden=32, heads=4, layers=2, tie_embeddings=True, init_std=0.3)  # bytes
+    _export(cfg, tmp_path / "model.safetensors")
+    proc = subprocess.Popen([sys.executable, "-m", "modelpar", "generate", str(tmp_path / "model.safetensors"),
+                             "--prompt", "Hi", "--max-new-tokens", "1000000", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = bytearray()
+
+    def read() -> None:
+        for chunk in iter(lambda: proc.stdout.read1(64), b""):
+            out.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: len(out) >= 50, "50 bytes of streamed text", alive=lambda: proc.poll() is None)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    join(reader, 60)
+    err = proc.stderr.read().decode()
+    assert out.startswith(b"Hi") and out.endswith(b"\n") and code == 130
+    assert err.startswith("modelpar generate: generation stopped after ") and err.count("\n") == 1, err
+    assert 16 <= int(err.split("after ")[1].split()[0]) < 1000000  # 48 bytes: a replaced byte prints 3

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,70 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, st
     check_resume_is_bitwise(cluster, dataclasses.replace(BASE, steps=400, checkpoint_dir=str(ckpt)), step)
 
 
+def _no_traceback(err: list[str]) -> None:
+    assert not any("Traceback" in line or "Exception ignored" in line for line in err), "\n".join(err)
+
+
+def test_two_ctrl_c_0_3_s_apart_are_one_line_and_leave_no_process(start_cli, tmp_path):
+    """Issue 35: the second Ctrl-C, landing while the ranks stop or the launcher exits, printed a traceback
+    (atexit's forkserver stop) and left the forkserver and resource tracker behind."""
+    proc = start_cli()
+    wait_until(lambda: latest_checkpoint(tmp_path / "ckpt"), "the first checkpoint", alive=lambda: proc.poll() is None)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.3)  # the user's two presses; wherever the second lands, the checks below hold
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = finish(proc)  # every process of the session gone within 10 s
+    _no_traceback(err)
+    assert code == EXIT_INTERRUPTED and len(err) == 2 and err[1].startswith("modelpar train: ")
+    assert "interrupted (SIGINT) at step" in err[1] or "stopped at once during step" in err[1]
+
+
+def test_a_second_sigterm_ends_every_rank_and_exits_75(start_cli, tmp_path):
+    """Issue 35: a second SIGTERM killed the launcher (143) and left processes behind; now it ends the ranks at once
+    (or, once they are done, changes nothing) and the run exits 75 with one line."""
+    proc = start_cli()
+    wait_until(lambda: latest_checkpoint(tmp_path / "ckpt"), "the first checkpoint", alive=lambda: proc.poll() is None)
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)
+    code, err = finish(proc)
+    _no_traceback(err)
+    assert code == EXIT_PREEMPTED and len(err) == 2 and err[1].startswith("modelpar train: preempted (SIGTERM)")
+    assert not list((tmp_path / "ckpt").glob(".*")) or "then SIGTERM again" in err[1]
+
+
+def test_a_frozen_rank_is_named_in_one_line_within_the_timeout(start_cli, tmp_path):
+    """Issue 35: a rank stopped by SIGSTOP under --timeout printed gloo's 54-line trace; now one line names it."""
+    proc = start_cli("--timeout", "10")
+    wait_until(lambda: latest_checkpoint(tmp_path / "ckpt"), "the first checkpoint", alive=lambda: proc.poll() is None)
+    rank1 = int(subprocess.run(["pgrep", "-s", str(proc.pid), "modelpar-rank1"], capture_output=True,
+                               text=True).stdout.split()[0])
+    os.kill(rank1, signal.SIGSTOP)
+    code, err = finish(proc)
+    _no_traceback(err)
+    assert code == 1 and len(err) == 2
+    assert err[1] == (f"modelpar train: error: rank 1 (pid {rank1}) stopped answering (it is stopped: SIGSTOP or a "
+                      "debugger): rank 0 waited the collective timeout of 10 s (--timeout) for it; every rank was ended")
+
+
+def test_signals_after_the_run_are_recorded_and_a_ctrl_c_is_one_line():
+    """Issue 35: Ctrl-C after the summary exited 130 without a word. Once the ranks are gone the launcher records
+    Ctrl-C and the preemption signal (real signals to this process) and says what they change."""
+    from modelpar.training.stopping import LateSignals
+
+    said: list[str] = []
+    with LateSignals(BASE) as late:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: late.seen, "SIGTERM to be recorded", timeout=10)
+    assert late.exit_code(0, said.append) == 0 and said == ["SIGTERM after the run had finished: nothing left to save"]
+    with LateSignals(BASE) as late:
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_until(lambda: late.seen, "SIGINT to be recorded", timeout=10)
+    assert late.exit_code(EXIT_PREEMPTED, said.append) == EXIT_PREEMPTED and len(said) == 1  # a stop keeps its line
+    assert late.exit_code(0, said.append) == EXIT_INTERRUPTED
+    assert said[1] == "interrupted (SIGINT) after the run had finished: its summary, metrics and checkpoints are complete"
+
+
 def test_stop_flags_reach_the_config_and_bad_ones_are_one_line(capsys):
     args = build_parser().parse_args(["train", "--preempt-signal", "usr1", "--preempt-grace", "100",
                                       "--skip-nonfinite", "3"])
@@ -280,3 +345,12 @@ def test_the_launcher_relays_signals_to_the_ranks_and_keeps_the_grace_period(tmp
     assert relay.cluster.sent == [signal.SIGTERM, signal.SIGTERM, signal.SIGINT]
     with pytest.raises(KeyboardInterrupt, match=r"^stopped at once during step 6; no complete checkpoint$"):
         relay._on_signal(signal.SIGINT, None)  # a second Ctrl-C
+    relay._on_signal(signal.SIGINT, None)  # a third: the ranks are being ended, nothing more to do
+    again = _Relay(_Ranks(), dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), preempt_grace=60))
+    again.seen({"event": "start", "start_step": 0})
+    again._on_signal(signal.SIGTERM, None)
+    assert again.cluster.sent == [signal.SIGTERM] and not again.overdue()
+    again._on_signal(signal.SIGTERM, None)  # a second preemption signal: the ranks are ended at once
+    assert again.cluster.sent == [signal.SIGTERM] and again.overdue()
+    assert again.stop().message == ("preempted (SIGTERM) during step 1, then SIGTERM again: every rank ended at once, "
+                                    "no checkpoint written at it; no complete checkpoint")

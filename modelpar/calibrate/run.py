@@ -40,18 +40,35 @@ from modelpar.calibrate.layers import (
 )
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
-__all__ = ["PASSES", "WHOLE_TABLES", "calibrate", "default_ranks", "mean_passes", "measure_rank", "measure_whole",
-           "slowest"]
+__all__ = ["PASSES", "RANKS_PER_CORE", "WHOLE_TABLES", "calibrate", "check_ranks", "default_ranks", "max_ranks",
+           "mean_passes", "measure_rank", "measure_whole", "slowest"]
+
+
+RANKS_PER_CORE = 2  # local process counts measured go up to this many per core (what sharing the cores costs)
 
 
 def default_ranks(cores: int | None = None) -> list[int]:
     """1, 2, 4, … up to twice the cores (two ranks per core shows what sharing them costs)."""
-    cores = cores or os.cpu_count() or 1
     out, n = [], 1
-    while n <= 2 * cores:
+    while n <= max_ranks(cores):
         out.append(n)
         n *= 2
     return out
+
+
+def max_ranks(cores: int | None = None) -> int:
+    """The most local processes calibrate starts: ``RANKS_PER_CORE`` per core of this machine (or ``cores``)."""
+    return RANKS_PER_CORE * (cores or os.cpu_count() or 1)
+
+
+def check_ranks(flag: str, ranks: list[int], cores: int | None = None) -> list[int]:
+    """``ranks``, or a ValueError naming ``flag`` for a count above ``max_ranks`` (a run of minutes on shared cores)."""
+    top = max_ranks(cores)
+    if max(ranks, default=0) > top:
+        raise ValueError(f"{flag} {max(ranks)}: at most {top} local processes on this machine's "
+                         f"{cores or os.cpu_count() or 1} cores ({RANKS_PER_CORE} per core), got "
+                         f"{','.join(map(str, ranks))}")
+    return ranks
 
 
 def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,

@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--out", default="hardware.json", help="profile file to write (default %(default)s)")
     p.add_argument("--ranks", help="process counts to measure compute with, e.g. 1,2,4 (default: 1, 2, 4, ... up to "
-                                   "twice the cores; local CPU runs only)")
+                                   "twice the cores, also the most allowed; local CPU runs only)")
     p.add_argument("--dtypes", help="matmul dtypes: fp32, bf16, fp16, fp64 (default fp32 on a CPU, bf16,fp32 on a GPU)")
     p.add_argument("--budget", type=float, default=0.05, help="seconds per timed measurement (default %(default)s)")
     p.add_argument("--name", help="the profile's name (default: host name and device)")
@@ -39,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path("--out", args.out, (".json",))
     ranks = sorted(set(_ints("--ranks", args.ranks))) if args.ranks else None
+    if ranks:  # more processes than the cores take would run for minutes: one line before any is started
+        from modelpar.calibrate.run import check_ranks
+
+        check_ranks("--ranks", ranks)
     dtypes = tuple(check_choice("--dtypes", d.strip(), DTYPES) for d in args.dtypes.split(",")) if args.dtypes else None
     budget = check_number("--budget", args.budget, 0.0, strict=True)
 

@@ -8,6 +8,7 @@ in and out through the tokenizer.json beside it, or bytes when there is none.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a --checkpoint-dir (its newest checkpoint) or one step_N in it, an export "
                         "(model.safetensors or its folder), or a Hugging Face Llama directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample, printed as they come; past "
+                                                                   "the model's seq_len the window slides (default "
+                                                                   "%(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws: the same seed, the same text")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from modelpar._validate import check_int, check_number
-    from modelpar.generate import NonFiniteLogits, generate
+    from modelpar.generate import NonFiniteLogits, stream
     from modelpar.text import load_tokenizer
 
     check_int("--max-new-tokens", args.max_new_tokens, minimum=0)
@@ -90,12 +93,46 @@ def run(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
+    tokens = stream(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    seed=args.seed)
     try:
-        tokens = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          seed=args.seed)
-    except NonFiniteLogits:
+        _print_stream(args.prompt, tokens, tokenizer)
+    except NonFiniteLogits:  # raised at the first token, before any text is printed
         raise ValueError(f"{str(path)!r} holds non-finite weights (NaN or inf): its logits are not finite") from None
-    if tokenizer.eos_id in tokens:  # the end of a document: stop there
-        tokens = tokens[:tokens.index(tokenizer.eos_id)]
-    print(args.prompt + tokenizer.decode(tokens))
     return 0
+
+
+def _print_stream(prompt: str, tokens: Iterator[int], tokenizer: Any) -> None:
+    """Print the prompt, then the text of each token as it is sampled (flushed), up to the end of a document
+    (the tokenizer's end id); Ctrl-C ends the line and says how many tokens came (exit 130)."""
+    pending: list[int] = []  # tokens whose text is not whole yet (a character cut across byte tokens)
+    last: list[int] = []  # the token printed last: context for decoders that treat a text's start apart
+    count = 0
+    try:
+        for token in tokens:
+            if token == tokenizer.eos_id:  # the end of a document: stop there
+                break
+            if count == 0:
+                print(prompt, end="", flush=True)
+            count += 1
+            pending.append(token)
+            text = _text(tokenizer, last, pending)
+            if not text.endswith("\ufffd") or len(pending) >= _HOLD:  # U+FFFD: wait for the character's other bytes
+                print(text, end="", flush=True)
+                last, pending = pending[-1:], []
+    except KeyboardInterrupt:
+        print(_text(tokenizer, last, pending), flush=True)
+        raise KeyboardInterrupt(f"generation stopped after {count} new tokens (Ctrl-C)") from None
+    print(("" if count else prompt) + _text(tokenizer, last, pending), flush=True)
+
+
+_HOLD = 16  # tokens held at most while their text ends in a cut character (one is at most 4 bytes)
+
+
+def _text(tokenizer: Any, last: list[int], pending: list[int]) -> str:
+    """The text ``pending`` adds after ``last``: what it adds to their joint decoding where that extends
+    ``last``'s own (a decoder may treat a text's first token apart), else its own decoding."""
+    if not pending:
+        return ""
+    before, joint = tokenizer.decode(last), tokenizer.decode(last + pending)
+    return joint[len(before):] if last and joint.startswith(before) else tokenizer.decode(pending)

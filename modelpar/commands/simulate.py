@@ -40,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", action="append", metavar="NAME",
                    help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
-    p.add_argument("--ranks", default="4", metavar="K", help="pipeline ranks: processes along the pipeline (default 4)")
+    p.add_argument("--ranks", metavar="K", help="pipeline ranks: processes along the pipeline (default 4; with --from, "
+                                                "the file's, and a --ranks given must agree)")
     p.add_argument("--stages", dest="ranks", action=RenamedFlag, new="--ranks", help=argparse.SUPPRESS)  # rename: keep
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
@@ -101,8 +102,12 @@ def run(args: argparse.Namespace) -> int:
         _float("--unit", args.unit, strict=True)
     if args.train_config:
         return _train_config(args)
-    k = _int("--ranks", args.ranks, 1)
+    from_file = _read_schedule(args.from_file) if args.from_file else None
+    k = _int("--ranks", args.ranks or (str(from_file.num_ranks) if from_file else "4"), 1)
     m = _int("--microbatches", args.microbatches or "8", 1)
+    if from_file is not None and args.ranks is not None and k != from_file.num_ranks:
+        raise ValueError(f"--ranks {k} but --from {args.from_file!r} has {from_file.num_ranks} ranks (one line each): "
+                         "drop --ranks or make them agree")
     v = _int("--chunks", args.chunks, 1)
     costs = Costs(transfer=_float("--transfer", args.transfer),
                   backward_ratio=_float("--backward-ratio", args.backward_ratio, strict=True))
@@ -120,15 +125,14 @@ def run(args: argparse.Namespace) -> int:
         if "auto" in names:
             raise ValueError("--sweep compares named schedules: drop --schedule auto")
         return _sweep(args, names or list(DEFAULT_COMPARE), k, v, costs)
+    if args.pareto or "auto" in names:  # the synthesis: bounded by its cost, refused before minutes of silence
+        from modelpar.simulate.synthesis import check_synthesis_size
+
+        check_synthesis_size(k, m)
     if args.pareto:
         return _pareto(args, k, m, stage_costs)
 
-    schedules = []
-    if args.from_file:
-        path = Path(args.from_file)
-        if not path.is_file():
-            raise ValueError(f"--from must be a readable file, got {args.from_file!r}")
-        schedules.append(_read_schedule(path))
+    schedules = [from_file] if from_file is not None else []
     synthesised = {}
     for name in names:
         if name == "auto":
@@ -239,14 +243,17 @@ def _pareto(args, k, m, stage_costs) -> int:
     return 0
 
 
-def _read_schedule(path: Path):
-    """The schedule in file ``path`` (today's text form, or torch's CSV for a ``.csv``); ValueError if an
-    index is larger than a complete schedule of its size can use (indices size the simulator's tables:
-    99999999999999999999 must not reach them)."""
+def _read_schedule(name: str):
+    """The schedule in file ``name`` (today's text form, or torch's CSV for a ``.csv``); ValueError if it is
+    not a readable file, or if an index is larger than a complete schedule of its size can use (indices size
+    the simulator's tables: 99999999999999999999 must not reach them)."""
     import re
 
     from modelpar.schedules.schedule import Schedule
 
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--from must be a readable file, got {name!r}")
     text = path.read_text()
     csv = path.suffix.lower() == ".csv"
     body = [line.split("#", 1)[0] for line in text.splitlines()]

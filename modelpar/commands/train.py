@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg, options = build(args)
     check_flags(cfg)  # --exit-after or --overwrite without --checkpoint-dir
-    cfg = _planned(cfg).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
+    cfg = _planned(cfg, args).check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)  # t·cp·p·d = world: before init
     if not is_torchrun():
         check_directory(cfg)  # a file, locked by a live run, or an earlier run's: exit before writing anything
     check_paths(cfg, options.out)  # one line for a path that cannot be written, before anything starts
@@ -157,9 +157,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(cfg, options)
 
 
-def _planned(cfg: Any) -> Any:
-    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout, with ``--schedule auto``
-    the synthesised schedule, before any process starts."""
+def _planned(cfg: Any, args: argparse.Namespace) -> Any:
+    """The run's hardware profile checked and, with ``--plan auto``, the planner's layout (keeping the layout
+    settings ``args`` gave), with ``--schedule auto`` the synthesised schedule, before any process starts."""
     import os
 
     from modelpar.distributed import is_torchrun
@@ -169,10 +169,11 @@ def _planned(cfg: Any) -> Any:
 
         profile_of(cfg)
     if cfg.check_planning().plan == "auto":  # a layout that does not fit is refused here
-        from modelpar.training.autoplan import auto_plan
+        from modelpar.commands.train_options import explicit_settings
+        from modelpar.training.autoplan import auto_plan, plan_world
 
-        world = int(os.environ["WORLD_SIZE"]) if is_torchrun() else cfg.dims.world_size
-        cfg, _, line = auto_plan(cfg, world)  # the same plan on every rank under torchrun; rank 0 prints it
+        world = plan_world(cfg, int(os.environ["WORLD_SIZE"]) if is_torchrun() else None)
+        cfg, _, line = auto_plan(cfg, world, explicit_settings(args))  # the same plan on every rank; rank 0 prints it
         if os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: {line}", file=sys.stderr, flush=True)
     if cfg.schedule == "auto":  # the schedule built here, and a memory limit none meets refused, before any process
@@ -220,6 +221,16 @@ def _run(cfg: Any, options: Any) -> int:
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
         result, first = run_local(cfg, report, console, progress=options.progress), True
+        from modelpar.training.stopping import LateSignals
+
+        with LateSignals(cfg) as late:  # the ranks are gone: a signal now cuts nothing short (docs/stopping.md)
+            code = _report(cfg, options, result, report, first)
+        return late.exit_code(code, lambda line: print(f"modelpar train: {line}", file=sys.stderr, flush=True))
+    return _report(cfg, options, result, report, first)
+
+
+def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> int:
+    """The stop's line and exit code, or the summary and 0."""
     if result.stop is not None:
         report.close()
         if first:

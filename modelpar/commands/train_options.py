@@ -23,7 +23,8 @@ from modelpar.text import DataConfig
 from modelpar.training import TrainConfig
 
 __all__ = [
-    "SECTION_HELP", "RunOptions", "add_flags", "given_settings", "read_config_file", "section_fields", "settings_markdown",
+    "SECTION_HELP", "RunOptions", "add_flags", "explicit_settings", "given_settings", "read_config_file", "section_fields",
+    "settings_markdown",
 ]
 
 SECTION_HELP = {
@@ -108,6 +109,13 @@ def given_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 flag = info.flag
                 given.setdefault(section, {})[info.name] = coerce(flag, info.kind, value, info.parse)
     return given
+
+
+def explicit_settings(args: argparse.Namespace) -> set[str]:
+    """The names of the settings the user gave, by a flag or in the ``--config`` file (not left to a default)."""
+    names = {name for table in given_settings(args).values() for name in table}
+    path = getattr(args, "config", None)
+    return names | ({name for table in read_config_file(path).values() for name in table} if path else set())
 
 
 def read_config_file(path: str) -> dict[str, dict[str, Any]]:

@@ -17,8 +17,9 @@ allows; the trainer rebuilds the same one from ``LocalRun.memory_limit`` (``loca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
@@ -28,7 +29,7 @@ from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, che
 from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
-__all__ = ["Capabilities", "LocalPlan", "held_limit", "plan_local", "why_ep", "why_schedule"]
+__all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "why_ep", "why_schedule"]
 
 
 @dataclass(frozen=True)
@@ -167,17 +168,28 @@ def _auto(run: LocalRun, hw: HardwareProfile, limit_bytes: float, accept: Callab
     return replace(run, v=schedule.chunks)
 
 
+def pinned(run: LocalRun, pins: Mapping[str, Any], later: tuple[str, ...] = ()) -> bool:
+    """Whether ``run`` keeps every pinned field's value (``LocalRun`` names; as ``modelpar plan``'s pins fix a
+    dimension of its search, the user's layout flags fix this one's); ``later``: fields not chosen yet."""
+    return all(getattr(run, name) == value for name, value in pins.items() if name not in later)
+
+
 def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: float, caps: Capabilities = Capabilities(),
-               accept: Callable[[LocalRun], bool] = lambda run: True) -> LocalPlan:
-    """Predict every layout ``accept`` allows; rank those whose busiest rank fits ``limit_bytes``, fastest first."""
+               accept: Callable[[LocalRun], bool] = lambda run: True, pins: Mapping[str, Any] | None = None,
+               ) -> LocalPlan:
+    """Predict every layout ``accept`` allows that keeps the ``pins``; rank those whose busiest rank fits
+    ``limit_bytes``, fastest first."""
     ranked, leanest, tried = [], None, 0
+    pins = pins or {}
     for run in layouts(base.model, world, base.batch, caps, base):
+        if not pinned(run, pins, later=("v",) if run.schedule == "auto" else ()):
+            continue
         if run.schedule == "auto":
-            found = _auto(run, hw, limit_bytes, accept)
+            found = _auto(run, hw, limit_bytes, lambda r: pinned(r, pins) and accept(r))  # a pinned v, if any
             if found is None:
                 continue
             run = found
-        if not accept(run):
+        if not (pinned(run, pins) and accept(run)):
             continue
         tried += 1
         pred = predict_local(run, hw)

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import socket
 import threading
@@ -48,12 +49,14 @@ _OUTBOX: list[Any] = []  # in a rank of a LocalCluster: (its rank, the queue its
 
 class RankError(RuntimeError):
     """A rank failed (raised, died or hung); ``rank`` says which one (None: several hung), ``exitcode``
-    how a dead one ended (negative: killed by that signal; None: it did not die)."""
+    how a dead one ended (negative: killed by that signal; None: it did not die), ``hung`` whether it stopped
+    answering while alive (frozen, stopped, or stuck)."""
 
-    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None, hung: bool = False) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
+        self.hung = hung  # the rank stopped answering (a peer's collective timed out waiting for it)
 
 
 class _RemoteTraceback(Exception):
@@ -189,13 +192,24 @@ def _next_task(tasks: Any) -> Any:
 _DEATH_GRACE = 1.0  # s a failed run waits to see whether a rank died (the cause of its peers' errors)
 
 
+_TIMED_OUT = re.compile(r"time(d)?[ _-]?out", re.IGNORECASE)  # gloo's and NCCL's words for a collective that waited
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T stopped, Z, ...); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _ended(proc: Any) -> bool:
     """True once ``proc`` has exited: in /proc a zombie not yet reaped, or gone; without /proc, as it reports."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return os.path.isdir("/proc/self") or not proc.is_alive()
+    state = _state(proc.pid)
+    if state:
+        return state in ("Z", "X")
+    return os.path.isdir("/proc/self") or not proc.is_alive()
 
 
 def _death(rank: int, proc: Any, killed_by_us: set[int]) -> RankError:
@@ -398,6 +412,7 @@ class LocalCluster:
                     continue
                 if status == "error":  # a rank that died is the cause, and its peers' errors follow from it
                     self._raise_if_died(_DEATH_GRACE)
+                    self._raise_if_silent(rank, value, results)
                     raise _rebuild_error(rank, value)
                 results[rank] = value
         except BaseException:  # a rank failed, or Ctrl-C here: no rank outlives the run
@@ -436,6 +451,22 @@ class LocalCluster:
                 return
             time.sleep(0.02)
 
+    def _raise_if_silent(self, rank: int, error: tuple[str, str, str, Any], done: dict[int, Any]) -> None:
+        """After ``rank``'s collective or receive timed out (``error``: a TimeoutError, or gloo's or NCCL's words),
+        raise a hung ``RankError`` naming the rank it waited for: one that has neither answered nor failed, a
+        stopped one (SIGSTOP, state T) first."""
+        if error[0] != "TimeoutError" and not _TIMED_OUT.search(error[1]):
+            return
+        silent = [r for r, p in enumerate(self._procs) if r != rank and r not in done and p.pid is not None]
+        if not silent:
+            return
+        stopped = [r for r in silent if _state(self._procs[r].pid) in ("T", "t")]
+        r = (stopped or silent)[0]
+        how = " (it is stopped: SIGSTOP or a debugger)" if stopped else ""
+        raise RankError(f"rank {r} (pid {self._procs[r].pid}) stopped answering{how}: rank {rank} waited the "
+                        f"collective timeout of {self.timeout:g} s (--timeout) for it; every rank was ended", r,
+                        hung=True)
+
     def kill(self) -> None:
         """End every rank at once (SIGKILL) and wait for them; the next ``run`` starts new ones.
 
@@ -461,12 +492,14 @@ class LocalCluster:
             self._wait_started()
         if not self._procs:
             return
-        for q in self._tasks:
-            q.put(None)
-        for p in self._procs:
-            if p.pid is not None:
-                p.join(timeout=10)
-        self.kill()
+        try:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                if p.pid is not None:
+                    p.join(timeout=10)
+        finally:  # also when a signal cuts the wait short: no rank outlives the cluster
+            self.kill()
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",

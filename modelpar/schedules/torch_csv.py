@@ -10,7 +10,9 @@ Reading also takes what torch's own schedules write: empty cells (idle steps), o
 ``(0F3;7B1)OVERLAP_F_B`` (run one after the other), and the data-parallel / FSDP actions
 ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD`` (no part of the pipeline order: dropped). Sends and
 receives are dropped too — ``lower`` derives them. A full backward B in a schedule that also
-splits backwards (DualPipe-V) becomes I then W, the one style our schedules use.
+splits backwards (DualPipe-V) becomes I then W, the one style our schedules use. A blank line
+(no cell, or only empty ones) is skipped, as in our text form: it is no rank (a trailing newline or
+two must not add an idle one).
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ def from_csv(text: str, name: str = "") -> Schedule:
     """The schedule a torch schedule CSV describes (row r = rank r); ValueError naming the first bad cell."""
     per_rank: list[list[Action]] = []
     for r, row in enumerate(csv.reader(io.StringIO(text))):
+        if not any(cell.strip() for cell in row):
+            continue  # a blank line is no rank (as in the text form): an empty row would be an idle rank
         acts: list[Action] = []
         for c, cell in enumerate(row):
-            acts.extend(_cell(cell.strip(), r, c))
+            acts.extend(_cell(cell.strip(), r, len(per_rank), c))
         per_rank.append(acts)
-    while per_rank and not per_rank[-1]:
-        per_rank.pop()
     if any(a.kind in (Kind.I, Kind.W) for acts in per_rank for a in acts):
         per_rank = [[x for a in acts for x in ((Action(a.stage, Kind.I, a.microbatch),
                                                    Action(a.stage, Kind.W, a.microbatch))
@@ -69,14 +71,14 @@ def from_csv(text: str, name: str = "") -> Schedule:
     return Schedule.from_actions(per_rank, name=name)
 
 
-def _cell(cell: str, row: int, column: int) -> list[Action]:
+def _cell(cell: str, row: int, rank: int, column: int) -> list[Action]:
     if not cell:
         return []
     if cell.startswith("(") and cell.endswith(")OVERLAP_F_B"):
-        return [a for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for a in _cell(sub.strip(), row, column)]
+        return [a for sub in cell[1:-len(")OVERLAP_F_B")].split(";") for a in _cell(sub.strip(), row, rank, column)]
     match = _CELL.match(cell)
     if match is None or (match[2] in "FIBW" and not match[3]):
-        raise ValueError(f"CSV row {row} (rank {row}), column {column}: {cell!r} is not an action of torch's "
+        raise ValueError(f"CSV row {row} (rank {rank}), column {column}: {cell!r} is not an action of torch's "
                          f"schedule CSV (<stage><F|I|B|W><microbatch>, a SEND/RECV, UNSHARD, RESHARD, "
                          f"REDUCE_GRAD or (a;b)OVERLAP_F_B)")
     if match[2] in _DROPPED:

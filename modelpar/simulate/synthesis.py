@@ -28,7 +28,12 @@ from modelpar.schedules.periodic import periodic
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["StageCosts", "candidates", "pareto", "synthesize"]
+__all__ = ["MAX_SYNTHESIS_WORK", "StageCosts", "candidates", "check_synthesis_size", "pareto", "synthesize"]
+
+# The synthesis simulates about 12·K candidates (4K − 1 admission limits on each of 3 placements), each of
+# 3·K·M·v actions the list scheduler places while looking over the K ranks: work grows as K³·M. Up to this
+# bound (K = 16, M = 128; K = 32, M = 16) it answers within seconds; beyond it, minutes.
+MAX_SYNTHESIS_WORK = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,17 @@ def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collect
         yield periodic(placement, m, name="auto")
         for x in range(2, 4 * k + 1):
             yield greedy(placement, m, x / 2, durations=durations, transfer_in=transfer_in, name="auto")
+
+
+def check_synthesis_size(ranks: int, microbatches: int, ranks_flag: str = "--ranks",
+                         microbatches_flag: str = "--microbatches") -> None:
+    """ValueError naming the flags when K³·M passes ``MAX_SYNTHESIS_WORK`` (a synthesis that would run for minutes)."""
+    work = ranks ** 3 * microbatches
+    if work > MAX_SYNTHESIS_WORK:
+        raise ValueError(f"the schedule synthesis (auto, --pareto) grows as K^3·M ({ranks_flag}^3 x "
+                         f"{microbatches_flag}) and answers in seconds up to {MAX_SYNTHESIS_WORK:,} (K = 16, M = 128; "
+                         f"K = 32, M = 16), got K = {ranks}, M = {microbatches}: {work:,}; use fewer {ranks_flag} "
+                         f"or {microbatches_flag}")
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice

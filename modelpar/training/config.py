@@ -165,10 +165,12 @@ class TrainConfig:
                                                                   "name (a100-80gb, h100-sxm, ...): the prediction "
                                                                   "(and --plan auto) price the run on it (none: a "
                                                                   "nominal CPU; docs/calibrate.md)")
-    plan: str = option("none", section="planning", help="auto: the planner picks t, p, d, schedule, chunks, "
-                                                        "micro-batches, recomputation and ZeRO for the world size "
-                                                        "(tp x pp x dp), prints the plan and runs it; none: the "
-                                                        "flags' layout")
+    plan: str = option("none", section="planning", help="auto: the planner picks t, cp, p, d, schedule, chunks, "
+                                                        "micro-batches, recomputation, SP, ZeRO and ep for "
+                                                        "--plan-ranks ranks, keeping those of them given as flags "
+                                                        "(pins), prints the plan and runs it; none: the flags' layout")
+    plan_ranks: int = option(0, section="planning", help="with --plan auto: the ranks to plan for (0: tp x cp x pp x "
+                                                         "dp of the flags and defaults; under torchrun its world size)")
     memory_limit_gb: float = option(0.0, section="planning", help="with --plan auto: predicted bytes per rank must "
                                                                   "fit this many GB (0: the device's memory)")
 
@@ -286,10 +288,14 @@ class TrainConfig:
             check_init_from(self.model, self.init_from)
 
     def check_planning(self) -> TrainConfig:
-        """The planner's own settings (``plan``, ``memory_limit_gb``): checked before ``--plan auto`` plans,
+        """The planner's own settings (``plan``, ``memory_limit_gb``, ``plan_ranks``): checked before ``--plan auto`` plans,
         which runs before the rest is checked (the plan sets the layout); return self."""
         check_choice("plan", self.plan, PLAN_CHOICES)
         check_number("memory_limit_gb", self.memory_limit_gb)
+        check_int("plan_ranks", self.plan_ranks, minimum=0)
+        if self.plan_ranks and self.plan != "auto":
+            raise ValueError(f"plan_ranks {self.plan_ranks} applies to plan auto (the ranks it plans for), got plan "
+                             f"{self.plan!r}")
         return self
 
     def _check_experts(self) -> None:

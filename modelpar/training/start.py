@@ -55,8 +55,8 @@ class _Relay:
     Training ranks stop together at the next step boundary. Before rank 0 reports "start" (ranks
     starting up, building the model, loading a checkpoint: nothing to save) a Ctrl-C ends every rank
     at once (``end_now``), and a preemption signal is passed on again at "start". A second Ctrl-C
-    ends every rank at once (KeyboardInterrupt), and so does a preemption whose step outlasts
-    ``preempt_grace`` (a ``Stop``, no checkpoint).
+    ends every rank at once (KeyboardInterrupt), and so do a preemption whose step outlasts
+    ``preempt_grace`` and a second preemption signal (a ``Stop``, no checkpoint written then).
     """
 
     def __init__(self, cluster: LocalCluster, cfg: TrainConfig) -> None:
@@ -66,18 +66,26 @@ class _Relay:
         self.start_step = self.step = 0  # where the run started, the last step rank 0 reported done
         self.interrupted = False
         self.preempted_at: float | None = None
+        self.again = False  # a second preemption signal: end every rank at once
+        self.finished = False  # the ranks' outcome is in: a signal while they exit changes nothing
 
     def handlers(self) -> contextlib.AbstractContextManager[None]:
         """Ctrl-C and the preemption signal to this relay, inside the block."""
         return handled((signal.SIGINT, self.preempt_signal), self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:  # only flags and signals: the loop ends ranks
+        if self.finished:  # the run's outcome is decided and the ranks are leaving (the cluster's close ends them)
+            return
         if signum == signal.SIGINT:
             if self.interrupted:
+                self.finished = True  # the ranks are ended at once (LocalCluster's exit): later signals change nothing
                 raise KeyboardInterrupt(self.interrupted_at_once())
             self.interrupted = True
         elif self.preempted_at is None:
             self.preempted_at = time.monotonic()
+        else:
+            self.again = True  # the loop ends the ranks (a handler only flags and signals)
+            return
         self.cluster.signal(signum)
 
     def seen(self, event: dict[str, Any]) -> None:
@@ -99,10 +107,10 @@ class _Relay:
         return self.interrupted and not self.started
 
     def overdue(self) -> bool:
-        """Preempted, and the ranks have not reached a step boundary within the grace period."""
+        """Preempted again, or preempted and the ranks have not reached a step boundary within the grace period."""
         grace = self.cfg.preempt_grace
-        return (self.preempted_at is not None and not self.stopping and grace > 0
-                and time.monotonic() > self.preempted_at + grace)
+        return self.again or (self.preempted_at is not None and not self.stopping and grace > 0
+                              and time.monotonic() > self.preempted_at + grace)
 
     def _last_checkpoint(self) -> str:
         latest = latest_checkpoint(self.cfg.checkpoint_dir, checksums=False) if self.cfg.checkpoint_dir else None
@@ -121,6 +129,9 @@ class _Relay:
         head = f"preempted ({self.preempt_signal.name}) {self._when()}"
         if not self.started:
             message = f"{head}: nothing to save; {self._last_checkpoint()}"
+        elif self.again:
+            message = (f"{head}, then {self.preempt_signal.name} again: every rank ended at once, no checkpoint "
+                       f"written at it; {self._last_checkpoint()}")
         else:
             message = (f"{head}, which did not end within preempt_grace = {self.cfg.preempt_grace:g} s: "
                        f"no checkpoint written; {self._last_checkpoint()}")
@@ -147,9 +158,10 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     outcome: dict[str, Any] = {}
     overdue = False
     events: queue.Queue[dict[str, Any]] = queue.Queue()  # get(timeout) lets the signal handlers run
+    cluster = LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None, on_message=events.put)
+    relay = _Relay(cluster, cfg)
     try:
-        with LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None, on_message=events.put) as cluster:
-            relay = _Relay(cluster, cfg)
+        with relay.handlers(), cluster:  # the relay's handlers until the ranks are gone (close waits for them)
 
             def target() -> None:
                 try:
@@ -164,23 +176,21 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
                     display(event)
 
             worker = threading.Thread(target=target, name="modelpar-train", daemon=True)
-            with relay.handlers():
-                worker.start()
-                done = False
-                while not done:
-                    try:  # an event is shown as it arrives; the timeout only paces the relay's checks
-                        event = events.get(timeout=0.2)
-                    except queue.Empty:
-                        event = None
-                    if event is _DONE:
-                        done = True
-                    elif event is not None:
-                        show(event)
-                    if relay.end_now():  # every pass: also ends ranks the cluster was still starting
-                        cluster.kill()
-                    elif not overdue and relay.overdue():
-                        overdue = True
-                        cluster.kill()
+            worker.start()
+            while not relay.finished:
+                try:  # an event is shown as it arrives; the timeout only paces the relay's checks
+                    event = events.get(timeout=0.2)
+                except queue.Empty:
+                    event = None
+                if event is _DONE:
+                    relay.finished = True
+                elif event is not None:
+                    show(event)
+                if relay.end_now():  # every pass: also ends ranks the cluster was still starting
+                    cluster.kill()
+                elif not overdue and relay.overdue():
+                    overdue = True
+                    cluster.kill()
     finally:
         if display is not None and hasattr(display, "close"):
             display.close()
@@ -189,7 +199,7 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     # the ranks ended without a step boundary: still starting when the signal came, or past the grace
     if relay.interrupted:
         raise KeyboardInterrupt(relay.interrupted_at_once())
-    if relay.preempted_at is not None and not relay.stopping:
+    if relay.preempted_at is not None and (relay.again or not relay.stopping):
         return TrainResult(relay.start_step, stop=relay.stop())
     raise outcome["error"]
 

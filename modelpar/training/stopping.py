@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from modelpar.training.config import TrainConfig
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "Stop", "StopController", "Verdict", "handled"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PREEMPTED", "LateSignals", "Stop", "StopController", "Verdict",
+           "handled"]
 
 EXIT_NONFINITE = 65  # EX_DATAERR: a non-finite loss or gradient norm
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: preempted; run again with --resume
@@ -97,6 +98,35 @@ def handled(signals: Iterable[int], handler: Callable[[int, Any], None]) -> Iter
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+class LateSignals:
+    """In the launcher once its ranks have ended: Ctrl-C and the preemption signal only recorded while the run
+    writes its summary and exits (short work a signal would cut with a traceback, or a kill leaving the lock
+    and helper processes behind). A context manager; ``exit_code`` says what they change."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.signals = (signal.SIGINT, signal.Signals[cfg.preempt_signal])
+        self.seen: list[int] = []
+        self._handlers = contextlib.ExitStack()
+
+    def __enter__(self) -> LateSignals:
+        self._handlers.enter_context(handled(self.signals, lambda signum, frame: self.seen.append(signum)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handlers.close()
+
+    def exit_code(self, code: int, say: Callable[[str], None]) -> int:
+        """The run's ``code``, or 130 for a Ctrl-C that came after it had finished (said in one line by ``say``).
+        A run that stopped keeps its code and line; a preemption after the end has nothing left to save."""
+        if code != 0 or not self.seen:
+            return code
+        if signal.SIGINT in self.seen:
+            say("interrupted (SIGINT) after the run had finished: its summary, metrics and checkpoints are complete")
+            return EXIT_INTERRUPTED
+        say(f"{signal.Signals(self.seen[0]).name} after the run had finished: nothing left to save")
+        return code
 
 
 class StopController:
