@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).parent.parent / "modelpar"
 
 # docs/architecture.md's table: a package may import its own layer (without a cycle) or lower ones
 LAYERS = {
-    "_validate": 0, "_renamed": 0, "formulas": 0, "schedules": 0, "layer_split": 0, "_options": 0,
+    "_validate": 0, "_renamed": 0, "formulas": 0, "schedules": 0, "layer_split": 0, "_options": 0, "_outputs": 0,
     "simulate": 1, "costmodel": 1,
     "_compat": 2, "_tensor_meta": 2, "recompute": 2, "tensor_parallel": 2, "checkpoint": 2, "distributed": 2,
     "pipeline": 3, "text": 3, "corpus": 3,
@@ -19,7 +19,7 @@ LAYERS = {
     "training": 6, "calibrate": 6,
     "commands": 7, "cli": 7, "__main__": 7,
 }
-PURE = {"_validate", "_renamed", "formulas", "schedules", "layer_split", "_options", "simulate", "costmodel"}
+PURE = {"_validate", "_renamed", "formulas", "schedules", "layer_split", "_options", "_outputs", "simulate", "costmodel"}
 
 
 @functools.cache

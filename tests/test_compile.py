@@ -146,3 +146,27 @@ def test_chunk_tokens_fits_the_budget():
 def test_a_bad_compile_backend_is_one_line():
     with pytest.raises(ValueError, match=r"compile_backend must be one of .*inductor.*got 'nope'"):
         dataclasses.replace(BASE, compile=True, compile_backend="nope").check()
+
+
+# --- on a GPU (skipped elsewhere): the same paths with CUDA kernels ------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_on_cuda_compiled_blocks_and_the_chunked_loss_match_eager():
+    """fp32 on the GPU, inductor's kernels against eager, the loss in 3 chunks against the whole logits."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = dataclasses.replace(LLAMA, hidden=128, heads=8, kv_heads=2, seq_len=64)
+    x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), device="cuda")
+    grads = []
+    for compiled, chunk in ((False, 0), (True, 100)):
+        model = build_stage(cfg, seed=0, device="cuda", head_in_loss=bool(chunk))
+        if compiled:
+            compile_blocks({0: model}, "inductor").stop()
+        loss = LMLoss(cfg.vocab_size, head=model.head if chunk else None, chunk=chunk)(model(x), x)
+        loss.backward()
+        grads.append((loss.item(), [p.grad for p in model.parameters()]))
+    (eager, g0), (comp, g1) = grads
+    assert comp == pytest.approx(eager, rel=1e-5)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)

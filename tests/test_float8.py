@@ -49,3 +49,20 @@ def test_float8_linears_keep_the_model_and_approximate_bf16():
     for name, g in grads.items():
         cos = torch.nn.functional.cosine_similarity(g.flatten(), grads8[name].flatten(), dim=0)
         assert cos > 0.95, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with float8 matrix units")
+def test_on_a_float8_gpu_the_products_run_in_float8():
+    device = torch.device("cuda", torch.cuda.current_device())
+    check_float8_device(device)  # no error here
+    bf16 = build_stage(LLAMA, seed=0, device=device, head_in_loss=True)
+    fp8 = build_stage(LLAMA, seed=0, device=device, head_in_loss=True)
+    assert float8_linears({0: fp8}) == 5 * LLAMA.layers
+    x = torch.randint(0, LLAMA.vocab_size, (4, LLAMA.seq_len), device=device)
+    losses = []
+    for model in (bf16, fp8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x)
+        losses.append(LMLoss(LLAMA.vocab_size, head=model.head, compute_dtype=torch.bfloat16)(out, x).item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)

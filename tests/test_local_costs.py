@@ -159,9 +159,13 @@ CP = LocalRun(TINY, microbatches=2, batch=2, precision="fp32", cp=2)  # b = 1: 8
 def test_cp_activations_by_hand():
     """GPT, t = 1, per token of a layer: (2h + 4) + 2h + (4h + 2·ffn) + a = 520 elements; cp = 2 keeps them for
     8 tokens, the ring its merged output besides (+h), the all-gather the gathered k and v (+2·cp·h); the first
-    stage the ids and the 8 zig-zag positions (8 bytes each), the last (h + 2 + h + V)·4 + 10 bytes per token + 8."""
-    ends = 8 * 8 + 8 * ((34 + 32 + 256) * 4 + 10) + 8
-    assert activation_bytes(dataclasses.replace(CP, cp=1), 0) == 4 * 16 * 520 * 4 + 16 * 8 + 16 * 1298 + 8
+    stage the ids and the 8 zig-zag positions (8 bytes each), the last (h + 2 + h)·4 + 8 + 4 bytes per token + 8
+    (the chunked loss: the norm's, the head's input, the target and one log-sum-exp; with the logits whole,
+    (h + 2 + h + V)·4 + 10: their softmax and the loss's masks)."""
+    ends = 8 * 8 + 8 * ((34 + 32) * 4 + 8 + 4) + 8
+    assert activation_bytes(dataclasses.replace(CP, cp=1), 0) == 4 * 16 * 520 * 4 + 16 * 8 + 16 * 276 + 8
+    whole = dataclasses.replace(CP, cp=1, chunked_loss=False)
+    assert activation_bytes(whole, 0) == 4 * 16 * 520 * 4 + 16 * 8 + 16 * ((34 + 32 + 256) * 4 + 10) + 8
     assert activation_bytes(CP, 0) == 4 * 8 * (520 + 32) * 4 + ends + 8 * 8
     assert activation_bytes(dataclasses.replace(CP, cp_comm="allgather"), 0) == 4 * 8 * (520 + 128) * 4 + ends + 8 * 8
     assert activation_bytes(dataclasses.replace(CP, recompute="selective", cp_comm="allgather"), 0) == \

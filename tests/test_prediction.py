@@ -49,7 +49,7 @@ CASES = [
     dict(tp=2, dp=2, ep=2, model=MOE),  # router and routed experts whole on both tp ranks, the shared one split
     dict(dp=4, ep=2, zero=1, model=MOE),  # ZeRO over d, the experts' ranges over the d/ep replicas holding them
     dict(tp=2, pp=2, loss_chunk_mb=0),  # the head in the model, the logits whole: their softmax is kept
-    dict(tp=2, sequence_parallel=True, model=LLAMA, loss_chunk_mb=0.01),  # the loss over 20-token chunks
+    dict(tp=2, dp=2, sequence_parallel=True, model=LLAMA, loss_chunk_mb=0.01),  # the loss over 10-token chunks
 ]
 
 
