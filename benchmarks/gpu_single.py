@@ -176,14 +176,14 @@ def main() -> None:
             got["mfu"] = model.flops_per_token() * got.get("tokens_per_s", 0.0) / (peak * 1e12)
             rows["runs"][run] = got
             print(f"[{size}] {run}: {json.dumps(got)}", flush=True)
+            if args.json:  # after every run: a run cut short by a time limit keeps the figures before it
+                with open(args.json, "w") as f:
+                    json.dump(figures, f, indent=1)
         if args.profile and not args.smoke and size == args.sizes.split(",")[0]:
             try:
                 profile_modelpar(model, batch, micro, args.profile)
             except Exception as err:
                 print(f"profile failed: {type(err).__name__}: {err}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
     print(f"\n{name}, torch {torch.__version__}, peak {peak:g} TFLOP/s, batch {batch} x {seq} tokens as {micro} "
           f"micro-batches, median of steps {warmup + 1}..{steps}\n")
     print(f"{'size':>5} {'run':>24} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'vs anchor':>10} {'compile s':>9}")
