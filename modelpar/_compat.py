@@ -209,12 +209,12 @@ class CompileClock:
         self.seconds = 0.0
         self._began = 0.0
 
-    def _start(self, args: Any) -> None:
+    def _start(self, *args: Any) -> None:  # torch >= 2.7 passes CallbackArgs, earlier releases nothing
         import time
 
         self._began = time.perf_counter()
 
-    def _end(self, args: Any) -> None:
+    def _end(self, *args: Any) -> None:
         import time
 
         self.seconds += time.perf_counter() - self._began
