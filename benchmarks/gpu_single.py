@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import io
 import json
@@ -39,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_anchor as A  # noqa: E402
+import gpu_anchor as A
 
-from modelpar.distributed import free_port  # noqa: E402
-from modelpar.model import ModelConfig  # noqa: E402
-from modelpar.training import TrainConfig, train  # noqa: E402
-from modelpar.training.display import peak_tflops_of  # noqa: E402
+from modelpar.distributed import free_port
+from modelpar.model import ModelConfig
+from modelpar.training import TrainConfig, train
+from modelpar.training.display import peak_tflops_of
 
 SIZES = {"355m": dict(hidden=1024, layers=32, heads=16, kv_heads=4, ffn=2816),
          "1b": dict(hidden=2048, layers=24, heads=16, kv_heads=4, ffn=5632)}
@@ -76,8 +75,9 @@ def run_modelpar(model: ModelConfig, changes: dict, steps: int, batch: int, micr
         cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, device_id=torch.device("cuda", 0) if cuda else None)
-    cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=steps, warmup=5,
-                      precision="bf16", eval_every=0, eval_batches=1, **changes)
+    settings = dict(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=steps, warmup=5,
+                    precision="bf16", eval_every=0, eval_batches=1)
+    cfg = TrainConfig(**{**settings, **changes})
     _free()
     t0 = time.perf_counter()
     result = train(cfg)

@@ -65,7 +65,7 @@ def test_compiled_blocks_train_as_eager(c2, case):
     assert eager[0][3] is None  # not compiled: no compile time reported
 
 
-def test_inductor_compiles_the_blocks_and_trains_as_eager(c2):
+def test_the_inductor_backend_compiles_the_blocks_and_trains_as_eager(c2):
     """(1, 1, 1) on one process with the default backend: generated kernels, the same losses (float64)."""
     eager = _train_one(BASE)
     compiled = _train_one(dataclasses.replace(BASE, compile=True))
