@@ -17,7 +17,7 @@ allocated, and the ratio to the anchor (eager to eager, compiled to compiled). A
     python benchmarks/gpu_single.py                          # everything (about 6 minutes on an H200)
     python benchmarks/gpu_single.py --sizes 355m --runs modelpar,anchor --json out.json
     python benchmarks/gpu_single.py --smoke                  # any machine: tiny shapes, a few steps
-    python benchmarks/gpu_single.py --profile prof.txt       # + a torch.profiler table of modelpar's eager step
+    python benchmarks/gpu_single.py --profile prof.txt --profile-run "modelpar --compile"   # + a profiler table
 """
 
 from __future__ import annotations
@@ -103,13 +103,14 @@ def run_anchor(shape: dict, compiled: bool, steps: int, peak: float, smoke: bool
             "wall_s": time.perf_counter() - t0, "line": text.strip()}
 
 
-def profile_modelpar(model: ModelConfig, batch: int, micro: int, path: str) -> None:
-    """A torch.profiler table (top CPU and CUDA time) of two steps of modelpar's eager trainer."""
+def profile_modelpar(model: ModelConfig, changes: dict, batch: int, micro: int, path: str) -> None:
+    """A torch.profiler table (top CPU and CUDA time) of two steps of modelpar's trainer (``changes``: a run's)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=6, warmup=5,
-                      precision="bf16", eval_every=0, eval_batches=1)
+    settings = dict(model=model, tp=1, pp=1, dp=1, microbatches=micro, batch_size=batch, steps=6, warmup=5,
+                    precision="bf16", eval_every=0, eval_batches=1)
+    cfg = TrainConfig(**{**settings, **changes})
     with profile(activities=acts, schedule=schedule(wait=3, warmup=1, active=2)) as prof:
         from modelpar.training import loop
 
@@ -140,7 +141,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
     ap.add_argument("--json", default=None, help="write every figure here")
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table of modelpar's eager step here")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of a modelpar run's step here")
+    ap.add_argument("--profile-run", default="modelpar", help="the run --profile profiles (default: eager)")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -181,7 +183,7 @@ def main() -> None:
                     json.dump(figures, f, indent=1)
         if args.profile and not args.smoke and size == args.sizes.split(",")[0]:
             try:
-                profile_modelpar(model, batch, micro, args.profile)
+                profile_modelpar(model, RUNS[args.profile_run][0] or {}, batch, micro, args.profile)
             except Exception as err:
                 print(f"profile failed: {type(err).__name__}: {err}", flush=True)
     print(f"\n{name}, torch {torch.__version__}, peak {peak:g} TFLOP/s, batch {batch} x {seq} tokens as {micro} "

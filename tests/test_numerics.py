@@ -20,7 +20,7 @@ def test_precisions_and_the_refused_fp16():
         (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float64, torch.float64)]
     with pytest.raises(ValueError, match=r"precision 'fp16' is not supported: fp16 needs loss scaling.*use bf16"):
         check_precision("fp16")
-    with pytest.raises(ValueError, match=r"precision must be one of \{fp32, bf16, fp64\}, got 'float32'"):
+    with pytest.raises(ValueError, match=r"precision must be one of \{fp32, bf16, fp8, fp64\}, got 'float32'"):
         check_precision("float32")
 
 
