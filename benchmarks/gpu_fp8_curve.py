@@ -41,8 +41,10 @@ def main() -> None:
     for name, precision, seed in (("bf16", "bf16", 0), ("bf16 seed 1", "bf16", 1), ("fp8", "fp8", 0)):
         cfg = TrainConfig(model=model, tp=1, pp=1, dp=1, microbatches=4, batch_size=32, steps=args.steps, warmup=10,
                           precision=precision, seed=seed, eval_every=0, eval_batches=1)
-        curves[name] = train(cfg).losses
-        print(name, [round(x, 3) for x in curves[name]], flush=True)
+        result = train(cfg)
+        curves[name] = result.losses
+        stop = "" if result.stop is None else f" (stopped early: {result.stop})"
+        print(name, [round(x, 3) for x in curves[name]], stop, flush=True)
     tail = {k: statistics.mean(v[-10:]) for k, v in curves.items()}
     print(f"\nmean loss of the last 10 of {args.steps} steps: " + ", ".join(f"{k} {v:.4f}" for k, v in tail.items()))
     print(f"|fp8 - bf16| = {abs(tail['fp8'] - tail['bf16']):.4f}; bf16's own spread |seed 1 - seed 0| = "

@@ -23,8 +23,7 @@ token of one layer (derived from the modules' operations, and checked against
            sharded (3h + h + 2·ffn)/t (fused q, k, v; attention output; GeLU input and output)
            + a/t (the attention's log-sum-exp, not kept with selective recomputation)
     Llama: replicated 6h + 2 (RMSNorm keeps its input and normalised input, and rstd; SP: (4h + 2)/t + 2h)
-           sharded: q and k after rotation, v (or, under GQA without selective recomputation, k and v
-           repeated for the query heads),
+           sharded: q and k after rotation, v (grouped-query heads are not repeated: SDPA shares them),
            attention output h/t, log-sum-exp a/t, the SwiGLU's gate and up 2·ffn/t, SiLU(gate) and
            the product ffn/t each; plus cos and sin, 2·s·d per stage and microbatch (one table for all layers)
 
@@ -258,10 +257,8 @@ def _layer_elements(run: LocalRun) -> float:
         return (2 * h + 4) / (t if sp else 1) + linear_inputs + (4 * h + 2 * f) / t + lse + gathered
     if core and run.cp_comm == "allgather":  # q rotated; the local k and the k|v output are kept by nothing
         attention = h / t + gathered
-    elif local_kv == h // t or run.recompute == "selective" or run.cp > 1:  # q, k rotated, the k|v output (v's)
+    else:  # q, k rotated, the k|v output (v's): grouped-query heads share theirs inside SDPA (enable_gqa)
         attention = h / t + 3 * local_kv
-    else:  # grouped-query: q rotated, k and v repeated for the query heads (selective repeats them inside the core)
-        attention = 3 * h / t
     return (4 * h + 2) / (t if sp else 1) + linear_inputs + attention + h / t + lse + 4 * f / t
 
 
