@@ -230,7 +230,9 @@ def _run(cfg: Any, options: Any) -> int:
 
 
 def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> int:
-    """The stop's line and exit code, or the summary and 0."""
+    """The stop's line and exit code, or the summary and 0 (priced with the config the ranks trained: a BPE
+    vocabulary is known only once the data is prepared)."""
+    cfg = result.config or cfg
     if result.stop is not None:
         report.close()
         if first:

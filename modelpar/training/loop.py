@@ -97,6 +97,7 @@ class TrainResult:
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
     compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)
+    config: Any = None  # the TrainConfig the ranks trained: the data's vocabulary and the resolved schedule in it
 
     @property
     def timeline(self) -> Any:
@@ -430,6 +431,7 @@ def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> T
         if checkpoints is not None:
             checkpoints.close()
     run.result.skipped_steps = stop.skipped
+    run.result.config = cfg
     if run.gather_waits:
         run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
     run.result.peak_held = run.runner.record.peak_held
