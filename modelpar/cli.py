@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # Subcommand name -> module that registers it.
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # bad input: one line, exit code 2, no traceback
         print(f"modelpar {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`modelpar simulate | head`): stop quietly, as a killed writer would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more reaches the closed pipe
+        return 128 + signal.SIGPIPE
     except OSError as err:  # a file system that refused a write (read-only, full, a path under a file): one line
         print(f"modelpar {args.command}: error: {_os_error(err)}", file=sys.stderr)
         return 2

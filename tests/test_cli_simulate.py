@@ -198,3 +198,15 @@ def test_ranks_with_from_must_agree_with_the_file(capsys, tmp_path):
     assert f"--ranks 4 but --from {str(path)!r} has 2 ranks (one line each)" in err
     code, out, _ = run(capsys, "--from", str(path), "--ranks", "2", "--json")
     assert code == 0 and json.loads(out)[0]["ranks"] == 2
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`modelpar simulate ... | head`: the pipe closes while ~300 KB are still to be written (more than a pipe
+    holds, so the writer is blocked on it): exit 141 (128 + SIGPIPE) as a killed writer, nothing on stderr."""
+    cmd = [sys.executable, "-m", "modelpar", "simulate", "--schedule", "1f1b", "--ranks", "16", "--microbatches", "256",
+           "--comm"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(100)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""
