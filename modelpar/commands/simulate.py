@@ -30,7 +30,6 @@ MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes an
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from modelpar._renamed import RenamedFlag
     from modelpar.schedules.generators import SCHEDULES
 
     p = subparsers.add_parser(
@@ -42,7 +41,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--ranks", metavar="K", help="pipeline ranks: processes along the pipeline (default 4; with --from, "
                                                 "the file's, and a --ranks given must agree)")
-    p.add_argument("--stages", dest="ranks", action=RenamedFlag, new="--ranks", help=argparse.SUPPRESS)  # rename: keep
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
                    help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
@@ -194,11 +192,13 @@ def _train_config(args: argparse.Namespace) -> int:
 
 def _stage_costs(text, k, costs):
     """``--costs`` as StageCosts: one F:I:W triple for every stage, or one per stage; default from ``costs``."""
+    from modelpar.schedules.action import Kind
+    from modelpar.schedules.kinds import kind_times
     from modelpar.simulate.synthesis import StageCosts
 
     if not text:
-        half = costs.full_backward / 2
-        return StageCosts.uniform(k, costs.forward, costs.full_backward - half, half, costs.transfer)
+        times = kind_times(costs.forward, costs.full_backward, costs.weight_grad)
+        return StageCosts.uniform(k, times[Kind.F], times[Kind.I], times[Kind.W], costs.transfer)
     triples = []
     for part in text.split(","):
         fields = part.split(":")

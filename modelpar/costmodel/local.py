@@ -73,6 +73,7 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
+from modelpar.schedules.kinds import KINDS, kind_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
@@ -385,8 +386,8 @@ def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[
     timeline in seconds)."""
     schedule = run_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
-    durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
-                 Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
+    per_stage = [kind_times(*c) for c in costs]
+    durations = {kind: [times[kind] for times in per_stage] for kind in KINDS}
     dp_stage = [_dp_times(run, hw, s) for s in range(run.stages)]
     tp_sync = [_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) if tp_grad_sync(run, s) else 0.0
                for s in range(run.stages)]
@@ -458,8 +459,3 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]))
-
-
-def rank_parameters(run: LocalRun, stages: list[int]) -> int:
-    """Parameters (elements) a rank holding ``stages`` has: what ``TrainResult.parameters_here`` counts."""
-    return sum(x.numel for s in stages for x in stage_tensors(run, s))

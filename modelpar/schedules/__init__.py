@@ -3,7 +3,6 @@
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.clock_cycles import clock_cycles
 from modelpar.schedules.derive import forward_only, on_one_rank
-from modelpar.schedules.derive import on_one_device as on_one_device  # rename: keep (deprecated, not in __all__)
 from modelpar.schedules.execute import execute
 from modelpar.schedules.generators import (
     SCHEDULES,

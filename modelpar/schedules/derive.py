@@ -8,7 +8,6 @@ schedule's work done by one process, e.g. to measure its memory without starting
 
 from __future__ import annotations
 
-from modelpar._renamed import renamed_function
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
 from modelpar.schedules.schedule import Schedule
@@ -36,4 +35,3 @@ def on_one_rank(schedule: Schedule) -> Schedule:
     return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one rank)")
 
 
-on_one_device = renamed_function(on_one_rank, "on_one_device")  # rename: keep

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_choice, check_divisible, check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map
@@ -43,7 +42,6 @@ def _frozen(per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
     return tuple(map(tuple, per_rank))
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     """Naive model parallelism (§1.2): one microbatch at a time goes all the way down and back.
 
@@ -54,7 +52,6 @@ def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "naive")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def gpipe(*, ranks: int, microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019; §2.3): all M forwards, then all M backwards, last microbatch first."""
     k, m = _counts(ranks, microbatches)
@@ -65,7 +62,6 @@ def gpipe(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "gpipe")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2019; §4.1).
 
@@ -85,7 +81,6 @@ def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "1f1b")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 §2.2.2; §4.2) with v chunks per rank.
 
@@ -115,7 +110,6 @@ def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Sched
     return Schedule(loop_map(k, v), _frozen(per_rank), "interleaved")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024 §3.1): 1F1B with the backward split into I and a deferred W.
 
@@ -143,7 +137,6 @@ def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "zb-h1")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def looped_bfs(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each rank
     runs all M forwards of its first chunk, then of the next, ..., then the backwards in reverse
@@ -185,12 +178,11 @@ def check_chunks(name: str, chunks: int | None) -> int:
     return v
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def get_schedule(name: str, *, ranks: int, microbatches: int, chunks: int | None = None) -> Schedule:
     """Build schedule ``name`` (one of ``SCHEDULES``) for K pipeline ranks and M microbatches.
 
     ``chunks`` (v): any for "interleaved" and "looped-bfs" (default 1), 2 for the V shapes
-    (default 2), 1 for the others (``check_chunks``). ``stages=K`` is the deprecated old name of ``ranks=K``.
+    (default 2), 1 for the others (``check_chunks``).
     """
     v = check_chunks(name, chunks)
     if name in CHUNKED:

@@ -24,7 +24,6 @@ import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
@@ -34,7 +33,6 @@ __all__ = ["greedy"]
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 
-@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
            durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
            name: str = "greedy") -> Schedule:

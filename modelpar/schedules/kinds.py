@@ -77,6 +77,12 @@ KINDS = tuple(SPECS)
 STYLES: tuple[tuple[Kind, ...], ...] = ((Kind.F,), (Kind.F, Kind.B), (Kind.F, Kind.I, Kind.W))
 
 
+def kind_times(forward: float, backward: float, weight: float) -> dict[Kind, float]:
+    """Each kind's time from T_F, the full backward's T_B and its weight-gradient part T_W: I = B − W
+    (a split backward does the full one's work in two actions)."""
+    return {Kind.F: forward, Kind.B: backward, Kind.I: backward - weight, Kind.W: weight}
+
+
 def inputs_of(kind: Kind, stage: int) -> list[tuple[Value, int]]:
     """(value, the stage that produced it) for each value ``kind`` at ``stage`` consumes, in order."""
     return [(v, stage - v.consumer) for v in SPECS[kind].consumes]

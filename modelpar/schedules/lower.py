@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from modelpar._renamed import renamed_kwargs, warn_renamed
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.execute import run_blocking
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
@@ -177,7 +176,6 @@ def _hang_message(schedule: Schedule) -> str:
 
 
 # --- the rendezvous model ---------------------------------------------------------------------
-@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 
@@ -190,9 +188,6 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], c
     the peer's, and both complete together only if one is the send and the other the receive of
     the same message — no buffering. What a program must satisfy not to hang on NCCL.
     """
-    if channel == "device":  # rename: keep (the old name of channel="rank")
-        warn_renamed('rendezvous(channel="device")', 'channel="rank"', stacklevel=4)  # rename: keep
-        channel = "rank"
     if channel not in ("pair", "rank"):
         raise ValueError(f"channel must be one of {{pair, rank}}, got {channel!r}")
     per_pair = channel == "pair"

@@ -17,7 +17,6 @@ import functools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
@@ -88,7 +87,6 @@ class StageCosts:
         return Timeline(schedule.actions, starts, ends, schedule)
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collection[int] = (1, 2),
                ) -> Iterator[Schedule]:
     """The named family at (K, M) where it applies, then the list scheduler and repeated blocks; only
@@ -121,7 +119,6 @@ def check_synthesis_size(ranks: int, microbatches: int, ranks_flag: str = "--ran
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice
-@renamed_kwargs(stages="ranks")  # rename: keep
 def synthesize(ranks: int, microbatches: int, costs: StageCosts, limit: float | None = None,
                chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
     """The fastest candidate whose peak held activations per rank are ≤ ``limit`` (None: any).
