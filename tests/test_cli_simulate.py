@@ -92,7 +92,7 @@ def test_sweep_prints_both_tables(capsys):
                                 "zb-h2, zb-v, v-half, v-min, dualpipe-v} or auto, got 'foo'"),
         (["--ranks", "0"], "--ranks must be >= 1, got 0"),
         (["--microbatches", "2.5"], "--microbatches must be an integer, got '2.5'"),
-        (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be a multiple of --ranks (4)"),
+        (["--schedule", "interleaved", "--microbatches", "6"], "--microbatches (6) must be divisible by --ranks (4) for schedule 'interleaved'"),
         (["--chunks", "0"], "--chunks must be >= 1, got 0"),
         (["--transfer", "-1"], "--transfer must be >= 0.0, got -1.0"),
         (["--from", "/no/such/file"], "--from must be a readable file, got '/no/such/file'"),

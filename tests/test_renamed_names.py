@@ -9,16 +9,15 @@ import json
 import pytest
 
 from modelpar.cli import main
-from modelpar.schedules import get_schedule
-from modelpar.schedules import registry as schedule_registry
+from modelpar.schedules import get_schedule, schedule_entry, schedule_names
 from modelpar.schedules.lower import lower, rendezvous
 from modelpar.simulate import simulate
 from modelpar.simulate.synthesis import StageCosts, synthesize
 
 
-@pytest.mark.parametrize("name", schedule_registry.names())
+@pytest.mark.parametrize("name", schedule_names())
 def test_get_schedule_and_every_generator_refuse_stages_for_ranks(name):
-    entry = schedule_registry.entry(name)
+    entry = schedule_entry(name)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'stages'"):
         get_schedule(name, stages=2, microbatches=4)
     extra = {"chunks": 2} if entry.chunks is None else {}

@@ -16,7 +16,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.recompute.strategies import Strategy
-from modelpar.schedules.generators import SCHEDULES, get_schedule
+from modelpar.schedules.registry import get_schedule, schedule_names
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import Timeline
 
@@ -27,7 +27,7 @@ __all__ = ["MLPBench", "bench_rank", "summarize", "torch_schedule_step"]
 class MLPBench:
     """One measured configuration: schedule, pipeline shape and the built-in MLP's size."""
 
-    schedule: str = "1f1b"  # one of modelpar.schedules.SCHEDULES
+    schedule: str = "1f1b"  # one of modelpar.schedules.schedule_names()
     ranks: int = 4  # K: pipeline ranks (processes)
     microbatches: int = 8  # M
     chunks: int = 1  # v: model chunks per process (interleaved only)
@@ -41,7 +41,7 @@ class MLPBench:
     cuda: bool = False  # stages on each rank's GPU (under torchrun with NCCL)
 
     def __post_init__(self) -> None:
-        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("schedule", self.schedule, schedule_names())
         check_int("ranks", self.ranks, minimum=1)
         check_int("microbatches", self.microbatches, minimum=1)
         for name in ("width", "blocks", "steps", "threads"):

@@ -30,14 +30,14 @@ MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes an
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from modelpar.schedules.generators import SCHEDULES
+    from modelpar.schedules.registry import schedule_names
 
     p = subparsers.add_parser(
         "simulate", help="simulate, draw and compare pipeline schedules",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--schedule", action="append", metavar="NAME",
-                   help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
+                   help=f"one of {{{', '.join(schedule_names())}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--ranks", metavar="K", help="pipeline ranks: processes along the pipeline (default 4; with --from, "
                                                 "the file's, and a --ranks given must agree)")
@@ -92,7 +92,7 @@ def _float(name: str, text: str, strict: bool = False) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
+    from modelpar.schedules.registry import check_chunks, get_schedule, schedule_entry, schedule_names
     from modelpar.simulate import Costs, simulate
 
     check_outputs(args)
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
-        if name not in SCHEDULES and name != "auto":
-            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}} or auto, got {name!r}")
+        if name not in schedule_names() and name != "auto":
+            raise ValueError(f"--schedule must be one of {{{', '.join(schedule_names())}}} or auto, got {name!r}")
     stage_costs = _stage_costs(args.costs, k, costs)
     limit = _float("--memory-limit", args.memory_limit, strict=True) if args.memory_limit else None
     if args.sweep is not None:
@@ -140,12 +140,11 @@ def run(args: argparse.Namespace) -> int:
             schedules.append(best)
             synthesised[id(best)] = tl
             continue
-        m_here = 1 if name == "naive" and args.microbatches is None else m
-        if name == "interleaved" and m % k:
-            raise ValueError(
-                f"--microbatches ({m}) must be a multiple of --ranks ({k}) for interleaved"
-            )
-        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+        entry = schedule_entry(name)
+        m_here = entry.default_microbatches if entry.default_microbatches and args.microbatches is None else m
+        v_here = check_chunks(name, v if entry.chunks is None else None)
+        entry.microbatches.check(name, m_here, k, v_here, "--microbatches", "--ranks")
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))

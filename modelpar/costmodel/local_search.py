@@ -26,7 +26,7 @@ from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_te
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
-from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
+from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
 __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "why_ep", "why_schedule"]
@@ -88,7 +88,7 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
         for schedule in caps.schedules:
             if p == 1 and schedule != "1f1b":
                 continue  # one stage: every schedule is the same loop
-            for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
+            for v in _chunk_choices(schedule, caps):
                 if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
                     continue
                 for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
@@ -103,6 +103,15 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
                                               zero=zero, ep=ep)
                                 if _shards_fit(run) and _context_runs(model, base.cp, zero, t, sp):
                                     yield run
+
+
+def _chunk_choices(schedule: str, caps: Capabilities) -> tuple[int, ...]:
+    """The v to try with ``schedule``: ``caps.chunks`` for one that takes any, its own v otherwise (auto: 1 here,
+    its v is chosen in ``plan_local``)."""
+    if schedule == "auto":
+        return (1,)
+    fixed = schedule_entry(schedule).chunks
+    return caps.chunks if fixed is None else (fixed,)
 
 
 def _expert_splits(base: LocalRun, d: int) -> list[int]:
@@ -121,14 +130,9 @@ def _shards_fit(run: LocalRun) -> bool:
 
 
 def _builds(schedule: str, p: int, m: int, v: int) -> bool:
-    """Whether the generator makes ``schedule`` for (p, m, v) (interleaved needs p | m, DualPipe-V m >= 2p, ...)."""
-    if schedule == "auto":
-        return True
-    try:
-        get_schedule(schedule, ranks=p, microbatches=m, chunks=v)
-    except ValueError:
-        return False
-    return True
+    """Whether ``schedule`` takes (p, m, v): its registry entry's microbatch rule (interleaved p | m, DualPipe-V
+    m >= 2p, ...)."""
+    return schedule == "auto" or schedule_entry(schedule).microbatches.allows(m, p, v)
 
 
 def held_limit(run: LocalRun, limit_bytes: float, chunks: tuple[int, ...]) -> float:

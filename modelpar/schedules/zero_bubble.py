@@ -24,12 +24,14 @@ from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.periodic import periodic
+from modelpar.schedules.rules import MicrobatchRule
 from modelpar.schedules.schedule import Schedule, contiguous_map, v_map
 from modelpar.schedules.search import fastest_within
 
-__all__ = ["dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
+__all__ = ["DUALPIPE_MICROBATCHES", "dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+DUALPIPE_MICROBATCHES = MicrobatchRule(least_per_rank=2)  # pairs microbatches from both ends of the V
 
 
 def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
@@ -114,8 +116,7 @@ def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
     last microbatches' backwards are split into I and W, the W's filling the drain.
     """
     k, m = _counts(ranks, microbatches)
-    if m < 2 * k:
-        raise ValueError(f"microbatches must be >= 2 x ranks ({2 * k}) for schedule 'dualpipe-v', got {m}")
+    DUALPIPE_MICROBATCHES.check("dualpipe-v", m, k, 2)
     return Schedule(v_map(k), tuple(_dualpipe_rank(k, m, d) for d in range(k)), "dualpipe-v")
 
 

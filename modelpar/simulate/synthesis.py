@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
 from modelpar.schedules.execute import execute
-from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, get_schedule
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.memory import peak_held
 from modelpar.schedules.periodic import periodic
+from modelpar.schedules.registry import get_schedule, schedule_entry, schedule_names
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.simulate.timeline import Timeline
 
@@ -92,11 +92,11 @@ def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collect
     """The named family at (K, M) where it applies, then the list scheduler and repeated blocks; only
     those with v in ``chunks`` (a model too short for 2K chunks, or a split given per stage, allows v = 1 only)."""
     k, m = check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
-    for name in SCHEDULES:
-        if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
-            continue
-        if (2 if name in CHUNKED + V_SHAPED else 1) in chunks:
-            yield get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+    for name in schedule_names():
+        entry = schedule_entry(name)
+        v = entry.default_chunks
+        if v in chunks and entry.microbatches.allows(m, k, v):
+            yield get_schedule(name, ranks=k, microbatches=m, chunks=v)
     for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
         if len(placement) // k not in chunks:
             continue
