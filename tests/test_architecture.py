@@ -2,24 +2,30 @@
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parent.parent / "modelpar"
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "modelpar"
 
-# docs/architecture.md's table: a package may import its own layer (without a cycle) or lower ones
-LAYERS = {
-    "_validate": 0, "_renamed": 0, "formulas": 0, "schedules": 0, "layer_split": 0, "_options": 0, "_outputs": 0,
-    "simulate": 1, "costmodel": 1,
-    "_compat": 2, "_tensor_meta": 2, "recompute": 2, "tensor_parallel": 2, "checkpoint": 2, "distributed": 2,
-    "pipeline": 3, "text": 3, "corpus": 3,
-    "model": 4, "bench": 4,
-    "export": 5, "hf": 5, "generate": 5,
-    "training": 6, "calibrate": 6,
-    "commands": 7, "cli": 7, "__main__": 7,
-}
-PURE = {"_validate", "_renamed", "formulas", "schedules", "layer_split", "_options", "_outputs", "simulate", "costmodel"}
+
+def _layer_table() -> tuple[dict[str, int], set[str]]:
+    """docs/architecture.md's layer table, the one place the layers are written: (package -> layer, the
+    packages that must not import torch). A row is ``| n | `pkg`, `pkg` | no | job |``."""
+    layers, pure = {}, set()
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        row = re.match(r"\| (\d+) \| ([^|]+) \| ([^|]+) \|", line)
+        if row:
+            for name in re.findall(r"`(\w+)`", row.group(2)):
+                layers[name] = int(row.group(1))
+                if row.group(3).strip() == "no":
+                    pure.add(name)
+    return layers, pure
+
+
+LAYERS, PURE = _layer_table()  # a package may import its own layer (without a cycle) or lower ones
 
 
 @functools.cache
