@@ -65,3 +65,42 @@ def test_no_cycle_within_a_layer():
     for a, targets in edges.items():
         for b in targets:
             assert a not in edges.get(b, set()), f"{a} and {b} import each other"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the modelpar modules it imports at run time (lazily or not; ``if TYPE_CHECKING:`` blocks are
+    annotations only and are skipped, as are imports of a package's ``__init__``, which only re-exports)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        edges[name] = {m for m in found if m in modules and m != name and modules[m].name != "__init__.py"}
+    return edges
+
+
+def test_no_import_cycle_between_modules():
+    edges = _module_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(edges[module]):
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path[path.index(nxt):] + [module, nxt])
+            if nxt not in state:
+                visit(nxt, path + [module])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])

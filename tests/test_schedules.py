@@ -132,7 +132,8 @@ def test_each_registry_entry_states_what_its_generator_builds(name):
          r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, "
          r"v-min, dualpipe-v\}, got 'pipedream'"),
         (lambda: get_schedule("zb-v", ranks=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
-        (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7), r"microbatches must be >= 8, got 7 \(schedule 'dualpipe-v' needs 2 x ranks\)"),
+        (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7),
+         r"microbatches must be >= 8, got 7 \(schedule 'dualpipe-v' needs 2 x ranks\)"),
         (lambda: get_schedule("gpipe", ranks=0, microbatches=8), r"ranks must be >= 1, got 0"),
         (lambda: get_schedule("1f1b", ranks=4, microbatches=-2), r"microbatches must be >= 1, got -2"),
         (lambda: get_schedule("gpipe", ranks=2.5, microbatches=8), r"ranks must be an integer, got 2.5"),

@@ -7,7 +7,7 @@ and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per lay
 parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
 in tests/test_local_costs.py) — and the schedule is timed by the simulator
-(``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
+(``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
 (``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
@@ -72,8 +72,8 @@ from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
-from modelpar.schedules.execute import execute
 from modelpar.schedules.kinds import KINDS, kind_times
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
@@ -402,7 +402,7 @@ def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[
     hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
-    starts, ends = execute(schedule, durations, transfer)
+    starts, ends = replay_times(schedule, durations, transfer)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import CommSpan, Event, Timeline
 
@@ -195,5 +195,5 @@ def predict(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
     dev = schedule.stage_to_rank
     if isinstance(transfer_in, (int, float)):
         transfer_in = [float(transfer_in) if s and dev[s] != dev[s - 1] else 0.0 for s in range(len(dev))]
-    starts, ends = execute(schedule, durations, transfer_in)
+    starts, ends = replay_times(schedule, durations, transfer_in)
     return Timeline(schedule.actions, starts, ends, schedule, unit="s")

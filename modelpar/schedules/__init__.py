@@ -3,7 +3,7 @@
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.clock_cycles import clock_cycles
 from modelpar.schedules.derive import forward_only, on_one_rank
-from modelpar.schedules.execute import execute
+from modelpar.schedules.diagnosis import DeadlockError
 from modelpar.schedules.generators import (
     gpipe,
     interleaved_1f1b,
@@ -22,9 +22,10 @@ from modelpar.schedules.registry import (
     schedule_names,
     unregister_schedule,
 )
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
-from modelpar.schedules.validate import DeadlockError, validate_schedule
+from modelpar.schedules.validate import validate_schedule
 from modelpar.schedules.zero_bubble import dualpipe_v, v_half, v_min, zb_h2, zb_v
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "clock_cycles",
     "contiguous_map",
     "dualpipe_v",
-    "execute",
     "forward_only",
     "get_schedule",
     "gpipe",
@@ -52,6 +52,7 @@ __all__ = [
     "on_one_rank",
     "one_f_one_b",
     "register_schedule",
+    "replay_times",
     "schedule_entry",
     "schedule_names",
     "schedule_table",

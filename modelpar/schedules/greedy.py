@@ -39,7 +39,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     """The schedule the list scheduler above builds for ``stage_to_rank`` and M microbatches.
 
     ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
-    the costs it plans with, as in ``execute``.
+    the costs it plans with, as in ``replay_times``.
     """
     dev = tuple(stage_to_rank)
     S, M = len(dev), check_int("microbatches", microbatches, minimum=1)

@@ -12,7 +12,7 @@ Beyond the ends of the model a value comes from the batch or the loss, or is dro
     I     GRAPH(s), GRAD(s + 1)          GRAD(s), DEFERRED           input-gradient backward
     W     DEFERRED(s)                    —                           weight-gradient backward
 
-Validation, timing (``execute``), lowering, the rendezvous model and the runtime's plan read
+Validation, timing (``replay``), lowering, the rendezvous model and the runtime's plan read
 this table; adding a kind means adding a ``Kind`` member and its ``SPECS`` row. A schedule uses
 one *style* (``STYLES``): the kinds that together produce each value it consumes exactly once.
 """

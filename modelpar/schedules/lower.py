@@ -36,10 +36,10 @@ from enum import Enum
 from typing import NamedTuple
 
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.execute import run_blocking
+from modelpar.schedules.diagnosis import DeadlockError, deadlock_chain
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
+from modelpar.schedules.replay import replay_traced
 from modelpar.schedules.schedule import Schedule
-from modelpar.schedules.validate import DeadlockError, deadlock_chain
 
 __all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
 
@@ -131,7 +131,7 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
     the receivers at the same moment."""
     programs: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     dev = schedule.stage_to_rank
-    for a in run_blocking(schedule).order:
+    for a in replay_traced(schedule).order:
         d = dev[a.stage]
         programs[d].append(a)
         for peer, send, recv in _consumers(schedule, a):
@@ -166,7 +166,7 @@ def _remote_input(action: Action, dep: Action) -> str:
 def _hang_message(schedule: Schedule) -> str:
     """Name the operations a deadlocking schedule would wait on forever, as a chain of ranks."""
     chain = []
-    for d, _, a, dep, owner in deadlock_chain(schedule):
+    for d, _, a, dep, owner in deadlock_chain(schedule, replay_traced(schedule).stuck):
         x = _remote_input(a, dep)
         chain.append(f"rank {d} waits at {Transfer(a.stage, Comm('RECV_' + x), a.microbatch)} (the input of {a}), "
                      f"but rank {owner} never reaches {Transfer(dep.stage, Comm('SEND_' + x), dep.microbatch)}")

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
-from modelpar.schedules.execute import execute
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.memory import peak_held
 from modelpar.schedules.periodic import periodic
 from modelpar.schedules.registry import get_schedule, schedule_entry, schedule_names
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.simulate.timeline import Timeline
 
@@ -83,7 +83,7 @@ class StageCosts:
 
     def timeline(self, schedule: Schedule) -> Timeline:
         """Simulate ``schedule`` under these costs."""
-        starts, ends = execute(schedule, self.durations(schedule), self.transfer_in(schedule))
+        starts, ends = replay_times(schedule, self.durations(schedule), self.transfer_in(schedule))
         return Timeline(schedule.actions, starts, ends, schedule)
 
 
