@@ -142,10 +142,10 @@ def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_cloc
 
 def test_pipeline_measure_builds_timelines_in_seconds():
     pytest.importorskip("torch")
-    from modelpar.pipeline.measure import measured_durations, predict
+    from modelpar.pipeline.measure import measured_durations, simulate_measured
 
     measured = _measured()
-    assert predict(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"
+    assert simulate_measured(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"
 
 
 def _runs(row: str, width: int = 2) -> list[str]:

@@ -3,7 +3,7 @@
 ``bench_rank`` runs on every rank (start it with ``LocalCluster`` / ``launch`` or torchrun);
 rank 0 returns the measured timelines. ``summarize`` (in the parent) feeds the measured
 per-action costs and per-message transfer times (latency + bytes / bandwidth, from a ping-pong
-on the same group) back to the simulator (``measure.predict``) and puts the prediction beside
+on the same group) back to the simulator (``measure.simulate_measured``) and puts the prediction beside
 the measurement. ``modelpar bench pipeline`` and ``benchmarks/`` use both.
 """
 
@@ -113,15 +113,15 @@ def gather_per_rank(obj: Any) -> list[Any]:
 
 def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
     """Measured (median step) vs simulated with the measured costs: step time, bubble, peaks."""
-    from modelpar.pipeline.measure import measured_durations, message_delays, predict
+    from modelpar.pipeline.measure import measured_durations, message_delays, simulate_measured
 
     timelines: list[Timeline] = result["timelines"]
     order = sorted(range(len(timelines)), key=lambda i: timelines[i].step_time)
     median = timelines[order[len(order) // 2]]
     durations = measured_durations(timelines)
-    predicted = predict(cfg.build_schedule(), durations, result["transfer_in"])
+    predicted = simulate_measured(cfg.build_schedule(), durations, result["transfer_in"])
     delays = message_delays(timelines)
-    in_run = predict(cfg.build_schedule(), durations, delays)
+    in_run = simulate_measured(cfg.build_schedule(), durations, delays)
     chunks = median.chunks
     crossing = [t for t in result["transfer_in"] if t]
     return {
