@@ -27,7 +27,7 @@ from modelpar.costmodel.profiles import save_profile
 from modelpar.distributed import free_port
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
-from modelpar.training.prediction import predict
+from modelpar.training.prediction import predict_run
 
 
 def _cases(smoke: bool) -> list[LocalCase]:
@@ -65,7 +65,7 @@ def main() -> None:
         for case in _cases(args.smoke):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            pred = predict(case.cfg, profile)
+            pred = predict_run(case.cfg, profile)
             r = train(case.cfg)
             item = case.cfg.param_dtype.itemsize
             case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,

@@ -45,7 +45,7 @@ echo "== 3. bench pipeline, 4 stages on NCCL"
 for spec in "gpipe 1" "1f1b 1" "interleaved 2" "zb-h1 1"; do
     set -- $spec
     MODELPAR_CHECK_MESSAGES=1 torchrun --standalone --nproc-per-node 4 -m modelpar bench pipeline --backend nccl \
-        --schedule "$1" --chunks "$2" --stages 4 --microbatches 8 --width 1024 --blocks 2 --rows 1024 --steps 10 \
+        --schedule "$1" --chunks "$2" --ranks 4 --microbatches 8 --width 1024 --blocks 2 --rows 1024 --steps 10 \
         --png "$OUT/bench-$1.png"
 done
 echo "all GPU pipeline checks passed; charts in $OUT/"

@@ -65,7 +65,7 @@ def main() -> None:
     from modelpar.costmodel.local_compute import end_seconds, kernel_ends, kernel_layer, layer_seconds, runtime_seconds
     from modelpar.costmodel.profiles import load_profile
     from modelpar.distributed import LocalCluster
-    from modelpar.training.prediction import local_run, predict
+    from modelpar.training.prediction import local_run, predict_run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
@@ -87,7 +87,7 @@ def main() -> None:
                     kf = run.model.layers * layer.forward + embed.forward + head.forward
                     kb = run.model.layers * (layer.backward + (layer.forward if full else 0.0)) + embed.backward + head.backward
                     whole, ends, action = layer_seconds(run, hw), end_seconds(run, hw, 0), runtime_seconds(run, hw)[0]
-                    old, new = predict(cfg, kernels), predict(cfg, hw)
+                    old, new = predict_run(cfg, kernels), predict_run(cfg, hw)
                     end = got["step"] - got["runner"]
                     print(f"{name} m={m} {recompute}: measured step {ms(got['step'])} ms = runtime {ms(got['runner'])} "
                           f"(per micro-batch F {ms(got['F'])}, B {ms(got['B'])}) + step end {ms(end)} (optimizer "

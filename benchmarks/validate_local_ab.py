@@ -20,7 +20,7 @@ import os
 
 from modelpar.calibrate.validate_local import cases
 from modelpar.costmodel.profiles import load_profile
-from modelpar.training.prediction import predict
+from modelpar.training.prediction import predict_run
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
         if row is None:
             continue
         measured = row["measured"]["step_time_s"]
-        pred = {k: predict(case.cfg, p).step_time_s for k, p in models.items()}
+        pred = {k: predict_run(case.cfg, p).step_time_s for k, p in models.items()}
         for k, v in pred.items():
             errors.setdefault((k, row["shared_cores"]), []).append(abs(v / measured - 1))
         groups.setdefault((case.model, case.cfg.dims.world_size), []).append((case.name, measured, pred))

@@ -20,7 +20,7 @@ import os
 
 from modelpar.calibrate.validate_local import cases
 from modelpar.costmodel.profiles import load_profile
-from modelpar.training.prediction import predict
+from modelpar.training.prediction import predict_run
 
 
 def _mean_off(a: list[float], b: list[float]) -> float:
@@ -41,7 +41,7 @@ def main() -> None:
             rows = {c["name"]: c["measured"]["step_time_s"] for c in json.load(f)["configurations"]}
         grid = [c for c in grid if c.name in rows]
         hw = load_profile(profile)
-        predicted[i] = {c.name: predict(c.cfg, hw).step_time_s for c in grid}
+        predicted[i] = {c.name: predict_run(c.cfg, hw).step_time_s for c in grid}
         measured[i] = rows
     names = [c.name for c in grid]
     print(f"{len(names)} configurations with at most one rank per core")

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from modelpar._renamed import renamed_function
 from modelpar._validate import check_int
 
 __all__ = [
@@ -99,7 +98,6 @@ def rank_layers(split: tuple[int, ...], p: int) -> tuple[int, ...]:
     return tuple(sum(split[r::p]) for r in range(p))
 
 
-device_layers = renamed_function(rank_layers, "device_layers")  # rename: keep
 
 
 def balance_by_cost(costs: Sequence[float], partitions: int) -> list[int]:

@@ -2,24 +2,30 @@
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).parent.parent / "modelpar"
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "modelpar"
 
-# docs/architecture.md's table: a package may import its own layer (without a cycle) or lower ones
-LAYERS = {
-    "_validate": 0, "_renamed": 0, "formulas": 0, "schedules": 0, "layer_split": 0, "_options": 0, "_outputs": 0,
-    "simulate": 1, "costmodel": 1,
-    "_compat": 2, "_tensor_meta": 2, "recompute": 2, "tensor_parallel": 2, "checkpoint": 2, "distributed": 2,
-    "pipeline": 3, "text": 3, "corpus": 3,
-    "model": 4, "bench": 4,
-    "export": 5, "hf": 5, "generate": 5,
-    "training": 6, "calibrate": 6,
-    "commands": 7, "cli": 7, "__main__": 7,
-}
-PURE = {"_validate", "_renamed", "formulas", "schedules", "layer_split", "_options", "_outputs", "simulate", "costmodel"}
+
+def _layer_table() -> tuple[dict[str, int], set[str]]:
+    """docs/architecture.md's layer table, the one place the layers are written: (package -> layer, the
+    packages that must not import torch). A row is ``| n | `pkg`, `pkg` | no | job |``."""
+    layers, pure = {}, set()
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        row = re.match(r"\| (\d+) \| ([^|]+) \| ([^|]+) \|", line)
+        if row:
+            for name in re.findall(r"`(\w+)`", row.group(2)):
+                layers[name] = int(row.group(1))
+                if row.group(3).strip() == "no":
+                    pure.add(name)
+    return layers, pure
+
+
+LAYERS, PURE = _layer_table()  # a package may import its own layer (without a cycle) or lower ones
 
 
 @functools.cache
@@ -59,3 +65,42 @@ def test_no_cycle_within_a_layer():
     for a, targets in edges.items():
         for b in targets:
             assert a not in edges.get(b, set()), f"{a} and {b} import each other"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the modelpar modules it imports at run time (lazily or not; ``if TYPE_CHECKING:`` blocks are
+    annotations only and are skipped, as are imports of a package's ``__init__``, which only re-exports)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        edges[name] = {m for m in found if m in modules and m != name and modules[m].name != "__init__.py"}
+    return edges
+
+
+def test_no_import_cycle_between_modules():
+    edges = _module_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for nxt in sorted(edges[module]):
+            assert state.get(nxt) != 1, "import cycle: " + " -> ".join(path[path.index(nxt):] + [module, nxt])
+            if nxt not in state:
+                visit(nxt, path + [module])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [])

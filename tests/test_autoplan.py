@@ -93,10 +93,9 @@ def test_a_named_gpu_plans_too():
 
 def test_auto_is_planned_within_the_bytes_and_the_trainer_builds_the_same_schedule():
     """p = 2: at each byte limit the planner's auto layouts fit it, and the trainer's config rebuilds them."""
-    from modelpar.costmodel.local import run_schedule
+    from modelpar.costmodel.local import layout_schedule
     from modelpar.training.autoplan import _config
-    from modelpar.training.prediction import resolve_schedule
-    from modelpar.training.prediction import run_schedule as train_schedule
+    from modelpar.training.prediction import resolve_schedule, run_schedule
 
     base = plan_local(local_run(CFG), 2, CPU_DEFAULT, 1e12, CAPABILITIES)
     need = sorted(p.memory_bytes for r, p in base.ranked if r.p == 2)
@@ -107,7 +106,7 @@ def test_auto_is_planned_within_the_bytes_and_the_trainer_builds_the_same_schedu
         for run, _ in auto[:3]:
             cfg, _ = resolve_schedule(_config(CFG, run))
             assert cfg.chunks == run.v
-            assert train_schedule(cfg).actions == run_schedule(run, CPU_DEFAULT).actions
+            assert run_schedule(cfg).actions == layout_schedule(run, CPU_DEFAULT).actions
 
 
 def test_why_the_schedule_by_hand():

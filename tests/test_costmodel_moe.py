@@ -90,14 +90,14 @@ def test_expert_gradients_reduced_apart_over_d_over_ep():
     step (``training.grads``), a bucket per expert tensor (2 here); the rest over d. CPU_DEFAULT's all-reduce fit:
     100 µs + bytes at 1 GB/s."""
     from modelpar.costmodel.local import predict_local
-    from modelpar.costmodel.local_memory import LocalRun, state_bytes
+    from modelpar.costmodel.local_memory import LocalLayout, state_bytes
     from modelpar.costmodel.presets import CPU_DEFAULT
     from modelpar.costmodel.specs import ModelSpec
     from modelpar.formulas import allreduce_bytes
 
     spec = ModelSpec(layers=2, hidden=8, heads=2, seq=4, vocab=64, ffn=16, gated_mlp=True, tied_embeddings=False,
                      learned_positions=False, bias=False, dropout=False)
-    run = LocalRun(spec, d=4, batch=8, microbatches=1, overlap=False, moe=MoESpec(4, 8, every=2), ep=2)
+    run = LocalLayout(spec, d=4, batch=8, microbatches=1, overlap=False, moe=MoESpec(4, 8, every=2), ep=2)
     experts = (256 + 128) * 4  # layer 1's 2 local experts, fp32
     dense = state_bytes(run, [0])["gradients"] - experts
     want = 1e-4 + allreduce_bytes(dense, 4) / 1e9 + 2e-4 + allreduce_bytes(experts, 2) / 1e9  # one per expert tensor

@@ -9,9 +9,9 @@ from test_lower import generated, hand_written
 
 from modelpar.pipeline.program import COMPUTE, build_plan
 from modelpar.schedules import Action, Kind, Schedule, lower
-from modelpar.schedules.execute import execute, run_blocking
 from modelpar.schedules.kinds import ACT, DEFERRED, GRAD, GRAPH, SPECS, STYLES, inputs_of, producers, style_of
 from modelpar.schedules.lower import Transfer
+from modelpar.schedules.replay import replay_times, replay_traced
 
 F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -52,7 +52,7 @@ def test_dependencies_hand_checked(text, action, deps):
 
 def _reference_times(schedule, transfer):
     """Start times read straight off the table: repeat until every action sits at max(rank free,
-    each producer's end + transfer if it crosses ranks). Slow and independent of ``execute``."""
+    each producer's end + transfer if it crosses ranks). Slow and independent of ``replay_times``."""
     made = producers(schedule.style)
     dev = schedule.stage_to_rank
     end: dict[Action, float] = {}
@@ -76,10 +76,10 @@ def _reference_times(schedule, transfer):
 def test_timing_engine_equals_the_table(schedule, transfer):
     x = [0.0] + [transfer if schedule.rank_of(s) != schedule.rank_of(s - 1) else 0.0
                  for s in range(1, schedule.num_stages)]
-    starts, _ = execute(schedule, transfer_in=x)
+    starts, _ = replay_times(schedule, transfer_in=x)
     ref = _reference_times(schedule, transfer)
     assert all(a == pytest.approx(b, abs=1e-9) for sa, sb in zip(starts, ref) for a, b in zip(sa, sb))
-    order = run_blocking(schedule).order  # the order lowering appends actions in: topological
+    order = replay_traced(schedule).order  # the order lowering appends actions in: topological
     seen: set[Action] = set()
     for a in order:
         assert all(dep in seen for dep in schedule.dependencies(a))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from modelpar.costmodel import split_layers as planner_split
 from modelpar.layer_split import balance_by_cost, check_split, layer_ranges, parse_split, resolve_split, split_layers
-from modelpar.model import ModelConfig, stage_layers
+from modelpar.model import ModelConfig, layers_of_stage
 from modelpar.pipeline import balance_by_cost as pipeline_balance
 from modelpar.training import TrainConfig
 
@@ -70,7 +70,7 @@ def test_planner_pipeline_model_and_trainer_share_the_rule():
     assert planner_split is split_layers and pipeline_balance is balance_by_cost
     model = ModelConfig(layers=70)
     cfg = TrainConfig(model=model, tp=1, pp=12, dp=1, batch_size=12, microbatches=12)
-    assert cfg.layer_split == split_layers(70, 12) == tuple(len(stage_layers(model, s, 12)) for s in range(12))
+    assert cfg.layer_split == split_layers(70, 12) == tuple(len(layers_of_stage(model, s, 12)) for s in range(12))
     pinned = dataclasses.replace(cfg, pp=4, stage_layers=(17, 18, 18, 17), microbatches=4, batch_size=16)
     assert pinned.check().layer_split == (17, 18, 18, 17)
     v2 = dataclasses.replace(cfg, pp=2, schedule="interleaved", chunks=2, microbatches=4, batch_size=16,

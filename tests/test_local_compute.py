@@ -19,13 +19,13 @@ from modelpar.costmodel.local_compute import (
     layer_seconds,
     step_end_seconds,
 )
-from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.local_memory import LocalLayout
 from modelpar.costmodel.presets import CPU_DEFAULT
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.model import ModelConfig
 
 MODEL = ModelConfig(hidden=64, heads=4, layers=4, seq_len=64).spec()  # padded vocabulary 256
-RUN = LocalRun(MODEL, microbatches=2, batch=16)  # 8 sequences, 512 tokens per micro-batch
+RUN = LocalLayout(MODEL, microbatches=2, batch=16)  # 8 sequences, 512 tokens per micro-batch
 # layer rows: [hidden, heads, seq, tokens, fwd, bwd, fwd recomputed, bwd recomputed]
 LAYER = [[h, 4, 64, n, 1e-3 * h / 64 * n / 128, 2e-3 * h / 64 * n / 128, 1.1e-3, 3e-3]
          for h in (64, 128) for n in (128, 512)]

@@ -15,7 +15,7 @@ from modelpar.costmodel.local import (
     dp_traffic,
     predict_local,
 )
-from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_buckets, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_buckets, stage_tensors, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
 from modelpar.costmodel.moe import MoESpec, moe_layer_params
 from modelpar.costmodel.presets import CPU_DEFAULT
@@ -26,7 +26,7 @@ from modelpar.formulas import allreduce_bytes
 from modelpar.model import ModelConfig
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16).spec()
-RUN = LocalRun(TINY, d=4, microbatches=2, batch=16, precision="fp64")  # one stage, one bucket
+RUN = LocalLayout(TINY, d=4, microbatches=2, batch=16, precision="fp64")  # one stage, one bucket
 LATENCY, GBPS = 1e-4, 1.0  # CPU_DEFAULT's fit of every collective
 
 
@@ -153,7 +153,7 @@ def test_bad_busy_table(busy, message):
         _profile(busy=busy)
 
 
-CP = LocalRun(TINY, microbatches=2, batch=2, precision="fp32", cp=2)  # b = 1: 8 of the 16 tokens per rank
+CP = LocalLayout(TINY, microbatches=2, batch=2, precision="fp32", cp=2)  # b = 1: 8 of the 16 tokens per rank
 
 
 def test_cp_activations_by_hand():
@@ -209,7 +209,7 @@ def test_moe_rank_bytes_by_hand():
     + its 2 experts (256, 128: their own buckets) + the shared SwiGLU 128 + 64, the final norm 8, the head 512."""
     spec = ModelSpec(layers=2, hidden=8, heads=2, seq=4, vocab=64, ffn=16, gated_mlp=True, tied_embeddings=False,
                      learned_positions=False, bias=False, dropout=False)
-    run = LocalRun(spec, d=2, moe=MoESpec(experts=4, ffn=8, shared=1, every=2), ep=2)
+    run = LocalLayout(spec, d=2, moe=MoESpec(experts=4, ffn=8, shared=1, every=2), ep=2)
     assert state_bytes(run, [0]) == {"parameters": 2568 * 4, "gradients": 2568 * 4, "optimizer": 2568 * 8}
     assert stage_buckets(run, 0)[-2:] == [256, 128] and sum(stage_buckets(run, 0)) == 2568
     whole = dataclasses.replace(run, ep=1)  # all 4 experts here, in the ordinary buckets

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from modelpar.model import LMLoss, ModelConfig, Transformer, build_stage, init_parameters, split_stage, stage_layers
+from modelpar.model import LMLoss, ModelConfig, Transformer, build_stage, init_parameters, layers_of_stage, split_stage
 
 CFG = ModelConfig(vocab_size=64, seq_len=12, hidden=16, heads=4, layers=4)
 LLAMA = ModelConfig(arch="llama", vocab_size=50, seq_len=12, hidden=32, heads=4, kv_heads=2, layers=2, init_std=0.1)
@@ -228,16 +228,16 @@ def test_bad_shapes_are_named(change, kwargs, message):
 
 
 def test_stage_layers_and_bad_stage():
-    assert list(stage_layers(CFG, 1, 2)) == [2, 3]
+    assert list(layers_of_stage(CFG, 1, 2)) == [2, 3]
     six = dataclasses.replace(CFG, layers=6)  # the planner's uneven default, and a pinned split
-    assert [list(stage_layers(six, s, 4)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
-    assert [list(stage_layers(six, s, 3, (0, 4, 2))) for s in range(3)] == [[], [0, 1, 2, 3], [4, 5]]
+    assert [list(layers_of_stage(six, s, 4)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert [list(layers_of_stage(six, s, 3, (0, 4, 2))) for s in range(3)] == [[], [0, 1, 2, 3], [4, 5]]
     with pytest.raises(ValueError, match=r"stage_layers 3,0,3: only the first and last chunk may be empty"):
-        stage_layers(six, 0, 3, (3, 0, 3))
+        layers_of_stage(six, 0, 3, (3, 0, 3))
     with pytest.raises(ValueError, match=r"stage_layers 3,2: sums to 5, not the model's 6 layers"):
-        stage_layers(six, 0, 2, (3, 2))
+        layers_of_stage(six, 0, 2, (3, 2))
     with pytest.raises(ValueError, match="stage must be <= 1, got 2"):
-        stage_layers(CFG, 2, 2)
+        layers_of_stage(CFG, 2, 2)
 
 
 def test_bad_token_ids_and_lengths():

@@ -20,7 +20,7 @@ from modelpar.pipeline import (
     measured_durations,
     measured_timeline,
     message_bytes,
-    predict,
+    simulate_measured,
     split_stages,
 )
 from modelpar.schedules import Schedule, get_schedule, lower
@@ -207,7 +207,7 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
     late = [(str(dep), str(a), end[dep] - start[a]) for a in start for dep in schedule.dependencies(a)
             if end[dep] > start[a]]
     assert not late
-    predicted = predict(schedule, measured_durations([tl]))
+    predicted = simulate_measured(schedule, measured_durations([tl]))
     assert predicted.actions == tl.actions and 0 < predicted.step_time <= tl.step_time * (1 + 1e-9)
     # one message into stage s: stage s - 1's output (widths 12, 9, 8), float64, 9 rows in 6 microbatches
     assert per_rank[0]["bytes"] == [0.0, 12 * 8 * 1.5, 9 * 8 * 1.5, 8 * 8 * 1.5]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from modelpar.cli import main
-from modelpar.pipeline import LocalStage, PipelineRunner, measured_durations, predict, split_stages
+from modelpar.pipeline import LocalStage, PipelineRunner, measured_durations, simulate_measured, split_stages
 from modelpar.pipeline.measure import measured_timeline, message_delays
 from modelpar.pipeline.shapes import microbatch_sizes
 from modelpar.pipeline.split_backward import backward_input
@@ -157,16 +157,16 @@ def test_split_stages_even_and_interleaved_placement():
 
 
 def test_prediction_from_measured_costs_reproduces_the_simulator():
-    """Fed the durations of a simulated 1F1B run (F = 1, B = 2), predict redraws the reference's 33 units."""
+    """Fed the durations of a simulated 1F1B run (F = 1, B = 2), simulate_measured redraws the reference's 33 units."""
     schedule = get_schedule("1f1b", ranks=4, microbatches=8)
     sim = simulate(schedule, Costs())
     measured = Timeline.from_events(sim.events, 4, schedule)
     durations = measured_durations([measured])
     assert durations[Kind.F] == [1.0] * 4 and durations[Kind.B] == [2.0] * 4
-    predicted = predict(schedule, durations)
+    predicted = simulate_measured(schedule, durations)
     assert predicted.step_time == 33 and round(predicted.bubble, 3) == 0.273  # §4.1: 33 units, 27.3 %
     gpipe = get_schedule("gpipe", ranks=4, microbatches=8)
-    with_transfer = predict(gpipe, durations, [0.0, 0.5, 0.5, 0.5])  # one message: 0.5 units
+    with_transfer = simulate_measured(gpipe, durations, [0.0, 0.5, 0.5, 0.5])  # one message: 0.5 units
     assert with_transfer.step_time == 36 == 3 * 4 * 8 / pipeline_speedup(stages=4, microbatches=8, comm=0.5)
     shifted = Timeline.from_events([Event(e.rank, e.action, e.start + 7.5, e.end + 7.5) for e in sim.events], 4, schedule)
     assert shifted.step_time == 33  # measured clocks start anywhere

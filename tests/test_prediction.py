@@ -21,7 +21,7 @@ from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel.accounting import comm_log
 from modelpar.training import TrainConfig, train
-from modelpar.training.prediction import compare, held_parameter_bytes, local_run, predict
+from modelpar.training.prediction import compare, held_parameter_bytes, local_run, predict_run
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_len=16)
@@ -121,7 +121,7 @@ def test_tensor_parallel_collectives_are_the_priced_ones(c4, sp):
 def test_prediction_arithmetic():
     """The step is the pipeline plus the exposed dp time plus the optimizer; the bubble is the simulator's."""
     cfg = dataclasses.replace(BASE, pp=2, dp=2, precision="fp32")
-    pred = predict(cfg, CPU_DEFAULT)
+    pred = predict_run(cfg, CPU_DEFAULT)
     assert pred.step_time_s == pytest.approx(sum(pred.time.values()))
     assert 0 < pred.bubble < 1 and pred.peak_held == 2  # 1F1B: the first stage holds p = 2 microbatches
     rows = compare(pred, {"step_time_s": 2 * pred.step_time_s, "bubble": None, "parameters_bytes": pred.memory["parameters"]})
@@ -129,7 +129,7 @@ def test_prediction_arithmetic():
     points = compare(pred, {"bubble": 0.001})  # the bubble's error in points: a ratio to a bubble near 0 says nothing
     assert points["bubble"]["error"] == pytest.approx(pred.bubble - 0.001)
     assert rows["parameters_bytes"]["error"] == 0.0
-    assert "activations" not in predict(dataclasses.replace(cfg, recompute="2"), CPU_DEFAULT).memory
+    assert "activations" not in predict_run(dataclasses.replace(cfg, recompute="2"), CPU_DEFAULT).memory
 
 
 def test_summary_and_metrics_carry_the_prediction(tmp_path, capsys):

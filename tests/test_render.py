@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.schedules import Kind, get_schedule, gpipe, interleaved_1f1b, naive, one_f_one_b, zb_h1
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.simulate import Costs, Timeline, simulate
 from modelpar.simulate.ascii import IDLE, ascii_chart, auto_unit
 from modelpar.simulate.plot import plot_timelines
@@ -142,10 +142,10 @@ def test_simulated_timelines_are_in_forward_units_measured_ones_carry_their_cloc
 
 def test_pipeline_measure_builds_timelines_in_seconds():
     pytest.importorskip("torch")
-    from modelpar.pipeline.measure import measured_durations, predict
+    from modelpar.pipeline.measure import measured_durations, simulate_measured
 
     measured = _measured()
-    assert predict(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"
+    assert simulate_measured(measured.schedule, measured_durations([measured]), 0.0005).unit == "s"
 
 
 def _runs(row: str, width: int = 2) -> list[str]:
@@ -173,7 +173,7 @@ def test_ascii_chart_shows_an_action_shorter_than_a_cell():
 def test_ascii_chart_draws_every_measured_action_in_order(name, k, m, times, cell):
     s = get_schedule(name, ranks=k, microbatches=m)
     durations = {kind: times[4 * i:4 * i + k] for i, kind in enumerate(Kind)}
-    starts, ends = execute(s, durations, [0.0] + [times[-1] / 3] * (k - 1))
+    starts, ends = replay_times(s, durations, [0.0] + [times[-1] / 3] * (k - 1))
     tl = Timeline.from_events([(d, a, starts[d][i], ends[d][i]) for d in range(k) for i, a in enumerate(s.actions[d])],
                   k, s, unit="s")
     rows = [line.split("|")[1] for line in ascii_chart(tl, unit=cell).splitlines()]

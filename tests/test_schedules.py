@@ -5,7 +5,6 @@ import pickle
 import pytest
 
 from modelpar.schedules import (
-    SCHEDULES,
     Action,
     Kind,
     Schedule,
@@ -14,11 +13,12 @@ from modelpar.schedules import (
     interleaved_1f1b,
     naive,
     one_f_one_b,
+    schedule_names,
     schedule_table,
     validate_schedule,
     zb_h1,
 )
-from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules.registry import schedule_entry
 
 
 def line(schedule, device):
@@ -100,12 +100,29 @@ def test_zb_h1_splits_backward_and_defers_w_by_device_index():
     assert line(s, 3) == "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3W3 3W4 3W5"
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", schedule_names())
 def test_get_schedule_names(name):
-    s = get_schedule(name, ranks=4, microbatches=8, chunks=2 if name in CHUNKED else None)
+    s = get_schedule(name, ranks=4, microbatches=8, chunks=schedule_entry(name).default_chunks)
     assert s.name == name
     assert s.num_ranks == 4 and s.num_microbatches == 8
     validate_schedule(s)
+
+
+@pytest.mark.parametrize("name", schedule_names())
+def test_each_registry_entry_states_what_its_generator_builds(name):
+    """The entry's microbatch rule is the generator's (it builds exactly the M the rule allows), and its chunks and
+    split-backward flag are the built schedule's."""
+    entry = schedule_entry(name)
+    v = entry.default_chunks
+    for k in (1, 2, 3):
+        for m in range(1, 7):
+            if entry.microbatches.allows(m, k, v):
+                s = get_schedule(name, ranks=k, microbatches=m, chunks=v)
+                assert (s.chunks, s.split_backward) == (v, entry.split_backward)
+            else:
+                with pytest.raises(ValueError, match=rf"microbatches .*(got {m}|\({m}\))"):
+                    get_schedule(name, ranks=k, microbatches=m, chunks=v)
+    assert entry.trains == (name != "naive")
 
 
 @pytest.mark.parametrize(
@@ -115,7 +132,8 @@ def test_get_schedule_names(name):
          r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, "
          r"v-min, dualpipe-v\}, got 'pipedream'"),
         (lambda: get_schedule("zb-v", ranks=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
-        (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7), r"microbatches must be >= 2 x ranks \(8\)"),
+        (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7),
+         r"microbatches must be >= 8, got 7 \(schedule 'dualpipe-v' needs 2 x ranks\)"),
         (lambda: get_schedule("gpipe", ranks=0, microbatches=8), r"ranks must be >= 1, got 0"),
         (lambda: get_schedule("1f1b", ranks=4, microbatches=-2), r"microbatches must be >= 1, got -2"),
         (lambda: get_schedule("gpipe", ranks=2.5, microbatches=8), r"ranks must be an integer, got 2.5"),

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from modelpar.schedules import SCHEDULES, Action, Kind, get_schedule, lower
-from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules import Action, Kind, get_schedule, lower, schedule_names
 from modelpar.schedules.lower import rendezvous
+from modelpar.schedules.registry import schedule_entry
 from modelpar.simulate import Costs, simulate
 
 NEW = ["looped-bfs", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"]
@@ -47,7 +47,7 @@ def _torch_order(cls, k, m, chunks=2):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_orders_equal_torchs(name, cls, ms, k):
     for m in ms(k):
-        ours = get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+        ours = get_schedule(name, ranks=k, microbatches=m, chunks=schedule_entry(name).default_chunks)
         assert ours.actions == _torch_order(cls, k, m), (name, k, m)
 
 
@@ -57,7 +57,7 @@ def test_valid_and_lowered_programs_pass_the_rendezvous_model(name):
         for m in range(1, 13):
             if name == "dualpipe-v" and m < 2 * k:
                 continue
-            s = get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None).validate()
+            s = get_schedule(name, ranks=k, microbatches=m, chunks=schedule_entry(name).default_chunks).validate()
             assert s.name == name and s.num_microbatches == m and s.num_ranks == k
             programs = lower(s)
             assert rendezvous(programs, s.stage_to_rank) is None
@@ -67,7 +67,7 @@ def test_valid_and_lowered_programs_pass_the_rendezvous_model(name):
 def test_v_placement_and_registry():
     assert get_schedule("zb-v", ranks=3, microbatches=4).stage_to_rank == (0, 1, 2, 2, 1, 0)
     assert get_schedule("looped-bfs", ranks=2, microbatches=2, chunks=3).stage_to_rank == (0, 1, 0, 1, 0, 1)
-    assert set(NEW) <= set(SCHEDULES)
+    assert set(NEW) <= set(schedule_names())
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 6, 8])

@@ -5,7 +5,7 @@ import pytest
 
 from modelpar.cli import main
 from modelpar.costmodel.local import moe_stage_seconds, predict_local, predicted_timeline
-from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.local_memory import LocalLayout
 from modelpar.costmodel.moe import MoESeconds, MoESpec, moe_spans
 from modelpar.costmodel.presets import PROFILES
 from modelpar.costmodel.specs import ModelSpec
@@ -15,7 +15,7 @@ from tests._images import assert_drawn, picture_colours
 
 SPEC = ModelSpec(layers=4, hidden=1024, heads=8, seq=1024, vocab=512, ffn=2048, gated_mlp=True,
                  tied_embeddings=False, learned_positions=False, bias=False, dropout=False)
-RUN = LocalRun(SPEC, p=2, d=4, microbatches=4, batch=32, precision="bf16", moe=MoESpec(8, 2048, every=2), ep=4)
+RUN = LocalLayout(SPEC, p=2, d=4, microbatches=4, batch=32, precision="bf16", moe=MoESpec(8, 2048, every=2), ep=4)
 H100 = PROFILES["h100-sxm"]
 
 
@@ -43,7 +43,7 @@ def test_timeline_carries_the_priced_all_to_alls_inside_the_boxes():
 def test_png_shows_the_segments_and_the_cli_draws_a_train_config(tmp_path, capsys):
     moe, dense = tmp_path / "moe.png", tmp_path / "dense.png"
     plot_timelines([predicted_timeline(RUN, H100)], moe)
-    plot_timelines([predicted_timeline(LocalRun(SPEC, p=2, d=4, microbatches=4, batch=32), H100)], dense)
+    plot_timelines([predicted_timeline(LocalLayout(SPEC, p=2, d=4, microbatches=4, batch=32), H100)], dense)
     ink = tuple(int(_INNER[i:i + 2], 16) for i in (1, 3, 5))
     assert ink in assert_drawn(moe) and ink not in picture_colours(dense)
     config = tmp_path / "moe.toml"

@@ -5,18 +5,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.cli import main
-from modelpar.schedules import SCHEDULES, Kind, get_schedule, lower
-from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules import Kind, get_schedule, lower, schedule_names
 from modelpar.schedules.lower import rendezvous
+from modelpar.schedules.registry import schedule_entry
 from modelpar.simulate.synthesis import StageCosts, candidates, pareto, synthesize
 
 
 def _best_named(k, m, costs, limit):
     best = None
-    for name in SCHEDULES:
+    for name in schedule_names():
         if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
             continue
-        tl = costs.timeline(get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None))
+        tl = costs.timeline(get_schedule(name, ranks=k, microbatches=m, chunks=schedule_entry(name).default_chunks))
         if max(tl.peak_held) <= limit + 1e-9 and (best is None or tl.step_time < best.step_time):
             best = tl
     return best

@@ -23,8 +23,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from modelpar.bench.pipeline import torch_schedule_step
 from modelpar.distributed import LocalCluster
 from modelpar.pipeline import PipelineRunner, split_stages
-from modelpar.schedules import SCHEDULES, DeadlockError, get_schedule
-from modelpar.schedules.generators import CHUNKED
+from modelpar.schedules import DeadlockError, get_schedule, schedule_names
+from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.torch_csv import from_csv, to_csv
 from modelpar.simulate.synthesis import StageCosts, synthesize
 
@@ -33,8 +33,8 @@ WIDTHS = [5, 7, 6, 4, 8, 5, 6, 7, 3]
 
 
 def _all(k, m):
-    return [get_schedule(n, ranks=k, microbatches=m, chunks=2 if n in CHUNKED else None)
-            for n in SCHEDULES if not (n == "interleaved" and m % k) and not (n == "dualpipe-v" and m < 2 * k)]
+    return [get_schedule(n, ranks=k, microbatches=m, chunks=schedule_entry(n).default_chunks)
+            for n in schedule_names() if schedule_entry(n).microbatches.allows(m, k, schedule_entry(n).default_chunks)]
 
 
 @pytest.mark.parametrize("k, m", [(1, 3), (2, 4), (3, 6), (4, 8)])
@@ -146,7 +146,7 @@ def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
         schedule, _ = synthesize(2, m, StageCosts.uniform(2, 1, 1.5, 0.5), 2)
         assert schedule.name == "auto" and schedule.stage_to_rank == (0, 1, 1, 0)
     else:
-        schedule = get_schedule(name, ranks=2, microbatches=m, chunks=2 if name in CHUNKED else None)
+        schedule = get_schedule(name, ranks=2, microbatches=m, chunks=schedule_entry(name).default_chunks)
     text = to_csv(schedule, comm=fmt == "compute_comms")
     for ours_vs_torch, torch_vs_one in cluster.run(_torch_runs_our_csv, text, fmt, m):
         assert ours_vs_torch <= TOL and torch_vs_one <= TOL

@@ -5,6 +5,7 @@ the whole model in this process (torch's own cross entropy and ``clip_grad_norm_
 """
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -15,10 +16,20 @@ import torch.distributed as dist
 from oracle import plain_loop
 
 from modelpar.checkpoint import latest_checkpoint, read_full_tensors, read_meta
+from modelpar.cli import main
 from modelpar.corpus import load_corpus
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes
 from modelpar.distributed import LocalCluster, free_port
 from modelpar.model import ModelConfig
+from modelpar.schedules import (
+    Schedule,
+    ScheduleEntry,
+    get_schedule,
+    gpipe,
+    register_schedule,
+    schedule_names,
+    unregister_schedule,
+)
 from modelpar.training import TrainConfig, train
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16)
@@ -208,6 +219,57 @@ def test_uneven_splits_compute_the_single_process_model(request, changes):
 def test_bad_input_is_one_error_on_every_rank(c2, changes, message):
     results = c2.run(_try_train, dataclasses.replace(BASE, **changes))
     assert all(kind == "error" and re.search(message, text) for kind, text in results), results
+
+
+# --- a new schedule is one generator plus one registry entry (issue 37) --------------------------------------
+def _gpipe_copy(*, ranks: int, microbatches: int) -> Schedule:
+    """The test-only schedule: GPipe's actions under another name."""
+    s = gpipe(ranks=ranks, microbatches=microbatches)
+    return Schedule(s.stage_to_rank, s.actions, "gpipe-copy")
+
+
+COPY = ScheduleEntry(_gpipe_copy)
+
+
+@pytest.fixture
+def gpipe_copy():
+    register_schedule("gpipe-copy", COPY)
+    yield "gpipe-copy"
+    unregister_schedule("gpipe-copy")
+
+
+def _train_registered(cfg):
+    """``_train`` on a rank (a process of its own) with the test-only schedule registered there too."""
+    register_schedule("gpipe-copy", COPY)
+    try:
+        return _train(cfg)
+    finally:
+        unregister_schedule("gpipe-copy")
+
+
+def test_a_schedule_registered_here_validates_simulates_is_offered_and_trains_as_gpipe(c2, gpipe_copy, capsys):
+    built = get_schedule(gpipe_copy, ranks=2, microbatches=4).validate()
+    assert built.name == "gpipe-copy" and built.actions == gpipe(ranks=2, microbatches=4).actions
+    assert main(["simulate", "--schedule", gpipe_copy, "--schedule", "gpipe", "--ranks", "2", "--microbatches", "4",
+                 "--json"]) == 0
+    copy, plain = json.loads(capsys.readouterr().out)
+    assert copy["schedule"] == "gpipe-copy" and copy["bubble"] == plain["bubble"] == pytest.approx(1 / 5)  # (K - 1)/(M + K - 1)
+    assert main(["simulate", "--schedule", "pipedream"]) == 2
+    assert "dualpipe-v, gpipe-copy} or auto, got 'pipedream'" in capsys.readouterr().err
+    cfg = dataclasses.replace(BASE, pp=2, steps=1)
+    copied = c2.run(_train_registered, dataclasses.replace(cfg, schedule=gpipe_copy))
+    assert copied == c2.run(_train, dataclasses.replace(cfg, schedule="gpipe"))  # bitwise: the same actions
+    assert copied[0][0] == pytest.approx(ref(cfg)[0][:1], abs=TOL, rel=0)
+
+
+def test_an_unregistered_schedule_is_gone_from_every_listing():
+    register_schedule("gpipe-copy", COPY)
+    with pytest.raises(ValueError, match="schedule 'gpipe-copy' is already registered"):
+        register_schedule("gpipe-copy", COPY)
+    unregister_schedule("gpipe-copy")
+    assert "gpipe-copy" not in schedule_names()
+    with pytest.raises(ValueError, match=r"schedule must be one of \{gpipe, 1f1b, .*, auto\}, got 'gpipe-copy'"):
+        dataclasses.replace(BASE, pp=2, schedule="gpipe-copy").check()
 
 
 # --- checkpoints: exact resume, crash safety, mismatches ----------------------------------------------

@@ -4,8 +4,8 @@
     python tools/rename_ranks.py --check    # list the files it would change; exit 1 if any
 
 Idempotent: a second run changes nothing. Run it again after merging a branch written with the old
-names. What it renames (docs/notation.md has the table; the old names stay as deprecated aliases,
-written by hand on lines carrying the marker ``rename: keep``, which this script never touches):
+names. What it renames (docs/notation.md has the table; the deprecated aliases of the old names were
+removed in issue 37; a line carrying the marker ``rename: keep`` is still left alone):
 
 1. Everywhere (identifiers, comments, docstrings, messages; Markdown too): ``num_devices`` ->
    ``num_ranks``, ``device_of`` -> ``rank_of``, ``stage_to_device`` -> ``stage_to_rank``,
@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = ("modelpar", "tests", "examples", "benchmarks", "docs")
-SKIP = {"docs/notation.md", "tests/test_renamed_names.py", "modelpar/_renamed.py"}  # hand-written: old names on purpose
+SKIP = {"docs/notation.md", "tests/test_renamed_names.py"}  # hand-written: old names on purpose
 KEEP = "rename: keep"
 
 EVERYWHERE = {

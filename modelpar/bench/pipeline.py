@@ -3,7 +3,7 @@
 ``bench_rank`` runs on every rank (start it with ``LocalCluster`` / ``launch`` or torchrun);
 rank 0 returns the measured timelines. ``summarize`` (in the parent) feeds the measured
 per-action costs and per-message transfer times (latency + bytes / bandwidth, from a ping-pong
-on the same group) back to the simulator (``measure.predict``) and puts the prediction beside
+on the same group) back to the simulator (``measure.simulate_measured``) and puts the prediction beside
 the measurement. ``modelpar bench pipeline`` and ``benchmarks/`` use both.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
 from modelpar.recompute.strategies import Strategy
-from modelpar.schedules.generators import SCHEDULES, get_schedule
+from modelpar.schedules.registry import get_schedule, schedule_names
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import Timeline
 
@@ -27,7 +27,7 @@ __all__ = ["MLPBench", "bench_rank", "summarize", "torch_schedule_step"]
 class MLPBench:
     """One measured configuration: schedule, pipeline shape and the built-in MLP's size."""
 
-    schedule: str = "1f1b"  # one of modelpar.schedules.SCHEDULES
+    schedule: str = "1f1b"  # one of modelpar.schedules.schedule_names()
     ranks: int = 4  # K: pipeline ranks (processes)
     microbatches: int = 8  # M
     chunks: int = 1  # v: model chunks per process (interleaved only)
@@ -41,7 +41,7 @@ class MLPBench:
     cuda: bool = False  # stages on each rank's GPU (under torchrun with NCCL)
 
     def __post_init__(self) -> None:
-        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("schedule", self.schedule, schedule_names())
         check_int("ranks", self.ranks, minimum=1)
         check_int("microbatches", self.microbatches, minimum=1)
         for name in ("width", "blocks", "steps", "threads"):
@@ -113,15 +113,15 @@ def gather_per_rank(obj: Any) -> list[Any]:
 
 def summarize(cfg: MLPBench, result: dict[str, Any]) -> dict[str, Any]:
     """Measured (median step) vs simulated with the measured costs: step time, bubble, peaks."""
-    from modelpar.pipeline.measure import measured_durations, message_delays, predict
+    from modelpar.pipeline.measure import measured_durations, message_delays, simulate_measured
 
     timelines: list[Timeline] = result["timelines"]
     order = sorted(range(len(timelines)), key=lambda i: timelines[i].step_time)
     median = timelines[order[len(order) // 2]]
     durations = measured_durations(timelines)
-    predicted = predict(cfg.build_schedule(), durations, result["transfer_in"])
+    predicted = simulate_measured(cfg.build_schedule(), durations, result["transfer_in"])
     delays = message_delays(timelines)
-    in_run = predict(cfg.build_schedule(), durations, delays)
+    in_run = simulate_measured(cfg.build_schedule(), durations, delays)
     chunks = median.chunks
     crossing = [t for t in result["transfer_in"] if t]
     return {

@@ -3,7 +3,7 @@
 Every split (t, p, d) of each process count × schedules × microbatch counts × recomputation × two
 model sizes (and ZeRO-1/2/3 where d > 1) runs a few steps in one ``LocalCluster`` per process count
 (each rank with the threads ``modelpar train`` gives it); the median step after the first
-``SETTLING_STEPS``, the bubble and rank 0's bytes are set against ``training.prediction.predict`` on the
+``SETTLING_STEPS``, the bubble and rank 0's bytes are set against ``training.prediction.predict_run`` on the
 given hardware profile. Reported: per configuration, predicted vs measured with the error; the mean
 absolute percentage error (MAPE) over the configurations with at most one rank per core and,
 separately, the rest; per model and process count, how far the planner's pick (least predicted time)
@@ -116,13 +116,13 @@ def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: An
     and fill in predicted and measured figures: the step is the median of the rounds' medians (``round_steps``),
     ``step_spread`` the first round's steps' ``spread``."""
     from modelpar.distributed import LocalCluster
-    from modelpar.training.prediction import predict
+    from modelpar.training.prediction import predict_run
 
     for world in sorted({c.cfg.dims.world_size for c in todo}):
         mine = [c for c in todo if c.cfg.dims.world_size == world]
         with LocalCluster(world, timeout=300.0, run_timeout=None) as cluster:
             for case in mine:
-                pred = predict(case.cfg, profile)
+                pred = predict_run(case.cfg, profile)
                 case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,
                                   **{f"{k}_bytes": v for k, v in pred.memory.items()}}
                 case.measured, case.round_steps = {}, []

@@ -12,8 +12,8 @@ import argparse
 import json
 from typing import Any
 
-from modelpar._renamed import RenamedFlag
 from modelpar._validate import check_output_path
+from modelpar.schedules.registry import schedule_names
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,10 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run a pipeline schedule on K local processes; measured vs simulated step time and bubble",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or naive (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {{{', '.join(schedule_names())}}} (default 1f1b)")
     parser.add_argument("--ranks", type=int, default=4, help="pipeline ranks K = processes (default 4)")
-    parser.add_argument("--stages", type=int, dest="ranks", action=RenamedFlag, new="--ranks",  # rename: keep
-                        help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches M (default 8)")
     parser.add_argument("--chunks", type=int, default=1, help="model chunks v per process, interleaved only (default 1)")
     parser.add_argument("--steps", type=int, default=5, help="measured steps after one warm-up (default 5)")

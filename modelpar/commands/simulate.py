@@ -30,19 +30,17 @@ MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes an
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from modelpar._renamed import RenamedFlag
-    from modelpar.schedules.generators import SCHEDULES
+    from modelpar.schedules.registry import schedule_names
 
     p = subparsers.add_parser(
         "simulate", help="simulate, draw and compare pipeline schedules",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--schedule", action="append", metavar="NAME",
-                   help=f"one of {{{', '.join(SCHEDULES)}}}, or auto (the fastest within --memory-limit); "
+                   help=f"one of {{{', '.join(schedule_names())}}}, or auto (the fastest within --memory-limit); "
                         f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
     p.add_argument("--ranks", metavar="K", help="pipeline ranks: processes along the pipeline (default 4; with --from, "
                                                 "the file's, and a --ranks given must agree)")
-    p.add_argument("--stages", dest="ranks", action=RenamedFlag, new="--ranks", help=argparse.SUPPRESS)  # rename: keep
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
                    help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
@@ -94,7 +92,7 @@ def _float(name: str, text: str, strict: bool = False) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from modelpar.schedules.generators import CHUNKED, SCHEDULES, get_schedule
+    from modelpar.schedules.registry import check_chunks, get_schedule, schedule_entry, schedule_names
     from modelpar.simulate import Costs, simulate
 
     check_outputs(args)
@@ -117,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
         )
     names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
     for name in names:
-        if name not in SCHEDULES and name != "auto":
-            raise ValueError(f"--schedule must be one of {{{', '.join(SCHEDULES)}}} or auto, got {name!r}")
+        if name not in schedule_names() and name != "auto":
+            raise ValueError(f"--schedule must be one of {{{', '.join(schedule_names())}}} or auto, got {name!r}")
     stage_costs = _stage_costs(args.costs, k, costs)
     limit = _float("--memory-limit", args.memory_limit, strict=True) if args.memory_limit else None
     if args.sweep is not None:
@@ -142,12 +140,11 @@ def run(args: argparse.Namespace) -> int:
             schedules.append(best)
             synthesised[id(best)] = tl
             continue
-        m_here = 1 if name == "naive" and args.microbatches is None else m
-        if name == "interleaved" and m % k:
-            raise ValueError(
-                f"--microbatches ({m}) must be a multiple of --ranks ({k}) for interleaved"
-            )
-        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v if name in CHUNKED else None))
+        entry = schedule_entry(name)
+        m_here = entry.default_microbatches if entry.default_microbatches and args.microbatches is None else m
+        v_here = check_chunks(name, v if entry.chunks is None else None)
+        entry.microbatches.check(name, m_here, k, v_here, "--microbatches", "--ranks")
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
@@ -194,11 +191,13 @@ def _train_config(args: argparse.Namespace) -> int:
 
 def _stage_costs(text, k, costs):
     """``--costs`` as StageCosts: one F:I:W triple for every stage, or one per stage; default from ``costs``."""
+    from modelpar.schedules.action import Kind
+    from modelpar.schedules.kinds import kind_times
     from modelpar.simulate.synthesis import StageCosts
 
     if not text:
-        half = costs.full_backward / 2
-        return StageCosts.uniform(k, costs.forward, costs.full_backward - half, half, costs.transfer)
+        times = kind_times(costs.forward, costs.full_backward, costs.weight_grad)
+        return StageCosts.uniform(k, times[Kind.F], times[Kind.I], times[Kind.W], costs.transfer)
     triples = []
     for part in text.split(","):
         fields = part.split(":")

@@ -75,7 +75,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     from modelpar._options import field_infos
     from modelpar.commands.train_options import RunOptions, given_settings, read_config_file
-    from modelpar.schedules.generators import CHUNKED, V_SHAPED
+    from modelpar.schedules.registry import schedule_entry, schedule_names
     from modelpar.text import DataConfig
     from modelpar.training import TrainConfig
 
@@ -92,8 +92,10 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     flat = {k: v for table in settings.values() for k, v in table.items()}
     own = {info.name for info in field_infos(RunOptions)}
     run_options = RunOptions(**{k: flat.pop(k) for k in own & flat.keys()}).check()
-    if flat.get("schedule") in CHUNKED + V_SHAPED and "chunks" not in flat:  # these default to v = 2
-        flat["chunks"] = 2
+    if flat.get("schedule") in schedule_names() and "chunks" not in flat:  # its own v: 2 for a V or a loop
+        v = schedule_entry(flat["schedule"]).default_chunks
+        if v != 1:
+            flat["chunks"] = v
     given = set(flat) | set(model) | ({"data"} if data else set())
     flat.setdefault("microbatches", 0)  # 0: chosen for this run's p, schedule and batch (default_microbatches)
     base = TrainConfig().model

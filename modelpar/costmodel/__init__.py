@@ -32,7 +32,6 @@ from modelpar.costmodel.presets import (
 from modelpar.costmodel.profiles import HardwareProfile, load_profile, save_profile
 from modelpar.costmodel.search import SearchResult, chunk_counts, fitting_gpu_counts, search
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, GPUSpec, ModelSpec, ParallelConfig
-from modelpar.costmodel.stages import device_layers as device_layers  # rename: keep (deprecated, not in __all__)
 from modelpar.costmodel.stages import rank_layers, split_layers
 from modelpar.costmodel.zero_bytes import (
     ZERO_STAGES,

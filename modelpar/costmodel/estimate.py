@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar._renamed import renamed_attribute
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency
@@ -67,7 +66,6 @@ class Estimate:
     links: dict[str, str]  # which link the tp, pp and dp traffic crosses
     rank_layers: tuple[int, ...]  # transformer layers on each pipeline rank
 
-    device_layers = renamed_attribute("rank_layers")  # rename: keep
 
     @property
     def memory_gb(self) -> float:

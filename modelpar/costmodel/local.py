@@ -7,7 +7,7 @@ and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per lay
 parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
 in tests/test_local_costs.py) — and the schedule is timed by the simulator
-(``modelpar.schedules.execute``) with those durations and the point-to-point cost per boundary.
+(``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
 (``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
@@ -57,7 +57,7 @@ from modelpar.costmodel.local_compute import (
 )
 from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
-    LocalRun,
+    LocalLayout,
     activation_bytes,
     bucket_shards,
     moe_layers_of,
@@ -72,14 +72,29 @@ from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
-from modelpar.schedules.execute import execute
+from modelpar.schedules.kinds import KINDS, kind_times
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
-__all__ = ["PRICED_ZERO", "LocalPrediction", "all_reduce_exposed", "auto_schedule", "core_share", "cp_layer_seconds",
-           "dp_bytes_step", "dp_traffic", "moe_stage_seconds", "predict_local",
-           "predicted_timeline", "run_schedule", "stage_costs", "tp_collectives", "tp_grad_sync"]
+__all__ = [
+    "PRICED_ZERO",
+    "LocalPrediction",
+    "all_reduce_exposed",
+    "auto_schedule",
+    "core_share",
+    "cp_layer_seconds",
+    "dp_bytes_step",
+    "dp_traffic",
+    "layout_schedule",
+    "moe_stage_seconds",
+    "predict_local",
+    "predicted_timeline",
+    "stage_costs",
+    "tp_collectives",
+    "tp_grad_sync",
+]
 
 PRICED_ZERO = (0, 1, 2, 3)  # ZeRO stages whose step this model prices
 
@@ -113,14 +128,14 @@ def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> floa
     return nbytes / (hw.intra_node_gbps * 1e9)
 
 
-def _comm(run: LocalRun, hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
+def _comm(run: LocalLayout, hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
     """Seconds of ``op`` over ``group`` ranks in the run: a pair's as training issues it when measured
     (``HardwareProfile.busy`` at the run's process count), else the idle fit."""
     cost = hw.busy_cost(op, run.world) if group == 2 else None
     return cost.time(nbytes) if cost is not None else _collective(hw, op, group, nbytes)
 
 
-def dp_traffic(run: LocalRun, stage: int) -> tuple[list[float], list[float], list[float]]:
+def dp_traffic(run: LocalLayout, stage: int) -> tuple[list[float], list[float], list[float]]:
     """Bytes one rank sends per bucket of ``stage`` in a data-parallel reduce-scatter of its gradients, an
     all-gather of its parameters for compute (ZeRO-3: in the compute dtype), and the all-gather after the
     step (ZeRO-1/2: the updated parameters): (g − 1) shards of the bucket padded to a multiple of d, over the g
@@ -134,7 +149,7 @@ def dp_traffic(run: LocalRun, stage: int) -> tuple[list[float], list[float], lis
     return [x * w for x in shards], [x * gather for x in shards], [x * w for x in shards if run.zero < 3]
 
 
-def dp_bytes_step(run: LocalRun, stages: list[int]) -> float:
+def dp_bytes_step(run: LocalLayout, stages: list[int]) -> float:
     """Data-parallel bytes the rank holding ``stages`` sends in a step under ZeRO ≥ 1 (what the trainer counts,
     ``TrainResult.dp_bytes_sent``): per microbatch, ZeRO-2/3's reduce-scatters and ZeRO-3's gathers (two per
     microbatch when resharding, else one per step); once, ZeRO-1's reduce-scatter and ZeRO-1/2's gather."""
@@ -147,7 +162,7 @@ def dp_bytes_step(run: LocalRun, stages: list[int]) -> float:
     return total
 
 
-def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
+def _dp_times(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """Seconds of ``stage``'s reduce-scatters, compute gathers and after-step gathers (one per bucket each)."""
     scatter, gather, after = dp_traffic(run, stage)
     g = run.grad_ranks
@@ -156,7 +171,7 @@ def _dp_times(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, fl
             sum(_comm(run, hw, "all_gather", g, x) for x in after))
 
 
-def all_reduce_exposed(run: LocalRun, hw: HardwareProfile, stages: list[int], backward_s: float) -> float:
+def all_reduce_exposed(run: LocalLayout, hw: HardwareProfile, stages: list[int], backward_s: float) -> float:
     """ZeRO-0: seconds the data-parallel all-reduces of the buckets of ``stages`` outlast the rank's last backward
     (``backward_s``, of ``stages[0]``, whose backward ends the rank's step), one bucket after the other as
     ``training.grads`` issues them: with overlap a "backward" bucket of that stage starts once the backward has
@@ -186,7 +201,7 @@ def all_reduce_exposed(run: LocalRun, hw: HardwareProfile, stages: list[int], ba
     return max(0.0, finish - backward_s)
 
 
-def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+def tp_collectives(run: LocalLayout, stage: int) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
     """The tensor-parallel collectives one microbatch of ``stage`` issues, (op, "forward"/"backward", bytes of
     the whole tensor: an all-reduce's input, an all-gather's output, a reduce-scatter's input), as
     ``tensor_parallel.accounting`` records them: per layer, and once at the stage's ends (no recomputation).
@@ -215,7 +230,7 @@ def tp_collectives(run: LocalRun, stage: int) -> tuple[list[tuple[str, str, floa
     return 2 * (f + g), ends
 
 
-def tp_grad_sync(run: LocalRun, stage: int) -> float:
+def tp_grad_sync(run: LocalLayout, stage: int) -> float:
     """Bytes of ``stage``'s gradients summed over the tensor-parallel group (one all-reduce of the replicated
     parameters that saw a shard: under sequence parallelism the norms, row biases and positions; replicated
     key/value heads): once per step, or after every backward under ZeRO-2/3. 0 when there are none."""
@@ -224,12 +239,12 @@ def tp_grad_sync(run: LocalRun, stage: int) -> float:
     return float(sum(x.numel for x in stage_tensors(run, stage) if x.partial and not x.tied) * run.param_bytes)
 
 
-def _tp_time(run: LocalRun, hw: HardwareProfile, op: str, nbytes: float) -> float:
+def _tp_time(run: LocalLayout, hw: HardwareProfile, op: str, nbytes: float) -> float:
     sent = allreduce_bytes(nbytes, run.t) if op == "all_reduce" else allgather_bytes(nbytes, run.t)
     return _comm(run, hw, op, run.t, sent)
 
 
-def _priced_tp_layer(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
+def _priced_tp_layer(run: LocalLayout, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
     """(forward, backward, the compute alone) seconds of one layer and micro-batch with its tensor-parallel
     collectives priced one by one (``_tp_time``); full recomputation runs the forward's again in the backward."""
     layer = layer_seconds(run, hw)
@@ -240,7 +255,7 @@ def _priced_tp_layer(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, 
     return layer.forward + seconds["forward"], backward, layer
 
 
-def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
+def tp_layer_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, float, LayerCost]:
     """One layer's (forward, backward) seconds with its tensor-parallel collectives, and its compute alone:
     priced one by one (``_priced_tp_layer``), plus, where the profile measured the layer whole at the run's t
     (``tp_layer``: the trainer's layer sharded over a pair, collectives inside), what those measurements cost
@@ -268,7 +283,7 @@ def tp_layer_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float, 
     return max(0.0, forward + missed[0] * share), max(0.0, backward + missed[1] * share), layer
 
 
-def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
+def cp_layer_seconds(run: LocalLayout, hw: HardwareProfile, block_s: float) -> tuple[float, float]:
     """Exposed context-parallel seconds of one layer and microbatch, (forward, backward) (``context.cp_exposed``):
     a ring hop of one key/value block (a pair's message), or the all-gathers of k and v over cp; ``block_s``: one
     block's attention, which hides a hop where communication runs beside compute (not on a CPU)."""
@@ -284,13 +299,13 @@ def cp_layer_seconds(run: LocalRun, hw: HardwareProfile, block_s: float) -> tupl
     return cp_exposed(run.cp, run.cp_comm, "none", comm, hidden)  # a recomputed forward: priced with it
 
 
-def _all_to_all(run: LocalRun, hw: HardwareProfile, sent: float) -> float:
+def _all_to_all(run: LocalLayout, hw: HardwareProfile, sent: float) -> float:
     """Seconds of an expert all-to-all in which each rank sends ``sent`` bytes: over two ranks a pair's exchange
     (the busy p2p fit), over more the all-gather fit of the ep group (the same bytes leave each rank)."""
     return _comm(run, hw, "p2p" if run.ep == 2 else "all_gather", run.ep, sent)
 
 
-def moe_stage_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[int, MoESeconds | None]:
+def moe_stage_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[int, MoESeconds | None]:
     """(MoE layers of ``stage``, what each adds over a dense layer: ``costmodel.moe.moe_layer_seconds`` on this
     profile; None for a dense stage). ``simulate`` draws its all-to-alls inside the F and B boxes."""
     n = moe_layers_of(run, stage)
@@ -305,7 +320,7 @@ def moe_stage_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[i
                                 lambda x: _all_to_all(run, hw, x), latency)
 
 
-def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
+def _stage_costs(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``: its layers'
     and ends' compute (``local_compute``), the runtime's cost per action, and the communication beside them."""
     layers = run.model.layers // run.stages
@@ -339,23 +354,24 @@ def _stage_costs(run: LocalRun, hw: HardwareProfile, stage: int) -> tuple[float,
     return forward, backward, weight
 
 
-def _hop(run: LocalRun, hw: HardwareProfile) -> float:
+def _hop(run: LocalLayout, hw: HardwareProfile) -> float:
     """Seconds of one point-to-point transfer of a microbatch's activations between pipeline ranks."""
     act = float(run.tokens * run.model.hidden * COMPUTE_BYTES[run.precision])  # a microbatch's s/cp tokens
     act /= run.t if run.sequence_parallel and run.t > 1 else 1
     return _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
 
 
-def stage_costs(run: LocalRun, hw: HardwareProfile) -> StageCosts:
+def stage_costs(run: LocalLayout, hw: HardwareProfile) -> StageCosts:
     """Forward, input- and weight-gradient seconds of each of the p whole stages (v = 1) and one transfer's:
     what ``simulate.synthesis`` builds ``schedule auto`` from (a schedule with v chunks cuts each into v)."""
     whole = replace(run, v=1)
     costs = [_stage_costs(whole, hw, s) for s in range(run.p)]
-    return StageCosts(tuple(c[0] for c in costs), tuple(c[1] - c[2] for c in costs), tuple(c[2] for c in costs),
-                      _hop(run, hw))
+    per_stage = [kind_times(*c) for c in costs]
+    forward, input_grad, weight_grad = (tuple(times[kind] for times in per_stage) for kind in (Kind.F, Kind.I, Kind.W))
+    return StageCosts(forward, input_grad, weight_grad, _hop(run, hw))
 
 
-def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
+def layout_schedule(run: LocalLayout, hw: HardwareProfile) -> Schedule:
     """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
     from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
     if run.schedule != "auto":
@@ -363,9 +379,9 @@ def run_schedule(run: LocalRun, hw: HardwareProfile) -> Schedule:
     return auto_schedule(run, hw, (run.v,))[0]
 
 
-def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = (1, 2)) -> tuple[Schedule, Timeline]:
+def auto_schedule(run: LocalLayout, hw: HardwareProfile, chunks: tuple[int, ...] = (1, 2)) -> tuple[Schedule, Timeline]:
     """``schedule auto`` for ``run``: the fastest ``simulate.synthesis`` builds from these stage costs within
-    ``run.memory_limit`` (0: any), synthesised for each v of ``chunks`` apart (each cached: ``run_schedule`` asks
+    ``run.memory_limit`` (0: any), synthesised for each v of ``chunks`` apart (each cached: ``layout_schedule`` asks
     for the winner's v again), ties to the smaller v. ValueError naming the least limit when none fits."""
     costs, limit = stage_costs(run, hw), run.memory_limit or None
     found = []
@@ -379,14 +395,14 @@ def auto_schedule(run: LocalRun, hw: HardwareProfile, chunks: tuple[int, ...] = 
     return min(found, key=lambda pair: pair[1].step_time)
 
 
-def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[float, float, float]],
+def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tuple[float, float, float]],
                                                            list[tuple[float, float, float]], Timeline]:
     """The run's schedule timed by the simulator with the priced actions: (schedule, stage costs, ZeRO times,
     timeline in seconds)."""
-    schedule = run_schedule(run, hw)
+    schedule = layout_schedule(run, hw)
     costs = [_stage_costs(run, hw, s) for s in range(run.stages)]
-    durations = {Kind.F: [c[0] for c in costs], Kind.B: [c[1] for c in costs],
-                 Kind.I: [c[1] - c[2] for c in costs], Kind.W: [c[2] for c in costs]}
+    per_stage = [kind_times(*c) for c in costs]
+    durations = {kind: [times[kind] for times in per_stage] for kind in KINDS}
     dp_stage = [_dp_times(run, hw, s) for s in range(run.stages)]
     tp_sync = [_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) if tp_grad_sync(run, s) else 0.0
                for s in range(run.stages)]
@@ -401,11 +417,11 @@ def _timeline(run: LocalRun, hw: HardwareProfile) -> tuple[Schedule, list[tuple[
     hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
-    starts, ends = execute(schedule, durations, transfer)
+    starts, ends = replay_times(schedule, durations, transfer)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
 
 
-def predicted_timeline(run: LocalRun, hw: HardwareProfile) -> Timeline:
+def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
     """The pipeline ``predict_local`` times, in ms, with each MoE layer's expert all-to-alls inside its F and
     B (I) boxes (``Timeline.inner``, placed by ``costmodel.moe.moe_spans`` at the lengths priced here)."""
     schedule, _, _, tl = _timeline(run, hw)
@@ -424,7 +440,7 @@ def predicted_timeline(run: LocalRun, hw: HardwareProfile) -> Timeline:
     return Timeline(tl.actions, *ms, schedule, unit="ms", inner=inner)
 
 
-def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
+def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
     """Step time, bubble and rank 0's bytes of ``run`` on the machine ``hw`` describes."""
     schedule, costs, dp_stage, timeline = _timeline(run, hw)
     pipeline = timeline.step_time
@@ -458,8 +474,3 @@ def predict_local(run: LocalRun, hw: HardwareProfile) -> LocalPrediction:
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]))
-
-
-def rank_parameters(run: LocalRun, stages: list[int]) -> int:
-    """Parameters (elements) a rank holding ``stages`` has: what ``TrainResult.parameters_here`` counts."""
-    return sum(x.numel for s in stages for x in stage_tensors(run, s))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from modelpar.costmodel.local_memory import LocalRun, activation_parts
+from modelpar.costmodel.local_memory import LocalLayout, activation_parts
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 
@@ -51,16 +51,16 @@ class LayerCost:
     weight: float
 
 
-def table_dtype(run: LocalRun) -> str:
+def table_dtype(run: LocalLayout) -> str:
     """The measured tables a run's compute is priced from (fp8: the bf16 ones; no float8 tables are measured)."""
     return {"fp32": "fp32", "bf16": "bf16", "fp8": "bf16", "fp64": "fp64"}[run.precision]
 
 
-def _ranks(run: LocalRun, hw: HardwareProfile) -> int:
+def _ranks(run: LocalLayout, hw: HardwareProfile) -> int:
     return min(run.world, hw.devices_per_node)
 
 
-def core_share(run: LocalRun, hw: HardwareProfile, table: dict[str, Any] | None = None) -> float:
+def core_share(run: LocalLayout, hw: HardwareProfile, table: dict[str, Any] | None = None) -> float:
     """How much slower compute runs than the profile's ``table`` (default: the kernels') for this run:
     ranks / max(measured, cores) when a CPU run has more processes than both (the table measured with fewer;
     the cores are split further), else 1."""
@@ -70,7 +70,7 @@ def core_share(run: LocalRun, hw: HardwareProfile, table: dict[str, Any] | None 
     return max(1.0, run.world / max(measured, hw.cores))
 
 
-def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int, ranks: int | None = None) -> float:
+def matmul_seconds(run: LocalLayout, hw: HardwareProfile, m: int, n: int, k: int, ranks: int | None = None) -> float:
     """Seconds of x[m×k]·w[k×n] at the profile's throughput for the run's dtype and rank count (or ``ranks``
     processes), no core sharing."""
     ranks = ranks or _ranks(run, hw)
@@ -78,7 +78,7 @@ def matmul_seconds(run: LocalRun, hw: HardwareProfile, m: int, n: int, k: int, r
     return 2.0 * m * n * k / ((tflops or hw.peak_tflops[hw.dtype]) * 1e12)
 
 
-def attention_seconds(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> float:
+def attention_seconds(run: LocalLayout, hw: HardwareProfile, ranks: int | None = None) -> float:
     """Seconds of one layer's attention forward at the measured rate: each of the rank's tokens sees the whole
     sequence (4·tokens·s·h/t FLOPs)."""
     m = run.model
@@ -91,7 +91,7 @@ def _stream(hw: HardwareProfile, ranks: int, nbytes: float) -> float:
     return nbytes * 2 / hw.elementwise_bytes_per_s(ranks)
 
 
-def kernel_layer(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -> tuple[LayerCost, float]:
+def kernel_layer(run: LocalLayout, hw: HardwareProfile, ranks: int | None = None) -> tuple[LayerCost, float]:
     """One layer composed from the kernel fits (module docstring; no recomputation, no core sharing) with the
     run's processes (or ``ranks``) computing, and its attention forward's seconds (what selective
     recomputation repeats)."""
@@ -108,7 +108,7 @@ def kernel_layer(run: LocalRun, hw: HardwareProfile, ranks: int | None = None) -
     return LayerCost(forward, dgrad + wgrad + 2 * attention + 2 * OPS_FORWARD * latency + kept, wgrad), attention
 
 
-def kernel_ends(run: LocalRun, hw: HardwareProfile, stage: int, ranks: int | None = None) -> tuple[LayerCost, LayerCost]:
+def kernel_ends(run: LocalLayout, hw: HardwareProfile, stage: int, ranks: int | None = None) -> tuple[LayerCost, LayerCost]:
     """(embedding, norm + head + loss) of ``stage`` composed from the kernel fits: the head's logits GEMM and
     its two backward GEMMs, 4 ops forward and 8 backward, and each end's kept bytes streamed; zero for an end
     the stage does not hold."""
@@ -126,7 +126,7 @@ def kernel_ends(run: LocalRun, hw: HardwareProfile, stage: int, ranks: int | Non
 _ZERO = LayerCost(0.0, 0.0, 0.0)
 
 
-def grid_model(run: LocalRun, hidden: int, heads: int, seq: int, tokens: int, vocab: int) -> LocalRun:
+def grid_model(run: LocalLayout, hidden: int, heads: int, seq: int, tokens: int, vocab: int) -> LocalLayout:
     """``run`` reduced to what calibrate measured: t = cp = 1, a GPT layer (ffn 4h, biases, one key/value head
     per query head) of ``hidden`` and ``heads``, ``tokens`` per micro-batch of ``seq``-token sequences, the
     output layer over ``vocab``; no recomputation. Its kernels are priced at the run's process count (the
@@ -167,7 +167,7 @@ def interpolate(rows: Sequence[Sequence[float]], keys: tuple[int, int], point: t
     return total
 
 
-def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
+def layer_seconds(run: LocalLayout, hw: HardwareProfile) -> LayerCost:
     """One layer's compute for one micro-batch on one rank, as ``run.recompute`` runs it (full: the forward
     without keeping, the backward with the forward again; selective: the attention forward again), × the core
     sharing (module docstring)."""
@@ -199,7 +199,7 @@ def layer_seconds(run: LocalRun, hw: HardwareProfile) -> LayerCost:
     return LayerCost(forward * share, backward * share, weight * share)
 
 
-def blockwise_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float] | None:
+def blockwise_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, float] | None:
     """(forward, backward) seconds of one layer's context-parallel attention on one rank, no core sharing: the
     measured blocks (``blockwise`` at the run's cp and sequence, interpolated in hidden and tokens) over its
     t-th of the heads; None at cp = 1 or outside what was measured."""
@@ -210,7 +210,7 @@ def blockwise_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float]
     return None if got is None else (got[0] / run.t, got[1] / run.t)
 
 
-def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
+def end_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> LayerCost:
     """The embedding's (first stage) and the norm, head and loss's (last stage) compute for one micro-batch,
     measured (``ends``) inside its grid as ``layer_seconds`` is, else composed; × the core sharing."""
     embed, head = kernel_ends(run, hw, stage)
@@ -232,14 +232,14 @@ def end_seconds(run: LocalRun, hw: HardwareProfile, stage: int) -> LayerCost:
     return LayerCost(forward * share, backward * share, weight * share)
 
 
-def runtime_seconds(run: LocalRun, hw: HardwareProfile) -> tuple[float, float]:
+def runtime_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, float]:
     """(per action, per step) seconds the pipeline runtime adds beyond computing (0, 0 when not measured)."""
     measured = hw.runtime(_ranks(run, hw))
     share = core_share(run, hw, hw.runtime_s)
     return (measured[0] * share, measured[1] * share) if measured else (0.0, 0.0)
 
 
-def step_end_seconds(run: LocalRun, hw: HardwareProfile, tensors: int, gradient_bytes: float,
+def step_end_seconds(run: LocalLayout, hw: HardwareProfile, tensors: int, gradient_bytes: float,
                      optimizer_bytes: float) -> float:
     """The step's gradient norm, AdamW update and zeroing on one rank holding ``tensors`` optimizer tensors (its
     parameters, or its bucket ranges under ZeRO), without the norm's all-reduce: the measured fit, else the

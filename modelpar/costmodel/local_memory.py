@@ -9,7 +9,7 @@ routed experts replicated over t, E/ep experts each; under ep > 1 each expert te
 its own, reduced after the step (``GradSync``), as a tied copy is, and over the d/ep replicas holding
 the same experts only: under ZeRO its state, gradient and parameters are cut into d/ep ranges
 (``bucket_shards``, the one place that rule lives here); it keeps ``costmodel.moe.moe_activation_bytes``
-in place of the SwiGLU's 4·ffn/t per token (uniform routing). ``LocalRun`` states
+in place of the SwiGLU's 4·ffn/t per token (uniform routing). ``LocalLayout`` states
 a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
 and these functions give the bytes its ranks measure (tests assert equality, and activations
 within 10%).
@@ -50,7 +50,7 @@ from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tens
 from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalRun", "activation_bytes", "activation_parts", "bucket_shards",
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "bucket_shards",
            "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
@@ -60,7 +60,7 @@ _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps beside
 
 
 @dataclass(frozen=True)
-class LocalRun(RankGrid):
+class LocalLayout(RankGrid):
     """One ``modelpar train`` layout in plain numbers (Megatron notation)."""
 
     model: ModelSpec  # ``ModelConfig.spec()``: padded vocabulary, the MLP width, key/value heads
@@ -117,12 +117,12 @@ class _Tensor:
     expert: bool = False  # routed expert weights under ep > 1: reduced and sharded over the d/ep replicas holding them
 
 
-def _norm(run: LocalRun, partial: bool) -> list[_Tensor]:
+def _norm(run: LocalLayout, partial: bool) -> list[_Tensor]:
     h = run.model.hidden
     return [_Tensor(h, partial)] * (2 if run.model.bias else 1)
 
 
-def _layer(run: LocalRun, index: int) -> list[_Tensor]:
+def _layer(run: LocalLayout, index: int) -> list[_Tensor]:
     """Layer ``index``'s parameters on one rank, in the module's order."""
     m, t = run.model, run.t
     h, f, a = m.hidden, m.ffn_size, m.heads
@@ -149,7 +149,7 @@ def _layer(run: LocalRun, index: int) -> list[_Tensor]:
     return out
 
 
-def stage_tensors(run: LocalRun, stage: int) -> list[_Tensor]:
+def stage_tensors(run: LocalLayout, stage: int) -> list[_Tensor]:
     """The parameters of (virtual) stage ``stage`` on one rank, in ``module.parameters()`` order."""
     m, t, last = run.model, run.t, run.stages - 1
     split = m.tied_embeddings and run.stages > 1
@@ -182,13 +182,13 @@ def _groups(sizes: list[int], elements: int) -> list[int]:
     return groups
 
 
-def stage_buckets(run: LocalRun, stage: int) -> list[int]:
+def stage_buckets(run: LocalLayout, stage: int) -> list[int]:
     """Elements of each gradient bucket of ``stage`` (before padding): the parameters in reverse, the
     ones reduced at once first, then the partial ones, then each tied copy (and expert tensor under ep > 1) alone."""
     return [n for n, _ in bucket_shards(run, stage)]
 
 
-def bucket_shards(run: LocalRun, stage: int) -> list[tuple[int, int]]:
+def bucket_shards(run: LocalLayout, stage: int) -> list[tuple[int, int]]:
     """(elements, ranks sharing it) of each gradient bucket of ``stage``, in ``stage_buckets``' order: a bucket is
     reduced, and under ZeRO sharded, over the d·cp ranks holding the same parameters; an expert tensor under
     ep > 1 over the d/ep replicas holding the same experts (``GradSync.shard_of``). Under ZeRO every buffer is
@@ -196,7 +196,7 @@ def bucket_shards(run: LocalRun, stage: int) -> list[tuple[int, int]]:
     return [(n, ranks) for n, ranks, _ in stage_bucket_list(run, stage)]
 
 
-def stage_bucket_list(run: LocalRun, stage: int) -> list[tuple[int, int, str]]:
+def stage_bucket_list(run: LocalLayout, stage: int) -> list[tuple[int, int, str]]:
     """(elements, ranks sharing it, ready) of each gradient bucket of ``stage`` in ``bucket_shards``' order, with
     when the trainer may reduce it (``training.buckets.READY``): "backward" as its gradients are final in the
     stage's last backward, "stage" after that backward's tensor-parallel sum, "step" after the pipeline step."""
@@ -209,7 +209,7 @@ def stage_bucket_list(run: LocalRun, stage: int) -> list[tuple[int, int, str]]:
             + [(x.numel, ranks // run.ep if x.expert else ranks, "step") for x in stage_tensors(run, stage) if x.tied])
 
 
-def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
+def state_bytes(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
     """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank`` (its index
     among the d·cp ranks that share its parameters: dp index · cp + cp index).
 
@@ -238,7 +238,7 @@ def state_bytes(run: LocalRun, stages: list[int], dp_rank: int = 0) -> dict[str,
     return {"parameters": params, "gradients": grads, "optimizer": state}
 
 
-def _layer_elements(run: LocalRun) -> float:
+def _layer_elements(run: LocalLayout) -> float:
     """Elements one layer keeps per token on one rank (module docstring), cos/sin excluded."""
     m, t = run.model, run.t
     h, f, a = m.hidden, m.ffn_size, m.heads
@@ -262,7 +262,7 @@ def _layer_elements(run: LocalRun) -> float:
     return (4 * h + 2) / (t if sp else 1) + linear_inputs + attention + h / t + lse + 4 * f / t
 
 
-def moe_layers_of(run: LocalRun, stage: int) -> int:
+def moe_layers_of(run: LocalLayout, stage: int) -> int:
     """How many of ``stage``'s layers are mixtures of experts."""
     if run.moe is None:
         return 0
@@ -270,7 +270,7 @@ def moe_layers_of(run: LocalRun, stage: int) -> int:
     return sum(1 for i in run.moe.layers(run.model.layers) if stage * per <= i < (stage + 1) * per)
 
 
-def _moe_bytes(run: LocalRun, stage: int) -> float:
+def _moe_bytes(run: LocalLayout, stage: int) -> float:
     """What ``stage``'s MoE layers keep beyond a dense layer: ``costmodel.moe.moe_activation_bytes`` less the
     SwiGLU's 4·ffn/t per token that ``_layer_elements`` counted (the router keeps the same input)."""
     n = moe_layers_of(run, stage)
@@ -281,7 +281,7 @@ def _moe_bytes(run: LocalRun, stage: int) -> float:
     return n * (moe - run.tokens * 4 * m.ffn_size / run.t * e)
 
 
-def activation_parts(run: LocalRun, stage: int) -> tuple[float, float, float]:
+def activation_parts(run: LocalLayout, stage: int) -> tuple[float, float, float]:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank, (one layer's, the first stage's
     embedding's, the last stage's norm, head and loss's); 0 for an end ``stage`` does not hold."""
     m, t = run.model, run.t
@@ -302,7 +302,7 @@ def activation_parts(run: LocalRun, stage: int) -> tuple[float, float, float]:
     return layer, first, last
 
 
-def activation_bytes(run: LocalRun, stage: int) -> float:
+def activation_bytes(run: LocalLayout, stage: int) -> float:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
     layer, first, last = activation_parts(run, stage)
     layers = run.model.layers // run.stages

@@ -11,7 +11,7 @@ refuses each candidate, so a new capability there is a new entry here. Pure Pyth
 ``auto`` among the schedules: for each (t, p, d, m, recomputation, SP, ZeRO) with p > 1, the
 schedule ``simulate.synthesis`` builds from this layout's stage costs (``local.stage_costs``)
 within the held activations the byte limit leaves (``held_limit``), of the v that ``accept``
-allows; the trainer rebuilds the same one from ``LocalRun.memory_limit`` (``local.run_schedule``).
+allows; the trainer rebuilds the same one from ``LocalLayout.memory_limit`` (``local.layout_schedule``).
 ``why_schedule`` says why the plan's schedule beats 1F1B at the same layout.
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalRun, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_tensors, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
-from modelpar.schedules.generators import CHUNKED, V_SHAPED, get_schedule
+from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
 __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "why_ep", "why_schedule"]
@@ -49,8 +49,8 @@ class Capabilities:
 class LocalPlan:
     """The ranked layouts that fit, and the leanest of those that did not (for the refusal)."""
 
-    ranked: list[tuple[LocalRun, LocalPrediction]]
-    leanest: tuple[LocalRun, LocalPrediction] | None
+    ranked: list[tuple[LocalLayout, LocalPrediction]]
+    leanest: tuple[LocalLayout, LocalPrediction] | None
     tried: int
 
 
@@ -70,7 +70,7 @@ def _context_runs(model: ModelSpec, cp: int, zero: int, t: int, sp: bool) -> boo
     return True
 
 
-def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalRun) -> Iterator[LocalRun]:
+def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalLayout) -> Iterator[LocalLayout]:
     """Every (t, cp, p, d, schedule, v, m, recompute, SP, ZeRO) of ``caps`` on ``world`` ranks, ``base``'s other
     fields."""
     for t in divisors(world):
@@ -78,8 +78,8 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
             yield from _layouts(model, world, batch, caps, replace(base, cp=cp, cp_comm=mode), t)
 
 
-def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalRun,
-             t: int) -> Iterator[LocalRun]:
+def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalLayout,
+             t: int) -> Iterator[LocalLayout]:
     """``layouts`` at ``t`` and ``base``'s cp."""
     for p in divisors(world // (t * base.cp)):
         d = world // (t * base.cp * p)
@@ -88,7 +88,7 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
         for schedule in caps.schedules:
             if p == 1 and schedule != "1f1b":
                 continue  # one stage: every schedule is the same loop
-            for v in (caps.chunks if schedule in CHUNKED else (2,) if schedule in V_SHAPED else (1,)):
+            for v in _chunk_choices(schedule, caps):
                 if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
                     continue
                 for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
@@ -105,13 +105,22 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
                                     yield run
 
 
-def _expert_splits(base: LocalRun, d: int) -> list[int]:
+def _chunk_choices(schedule: str, caps: Capabilities) -> tuple[int, ...]:
+    """The v to try with ``schedule``: ``caps.chunks`` for one that takes any, its own v otherwise (auto: 1 here,
+    its v is chosen in ``plan_local``)."""
+    if schedule == "auto":
+        return (1,)
+    fixed = schedule_entry(schedule).chunks
+    return caps.chunks if fixed is None else (fixed,)
+
+
+def _expert_splits(base: LocalLayout, d: int) -> list[int]:
     """The ep to try at d replicas: the divisors of d that divide the experts (1 for a dense model). Which of
     them the trainer runs with the rest of the layout (ZeRO with ep, ...) is ``accept``'s: ``TrainConfig.check``."""
     return [e for e in divisors(d) if base.moe.experts % e == 0] if base.moe is not None else [1]
 
 
-def _shards_fit(run: LocalRun) -> bool:
+def _shards_fit(run: LocalLayout) -> bool:
     """Under ZeRO-2/3 a bucket must hold one data-parallel shard of the largest parameter (the trainer refuses
     the run otherwise: ``training.zero_grads.check_bucket_size``)."""
     if run.zero < 2:
@@ -121,17 +130,12 @@ def _shards_fit(run: LocalRun) -> bool:
 
 
 def _builds(schedule: str, p: int, m: int, v: int) -> bool:
-    """Whether the generator makes ``schedule`` for (p, m, v) (interleaved needs p | m, DualPipe-V m >= 2p, ...)."""
-    if schedule == "auto":
-        return True
-    try:
-        get_schedule(schedule, ranks=p, microbatches=m, chunks=v)
-    except ValueError:
-        return False
-    return True
+    """Whether ``schedule`` takes (p, m, v): its registry entry's microbatch rule (interleaved p | m, DualPipe-V
+    m >= 2p, ...)."""
+    return schedule == "auto" or schedule_entry(schedule).microbatches.allows(m, p, v)
 
 
-def held_limit(run: LocalRun, limit_bytes: float, chunks: tuple[int, ...]) -> float:
+def held_limit(run: LocalLayout, limit_bytes: float, chunks: tuple[int, ...]) -> float:
     """Most held activations per device (microbatches of a whole stage) that keep every rank of ``run`` within
     ``limit_bytes``, for any placement of the v in ``chunks`` (contiguous; V or loop): the least over them."""
     least = float("inf")
@@ -149,8 +153,8 @@ def held_limit(run: LocalRun, limit_bytes: float, chunks: tuple[int, ...]) -> fl
     return least
 
 
-def _auto(run: LocalRun, hw: HardwareProfile, limit_bytes: float, accept: Callable[[LocalRun], bool],
-          ) -> LocalRun | None:
+def _auto(run: LocalLayout, hw: HardwareProfile, limit_bytes: float, accept: Callable[[LocalLayout], bool],
+          ) -> LocalLayout | None:
     """``run`` (schedule auto) with the v and held limit of the schedule synthesised within ``limit_bytes``;
     None if no v is accepted or no schedule fits. v only where the layers fill the p·v chunks evenly (the
     synthesis cuts a stage's costs evenly), as the trainer's ``prediction.resolve_schedule`` allows."""
@@ -168,14 +172,14 @@ def _auto(run: LocalRun, hw: HardwareProfile, limit_bytes: float, accept: Callab
     return replace(run, v=schedule.chunks)
 
 
-def pinned(run: LocalRun, pins: Mapping[str, Any], later: tuple[str, ...] = ()) -> bool:
-    """Whether ``run`` keeps every pinned field's value (``LocalRun`` names; as ``modelpar plan``'s pins fix a
+def pinned(run: LocalLayout, pins: Mapping[str, Any], later: tuple[str, ...] = ()) -> bool:
+    """Whether ``run`` keeps every pinned field's value (``LocalLayout`` names; as ``modelpar plan``'s pins fix a
     dimension of its search, the user's layout flags fix this one's); ``later``: fields not chosen yet."""
     return all(getattr(run, name) == value for name, value in pins.items() if name not in later)
 
 
-def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: float, caps: Capabilities = Capabilities(),
-               accept: Callable[[LocalRun], bool] = lambda run: True, pins: Mapping[str, Any] | None = None,
+def plan_local(base: LocalLayout, world: int, hw: HardwareProfile, limit_bytes: float, caps: Capabilities = Capabilities(),
+               accept: Callable[[LocalLayout], bool] = lambda run: True, pins: Mapping[str, Any] | None = None,
                ) -> LocalPlan:
     """Predict every layout ``accept`` allows that keeps the ``pins``; rank those whose busiest rank fits
     ``limit_bytes``, fastest first."""
@@ -201,7 +205,7 @@ def plan_local(base: LocalRun, world: int, hw: HardwareProfile, limit_bytes: flo
     return LocalPlan(ranked, leanest, tried)
 
 
-def why_schedule(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
+def why_schedule(plan: LocalPlan, run: LocalLayout, pred: LocalPrediction) -> str:
     """Why the plan runs ``run``'s schedule: its bubble and bytes beside 1F1B's at the same layout (or why not 1F1B)."""
     name = "auto (synthesised)" if run.schedule == "auto" else run.schedule
     name += f", v={run.v}" if run.v > 1 else ""
@@ -220,7 +224,7 @@ def why_schedule(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
             f"{mib(pred.memory_bytes)} vs {mib(base.memory_bytes)} MiB")
 
 
-def why_ep(plan: LocalPlan, run: LocalRun, pred: LocalPrediction) -> str:
+def why_ep(plan: LocalPlan, run: LocalLayout, pred: LocalPrediction) -> str:
     """Why the plan's expert parallelism: the fastest plan at every other ep beside it ("" for a dense model)."""
     if run.moe is None:
         return ""

@@ -28,9 +28,10 @@ from modelpar.costmodel.estimate import (
 from modelpar.costmodel.memory import activation_bytes_per_layer
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec
 from modelpar.costmodel.stages import check_split
-from modelpar.schedules.generators import get_schedule
 from modelpar.schedules.memory import peak_held
+from modelpar.schedules.registry import get_schedule
 from modelpar.simulate.synthesis import StageCosts, candidates, synthesize
+from modelpar.simulate.tables import takes_chunks
 from modelpar.simulate.timeline import Timeline
 
 __all__ = ["MAX_SEARCHED", "MAX_SYNTHESISED", "ScheduleChoice", "choose_schedule", "plan_schedule"]
@@ -53,7 +54,7 @@ class ScheduleChoice:
         if s is None:
             return "?"
         name = "auto (synthesised)" if s.name == "auto" else s.name
-        return name + (f" v={s.chunks}" if s.name in ("interleaved", "looped-bfs") else "")
+        return name + (f" v={s.chunks}" if takes_chunks(s.name) else "")
 
     def why(self) -> str:
         """One sentence: the chosen schedule's bubble and held activations beside the layout's own schedule's."""
@@ -77,7 +78,7 @@ def choose_schedule(costs: StageCosts, microbatches: int, limit: float, own: tup
     when none fits."""
     k = costs.stages
     mine = costs.timeline(get_schedule(own[0], ranks=k, microbatches=microbatches,
-                                       chunks=own[1] if own[0] in ("interleaved", "looped-bfs") else None))
+                                       chunks=own[1] if takes_chunks(own[0]) else None))
     own_fits = max(mine.peak_held) <= limit + 1e-9
     if synthesise:
         try:

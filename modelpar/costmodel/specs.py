@@ -236,7 +236,7 @@ class ClusterSpec:
 
 
 class RankGrid:
-    """The rank counts of a (t, cp, p, d) layout, for the dataclasses that hold one (``ParallelConfig``, ``LocalRun``)."""
+    """The rank counts of a (t, cp, p, d) layout, for the dataclasses that hold one (``ParallelConfig``, ``LocalLayout``)."""
 
     t: int
     cp: int

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from modelpar._renamed import renamed_function
 from modelpar.costmodel.specs import ParallelConfig
 from modelpar.layer_split import check_split, rank_layers, split_layers
-from modelpar.layer_split import device_layers as device_layers  # rename: keep (deprecated, not in __all__)
 
 __all__ = ["busiest_candidates", "check_split", "rank_layers", "rank_loads", "split_layers"]
 
@@ -22,7 +20,6 @@ def rank_loads(layers: int, cfg: ParallelConfig) -> tuple[int, ...]:
     return rank_layers(split, cfg.p)
 
 
-device_loads = renamed_function(rank_loads, "device_loads")  # rename: keep
 
 
 @lru_cache(maxsize=4096)

@@ -7,7 +7,7 @@ pipeline stage with its tensor-parallel shards, initialised like the single-proc
 
 from modelpar.model.config import ARCHS, VOCAB_MULTIPLE, ModelConfig
 from modelpar.model.init import build_stage, global_name, init_parameters
-from modelpar.model.transformer import LMLoss, TokenEmbedding, Transformer, split_stage, stage_layers
+from modelpar.model.transformer import LMLoss, TokenEmbedding, Transformer, layers_of_stage, split_stage
 
 __all__ = ["ARCHS", "VOCAB_MULTIPLE", "LMLoss", "ModelConfig", "TokenEmbedding", "Transformer", "build_stage",
-           "global_name", "init_parameters", "split_stage", "stage_layers"]
+           "global_name", "init_parameters", "layers_of_stage", "split_stage"]

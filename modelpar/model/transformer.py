@@ -37,7 +37,7 @@ from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.tensor_parallel.head_loss import OutputLayer
 from modelpar.tensor_parallel.rotary import Rope, RotaryTable
 
-__all__ = ["LMLoss", "TokenEmbedding", "Transformer", "split_stage", "stage_layers"]
+__all__ = ["LMLoss", "TokenEmbedding", "Transformer", "layers_of_stage", "split_stage"]
 
 
 class TokenEmbedding(TensorParallelModule):
@@ -187,7 +187,7 @@ class LMLoss:
         return self.head(out, targets, vocab_size=self.vocab_size, chunk=self.chunk, compute_dtype=self.compute_dtype)
 
 
-def stage_layers(cfg: ModelConfig, stage: int, num_stages: int, split: Sequence[int] | None = None) -> range:
+def layers_of_stage(cfg: ModelConfig, stage: int, num_stages: int, split: Sequence[int] | None = None) -> range:
     """Global indices of the layers of (virtual) stage ``stage`` of ``num_stages``.
 
     ``split``: the layers of each stage (``--stage-layers``); None: ``modelpar.layer_split``'s default.
@@ -202,7 +202,7 @@ def split_stage(model: Transformer, stage: int, num_stages: int, split: Sequence
     The first stage keeps the embedding, the last the final norm and the head (either may hold
     no layer). A tied head on a last stage without the embedding keeps the weight as its own parameter.
     """
-    keep = {str(i) for i in stage_layers(model.cfg, stage, num_stages, split)}
+    keep = {str(i) for i in layers_of_stage(model.cfg, stage, num_stages, split)}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
     if stage != 0:

@@ -9,7 +9,7 @@ from modelpar.pipeline.measure import (
     measured_durations,
     measured_timeline,
     message_bytes,
-    predict,
+    simulate_measured,
     transfer_times,
 )
 from modelpar.pipeline.partition import balance_by_cost, balance_by_size, balance_by_time, layer_times, split_sequential
@@ -35,7 +35,7 @@ __all__ = [
     "measured_durations",
     "measured_timeline",
     "message_bytes",
-    "predict",
+    "simulate_measured",
     "split_sequential",
     "split_stages",
     "transfer_times",

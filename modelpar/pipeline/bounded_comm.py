@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["FlightRecorder", "all_gather_object", "all_reduce_ints", "broadcast_object", "comm_device",
@@ -31,7 +31,7 @@ __all__ = ["FlightRecorder", "all_gather_object", "all_reduce_ints", "broadcast_
 def critical_path(schedule: Schedule) -> int:
     """The number of actions on the longest chain of a step: its length with every action costing 1
     and messages free (each action waits for its input and for the action before it on its device)."""
-    _, ends = execute(schedule)
+    _, ends = replay_times(schedule)
     return round(max((e for device in ends for e in device), default=0.0))
 
 

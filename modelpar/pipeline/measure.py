@@ -4,7 +4,7 @@ The runtime records every action's start and end on every rank; ``gather_timelin
 them into the same ``Timeline`` the simulator produces, so the ASCII / PNG / trace renderers draw
 the real run. ``measured_durations`` averages the run's cost of each (kind, stage);
 ``measure_link`` times messages of a few sizes between two devices of the group (ping-pong) and
-fits latency + bytes / bandwidth; ``predict`` feeds both back to the simulator: the step time and
+fits latency + bytes / bandwidth; ``simulate_measured`` feeds both back to the simulator: the step time and
 bubble the schedule *should* have had with these compute and transfer costs, to set beside the
 measured ones.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.timeline import CommSpan, Event, Timeline
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from modelpar.pipeline.runner import PipelineRunner
 
 __all__ = ["Link", "gather_timeline", "measure_link", "measured_durations", "measured_timeline", "message_bytes",
-           "message_delays", "predict", "transfer_times"]
+           "message_delays", "simulate_measured", "transfer_times"]
 
 
 def measured_timeline(runner: PipelineRunner, comm: Sequence[tuple[str, float, float]] = ()) -> Timeline:
@@ -53,7 +53,7 @@ def message_bytes(runner: PipelineRunner) -> list[float]:
 
 def transfer_times(runner: PipelineRunner, repeats: int = 10) -> list[float]:
     """Collective: time messages on the runner's group (ping-pong, latency + bytes/bandwidth) and
-    return one message's time into each stage — the ``transfer_in`` of ``predict``."""
+    return one message's time into each stage — the ``transfer_in`` of ``simulate_measured``."""
     nbytes = message_bytes(runner)
     largest = max(nbytes, default=0.0)
     link = measure_link(runner.group, [64, int(largest) // 4, int(largest)], runner.timeout, runner.recorder, repeats)
@@ -184,7 +184,7 @@ def measure_link(group: Any, sizes: Sequence[int], timeout: float, recorder: Any
     return Link(latency, per_byte)
 
 
-def predict(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
+def simulate_measured(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
             transfer_in: Sequence[float] | float = 0.0) -> Timeline:
     """Simulate ``schedule`` with measured per-(kind, stage) ``durations`` and transfer times.
 
@@ -195,5 +195,5 @@ def predict(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
     dev = schedule.stage_to_rank
     if isinstance(transfer_in, (int, float)):
         transfer_in = [float(transfer_in) if s and dev[s] != dev[s - 1] else 0.0 for s in range(len(dev))]
-    starts, ends = execute(schedule, durations, transfer_in)
+    starts, ends = replay_times(schedule, durations, transfer_in)
     return Timeline(schedule.actions, starts, ends, schedule, unit="s")

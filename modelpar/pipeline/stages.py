@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.layer_split import split_layers
 from modelpar.pipeline.partition import split_sequential
@@ -21,7 +20,6 @@ from modelpar.schedules.schedule import Schedule
 __all__ = ["split_stages"]
 
 
-@renamed_kwargs(device="rank")  # rename: keep
 def split_stages(
     model: nn.Sequential,
     schedule: Schedule,

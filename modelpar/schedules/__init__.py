@@ -3,11 +3,8 @@
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.clock_cycles import clock_cycles
 from modelpar.schedules.derive import forward_only, on_one_rank
-from modelpar.schedules.derive import on_one_device as on_one_device  # rename: keep (deprecated, not in __all__)
-from modelpar.schedules.execute import execute
+from modelpar.schedules.diagnosis import DeadlockError
 from modelpar.schedules.generators import (
-    SCHEDULES,
-    get_schedule,
     gpipe,
     interleaved_1f1b,
     looped_bfs,
@@ -17,24 +14,32 @@ from modelpar.schedules.generators import (
 )
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.lower import Comm, Op, Transfer, lower
+from modelpar.schedules.registry import (
+    ScheduleEntry,
+    get_schedule,
+    register_schedule,
+    schedule_entry,
+    schedule_names,
+    unregister_schedule,
+)
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.schedules.table import schedule_table
-from modelpar.schedules.validate import DeadlockError, validate_schedule
+from modelpar.schedules.validate import validate_schedule
 from modelpar.schedules.zero_bubble import dualpipe_v, v_half, v_min, zb_h2, zb_v
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "Comm",
     "DeadlockError",
     "Kind",
     "Op",
     "Schedule",
+    "ScheduleEntry",
     "Transfer",
     "clock_cycles",
     "contiguous_map",
     "dualpipe_v",
-    "execute",
     "forward_only",
     "get_schedule",
     "gpipe",
@@ -46,7 +51,12 @@ __all__ = [
     "naive",
     "on_one_rank",
     "one_f_one_b",
+    "register_schedule",
+    "replay_times",
+    "schedule_entry",
+    "schedule_names",
     "schedule_table",
+    "unregister_schedule",
     "v_half",
     "v_map",
     "v_min",

@@ -8,9 +8,8 @@ schedule's work done by one process, e.g. to measure its memory without starting
 
 from __future__ import annotations
 
-from modelpar._renamed import renamed_function
 from modelpar.schedules.action import Kind
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["forward_only", "on_one_rank"]
@@ -28,7 +27,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 def on_one_rank(schedule: Schedule) -> Schedule:
     """Every action of ``schedule`` on one rank, in simulated start order (ties: lower rank first)."""
-    starts, _ = execute(schedule)
+    starts, _ = replay_times(schedule)
     order = sorted(
         (t, d, i) for d, times in enumerate(starts) for i, t in enumerate(times)
     )
@@ -36,4 +35,3 @@ def on_one_rank(schedule: Schedule) -> Schedule:
     return Schedule((0,) * schedule.num_stages, actions, f"{schedule.name or 'schedule'} (one rank)")
 
 
-on_one_device = renamed_function(on_one_rank, "on_one_device")  # rename: keep

@@ -1,4 +1,4 @@
-"""Schedule generators and their registry: naive, GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1
+"""Schedule generators: naive, GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1
 here; ZB-H2, ZB-V, V-Half, V-Min and DualPipe-V in ``zero_bubble``.
 
 Each returns a ``Schedule`` with K ranks (stage s on rank s, except interleaved and Looped
@@ -10,20 +10,13 @@ Parallelism", §3.1 (ZB-H1); Lamy-Poirier 2022, "Breadth-First Pipeline Parallel
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from modelpar._renamed import renamed_kwargs
-from modelpar._validate import check_choice, check_divisible, check_int
+from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.rules import MicrobatchRule
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map
-from modelpar.schedules.zero_bubble import dualpipe_v, v_half, v_min, zb_h2, zb_v
 
 __all__ = [
-    "CHUNKED",
-    "SCHEDULES",
-    "V_SHAPED",
-    "check_chunks",
-    "get_schedule",
+    "INTERLEAVED_MICROBATCHES",
     "gpipe",
     "interleaved_1f1b",
     "looped_bfs",
@@ -33,6 +26,7 @@ __all__ = [
 ]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+INTERLEAVED_MICROBATCHES = MicrobatchRule(multiple_of_ranks=True)  # M in groups of K through each chunk
 
 
 def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
@@ -43,7 +37,6 @@ def _frozen(per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
     return tuple(map(tuple, per_rank))
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     """Naive model parallelism (§1.2): one microbatch at a time goes all the way down and back.
 
@@ -54,7 +47,6 @@ def naive(*, ranks: int, microbatches: int = 1) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "naive")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def gpipe(*, ranks: int, microbatches: int) -> Schedule:
     """GPipe (Huang et al. 2019; §2.3): all M forwards, then all M backwards, last microbatch first."""
     k, m = _counts(ranks, microbatches)
@@ -65,7 +57,6 @@ def gpipe(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "gpipe")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al. 2019; §4.1).
 
@@ -85,7 +76,6 @@ def one_f_one_b(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "1f1b")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021 §2.2.2; §4.2) with v chunks per rank.
 
@@ -98,7 +88,7 @@ def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Sched
     v = check_int("chunks", chunks, minimum=1)
     if v == 1:
         return Schedule(contiguous_map(k), one_f_one_b(ranks=k, microbatches=m).actions, "interleaved")
-    check_divisible("microbatches", m, "ranks", k)
+    INTERLEAVED_MICROBATCHES.check("interleaved", m, k, v)
     total = m * v
 
     # step j of a rank's F (or B) sequence: chunk (j // K) % v (B: counted from the last
@@ -115,7 +105,6 @@ def interleaved_1f1b(*, ranks: int, microbatches: int, chunks: int = 2) -> Sched
     return Schedule(loop_map(k, v), _frozen(per_rank), "interleaved")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024 §3.1): 1F1B with the backward split into I and a deferred W.
 
@@ -143,7 +132,6 @@ def zb_h1(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(contiguous_map(k), _frozen(per_rank), "zb-h1")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def looped_bfs(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Looped BFS (Lamy-Poirier 2022), as torch's ``ScheduleLoopedBFS``: loop placement; each rank
     runs all M forwards of its first chunk, then of the next, ..., then the backwards in reverse
@@ -158,41 +146,3 @@ def looped_bfs(*, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
         per_rank.append(acts)
     return Schedule(loop_map(k, v), _frozen(per_rank), "looped-bfs")
 
-
-_BUILD: dict[str, Callable[..., Schedule]] = {
-    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b,
-    "looped-bfs": looped_bfs, "zb-h1": zb_h1, "zb-h2": zb_h2, "zb-v": zb_v, "v-half": v_half,
-    "v-min": v_min, "dualpipe-v": dualpipe_v,
-}
-SCHEDULES = tuple(_BUILD)
-CHUNKED = ("interleaved", "looped-bfs")  # any chunks v per rank (loop placement)
-V_SHAPED = ("zb-v", "v-half", "v-min", "dualpipe-v")  # two chunks per rank, placed as a V
-
-
-def check_chunks(name: str, chunks: int | None) -> int:
-    """The chunks v schedule ``name`` runs with: ``chunks`` for CHUNKED ones (default 1), 2 for V
-    shapes (None or 2), 1 for the others (None or 1); ValueError otherwise."""
-    check_choice("schedule", name, SCHEDULES)
-    fixed = None if name in CHUNKED else 2 if name in V_SHAPED else 1
-    if chunks is None:
-        return fixed or 1
-    v = check_int("chunks", chunks, minimum=1)
-    if fixed == 1 and v != 1:
-        raise ValueError(f"chunks must be 1 for schedule {name!r} (only {', '.join(map(repr, CHUNKED))} use "
-                         f"chunks), got {v}")
-    if fixed == 2 and v != 2:
-        raise ValueError(f"chunks must be 2 for schedule {name!r} (a V: two stages per rank), got {v}")
-    return v
-
-
-@renamed_kwargs(stages="ranks")  # rename: keep
-def get_schedule(name: str, *, ranks: int, microbatches: int, chunks: int | None = None) -> Schedule:
-    """Build schedule ``name`` (one of ``SCHEDULES``) for K pipeline ranks and M microbatches.
-
-    ``chunks`` (v): any for "interleaved" and "looped-bfs" (default 1), 2 for the V shapes
-    (default 2), 1 for the others (``check_chunks``). ``stages=K`` is the deprecated old name of ``ranks=K``.
-    """
-    v = check_chunks(name, chunks)
-    if name in CHUNKED:
-        return _BUILD[name](ranks=ranks, microbatches=microbatches, chunks=v)
-    return _BUILD[name](ranks=ranks, microbatches=microbatches)

@@ -24,7 +24,6 @@ import heapq
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
@@ -34,14 +33,13 @@ __all__ = ["greedy"]
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 
-@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
            durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
            name: str = "greedy") -> Schedule:
     """The schedule the list scheduler above builds for ``stage_to_rank`` and M microbatches.
 
     ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
-    the costs it plans with, as in ``execute``.
+    the costs it plans with, as in ``replay_times``.
     """
     dev = tuple(stage_to_rank)
     S, M = len(dev), check_int("microbatches", microbatches, minimum=1)

@@ -12,7 +12,7 @@ Beyond the ends of the model a value comes from the batch or the loss, or is dro
     I     GRAPH(s), GRAD(s + 1)          GRAD(s), DEFERRED           input-gradient backward
     W     DEFERRED(s)                    —                           weight-gradient backward
 
-Validation, timing (``execute``), lowering, the rendezvous model and the runtime's plan read
+Validation, timing (``replay``), lowering, the rendezvous model and the runtime's plan read
 this table; adding a kind means adding a ``Kind`` member and its ``SPECS`` row. A schedule uses
 one *style* (``STYLES``): the kinds that together produce each value it consumes exactly once.
 """
@@ -75,6 +75,12 @@ KINDS = tuple(SPECS)
 
 # the styles a schedule may use, smallest first: forward only (evaluation), full backward, split backward
 STYLES: tuple[tuple[Kind, ...], ...] = ((Kind.F,), (Kind.F, Kind.B), (Kind.F, Kind.I, Kind.W))
+
+
+def kind_times(forward: float, backward: float, weight: float) -> dict[Kind, float]:
+    """Each kind's time from T_F, the full backward's T_B and its weight-gradient part T_W: I = B − W
+    (a split backward does the full one's work in two actions)."""
+    return {Kind.F: forward, Kind.B: backward, Kind.I: backward - weight, Kind.W: weight}
 
 
 def inputs_of(kind: Kind, stage: int) -> list[tuple[Value, int]]:

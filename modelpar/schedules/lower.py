@@ -35,12 +35,11 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from modelpar._renamed import renamed_kwargs, warn_renamed
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.execute import run_blocking
+from modelpar.schedules.diagnosis import DeadlockError, deadlock_chain
 from modelpar.schedules.kinds import KINDS, SPECS, STYLES, VALUES, describe_message, inputs_of, producers, style_of
+from modelpar.schedules.replay import replay_traced
 from modelpar.schedules.schedule import Schedule
-from modelpar.schedules.validate import DeadlockError, deadlock_chain
 
 __all__ = ["Comm", "Op", "Transfer", "lower", "parse_op", "rendezvous"]
 
@@ -132,7 +131,7 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
     the receivers at the same moment."""
     programs: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     dev = schedule.stage_to_rank
-    for a in run_blocking(schedule).order:
+    for a in replay_traced(schedule).order:
         d = dev[a.stage]
         programs[d].append(a)
         for peer, send, recv in _consumers(schedule, a):
@@ -167,7 +166,7 @@ def _remote_input(action: Action, dep: Action) -> str:
 def _hang_message(schedule: Schedule) -> str:
     """Name the operations a deadlocking schedule would wait on forever, as a chain of ranks."""
     chain = []
-    for d, _, a, dep, owner in deadlock_chain(schedule):
+    for d, _, a, dep, owner in deadlock_chain(schedule, replay_traced(schedule).stuck):
         x = _remote_input(a, dep)
         chain.append(f"rank {d} waits at {Transfer(a.stage, Comm('RECV_' + x), a.microbatch)} (the input of {a}), "
                      f"but rank {owner} never reaches {Transfer(dep.stage, Comm('SEND_' + x), dep.microbatch)}")
@@ -177,7 +176,6 @@ def _hang_message(schedule: Schedule) -> str:
 
 
 # --- the rendezvous model ---------------------------------------------------------------------
-@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], channel: str = "pair") -> str | None:
     """None if ``programs`` run to the end with zero buffering; else the first operation that cannot.
 
@@ -190,9 +188,6 @@ def rendezvous(programs: Sequence[Sequence[Op]], stage_to_rank: Sequence[int], c
     the peer's, and both complete together only if one is the send and the other the receive of
     the same message — no buffering. What a program must satisfy not to hang on NCCL.
     """
-    if channel == "device":  # rename: keep (the old name of channel="rank")
-        warn_renamed('rendezvous(channel="device")', 'channel="rank"', stacklevel=4)  # rename: keep
-        channel = "rank"
     if channel not in ("pair", "rank"):
         raise ValueError(f"channel must be one of {{pair, rank}}, got {channel!r}")
     per_pair = channel == "pair"

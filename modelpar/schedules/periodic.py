@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.schedule import Schedule
@@ -23,7 +22,6 @@ from modelpar.schedules.schedule import Schedule
 __all__ = ["periodic"]
 
 
-@renamed_kwargs(stage_to_device="stage_to_rank")  # rename: keep
 def periodic(stage_to_rank: Sequence[int], microbatches: int, name: str = "periodic") -> Schedule:
     """Repeat the compact building block of ``stage_to_rank`` for M microbatches (split backward)."""
     dev = tuple(stage_to_rank)

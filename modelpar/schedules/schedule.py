@@ -11,19 +11,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from modelpar._renamed import renamed_attribute, renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.kinds import STYLES, inputs_of, producers, style_of
 
 
-@renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def contiguous_map(num_ranks: int) -> tuple[int, ...]:
     """Stage s on rank s: one stage per rank."""
     return tuple(range(check_int("num_ranks", num_ranks, minimum=1)))
 
 
-@renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def loop_map(num_ranks: int, chunks: int) -> tuple[int, ...]:
     """Megatron's interleaved ("loop") placement: rank d holds stages d, d + K, d + 2K, ..."""
     k = check_int("num_ranks", num_ranks, minimum=1)
@@ -31,7 +28,6 @@ def loop_map(num_ranks: int, chunks: int) -> tuple[int, ...]:
     return tuple(s % k for s in range(k * v))
 
 
-@renamed_kwargs(num_devices="num_ranks")  # rename: keep
 def v_map(num_ranks: int) -> tuple[int, ...]:
     """The V placement of ZB-V and DualPipe-V: 2K stages, rank d holds d and 2K − 1 − d."""
     k = check_int("num_ranks", num_ranks, minimum=1)
@@ -43,7 +39,7 @@ class Schedule:
     """Ordered actions per pipeline rank, with virtual stage ``s`` living on rank ``stage_to_rank[s]``.
 
     A rank is a position along the pipeline (0..K−1), a stage a virtual stage of the model (0..S−1,
-    S = K·v); docs/notation.md lists the names and their deprecated old ones.
+    S = K·v); docs/notation.md lists the names and the old ones they replaced.
     """
 
     stage_to_rank: tuple[int, ...]
@@ -107,9 +103,6 @@ class Schedule:
         """The pipeline rank that holds virtual stage ``stage``."""
         return self.stage_to_rank[stage]
 
-    num_devices = renamed_attribute("num_ranks")  # rename: keep
-    device_of = renamed_attribute("rank_of")  # rename: keep
-    stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
 
     def stages_on(self, rank: int) -> list[int]:
         """The virtual stages rank ``rank`` holds, in model order."""

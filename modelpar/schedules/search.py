@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from modelpar.schedules.execute import execute
 from modelpar.schedules.memory import peak_held
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["fastest_within", "peak", "unit_step"]
@@ -19,7 +19,7 @@ Timer = Callable[[Schedule], float]
 
 def unit_step(schedule: Schedule) -> float:
     """Step time with every action one unit long and free transfers."""
-    _, ends = execute(schedule)
+    _, ends = replay_times(schedule)
     return max((max(e) for e in ends if e), default=0.0)
 
 

@@ -6,7 +6,7 @@ dependencies are done, so blank cells are the schedule's bubbles counted in acti
 
 from __future__ import annotations
 
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["schedule_table"]
@@ -14,7 +14,7 @@ __all__ = ["schedule_table"]
 
 def schedule_table(schedule: Schedule, label: str = "Device") -> str:
     """Rows are steps, columns ranks, cells the ``0F3``-style actions (validates the schedule)."""
-    starts, _ = execute(schedule)
+    starts, _ = replay_times(schedule)
     steps = 1 + int(max((max(s) for s in starts if s), default=-1))
     grid = [[""] * schedule.num_ranks for _ in range(steps)]
     for d, (acts, times) in enumerate(zip(schedule.actions, starts)):

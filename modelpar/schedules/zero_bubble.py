@@ -20,24 +20,24 @@ from __future__ import annotations
 
 import math
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.periodic import periodic
+from modelpar.schedules.rules import MicrobatchRule
 from modelpar.schedules.schedule import Schedule, contiguous_map, v_map
 from modelpar.schedules.search import fastest_within
 
-__all__ = ["dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
+__all__ = ["DUALPIPE_MICROBATCHES", "dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+DUALPIPE_MICROBATCHES = MicrobatchRule(least_per_rank=2)  # pairs microbatches from both ends of the V
 
 
 def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
     return check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-H2: more warm-up forwards (rank d holds up to 2(K − d) − 1) so W's fill the whole drain.
 
@@ -48,7 +48,6 @@ def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
     return greedy(contiguous_map(k), m, [2 * (k - d) - 1 for d in range(k)], name="zb-h2")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def v_half(*, ranks: int, microbatches: int) -> Schedule:
     """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any rank.
 
@@ -63,7 +62,6 @@ def v_half(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(best[0].stage_to_rank, best[0].actions, "v-half")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def v_min(*, ranks: int, microbatches: int) -> Schedule:
     """V-Min: V placement, the compact repeated building block (``periodic``): about K/3
     microbatches' activations held per rank, a step no longer than 1F1B's."""
@@ -71,7 +69,6 @@ def v_min(*, ranks: int, microbatches: int) -> Schedule:
     return periodic(v_map(k), m, name="v-min")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def zb_v(*, ranks: int, microbatches: int) -> Schedule:
     """ZB-V (Qi et al. 2024a §6), as torch's ``ScheduleZBVZeroBubble``: V placement, warm-up on
     chunk 0, then chunk 1 with its I and W right behind, then F/I/W of both chunks in turn."""
@@ -111,7 +108,6 @@ def zb_v(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(v_map(k), tuple(per_rank), "zb-v")
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
     """DualPipe-V (DeepSeek's DualPipe folded onto a V), as torch's ``ScheduleDualPipeV``.
 
@@ -120,8 +116,7 @@ def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
     last microbatches' backwards are split into I and W, the W's filling the drain.
     """
     k, m = _counts(ranks, microbatches)
-    if m < 2 * k:
-        raise ValueError(f"microbatches must be >= 2 x ranks ({2 * k}) for schedule 'dualpipe-v', got {m}")
+    DUALPIPE_MICROBATCHES.check("dualpipe-v", m, k, 2)
     return Schedule(v_map(k), tuple(_dualpipe_rank(k, m, d) for d in range(k)), "dualpipe-v")
 
 

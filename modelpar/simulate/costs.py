@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from modelpar._validate import check_number
 from modelpar.schedules.action import Kind
+from modelpar.schedules.kinds import kind_times
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["Costs"]
@@ -62,12 +63,7 @@ class Costs:
             raise ValueError(
                 f"stage_multipliers must have one entry per stage ({n}), got {len(mult)}"
             )
-        base = {
-            Kind.F: self.forward,
-            Kind.B: self.full_backward,
-            Kind.I: self.full_backward - self.weight_grad,
-            Kind.W: self.weight_grad,
-        }
+        base = kind_times(self.forward, self.full_backward, self.weight_grad)
         scale = [x / schedule.chunks for x in mult]
         return {k: [t * x for x in scale] for k, t in base.items()}
 

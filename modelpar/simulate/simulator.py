@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from modelpar.schedules.execute import execute
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule
 from modelpar.simulate.costs import Costs
 from modelpar.simulate.timeline import Timeline
@@ -17,5 +17,5 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     schedule raises ValueError naming the first offending action. Linear in the number of actions.
     """
     costs = costs or Costs()
-    starts, ends = execute(schedule, costs.durations(schedule), costs.transfer_in(schedule))
+    starts, ends = replay_times(schedule, costs.durations(schedule), costs.transfer_in(schedule))
     return Timeline(schedule.actions, starts, ends, schedule)

@@ -17,14 +17,13 @@ import functools
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
-from modelpar._renamed import renamed_kwargs
 from modelpar._validate import check_int, check_number
 from modelpar.schedules.action import Kind
-from modelpar.schedules.execute import execute
-from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, get_schedule
 from modelpar.schedules.greedy import greedy
 from modelpar.schedules.memory import peak_held
 from modelpar.schedules.periodic import periodic
+from modelpar.schedules.registry import get_schedule, schedule_entry, schedule_names
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, contiguous_map, loop_map, v_map
 from modelpar.simulate.timeline import Timeline
 
@@ -84,21 +83,20 @@ class StageCosts:
 
     def timeline(self, schedule: Schedule) -> Timeline:
         """Simulate ``schedule`` under these costs."""
-        starts, ends = execute(schedule, self.durations(schedule), self.transfer_in(schedule))
+        starts, ends = replay_times(schedule, self.durations(schedule), self.transfer_in(schedule))
         return Timeline(schedule.actions, starts, ends, schedule)
 
 
-@renamed_kwargs(stages="ranks")  # rename: keep
 def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collection[int] = (1, 2),
                ) -> Iterator[Schedule]:
     """The named family at (K, M) where it applies, then the list scheduler and repeated blocks; only
     those with v in ``chunks`` (a model too short for 2K chunks, or a split given per stage, allows v = 1 only)."""
     k, m = check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
-    for name in SCHEDULES:
-        if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
-            continue
-        if (2 if name in CHUNKED + V_SHAPED else 1) in chunks:
-            yield get_schedule(name, ranks=k, microbatches=m, chunks=2 if name in CHUNKED else None)
+    for name in schedule_names():
+        entry = schedule_entry(name)
+        v = entry.default_chunks
+        if v in chunks and entry.microbatches.allows(m, k, v):
+            yield get_schedule(name, ranks=k, microbatches=m, chunks=v)
     for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
         if len(placement) // k not in chunks:
             continue
@@ -121,7 +119,6 @@ def check_synthesis_size(ranks: int, microbatches: int, ranks_flag: str = "--ran
 
 
 @functools.lru_cache(maxsize=64)  # the planner prices a layout, then predicts it: the same call twice
-@renamed_kwargs(stages="ranks")  # rename: keep
 def synthesize(ranks: int, microbatches: int, costs: StageCosts, limit: float | None = None,
                chunks: Collection[int] = (1, 2)) -> tuple[Schedule, Timeline]:
     """The fastest candidate whose peak held activations per rank are ≤ ``limit`` (None: any).

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modelpar.schedules.generators import CHUNKED, check_chunks, get_schedule
+from modelpar.schedules.registry import check_chunks, get_schedule, schedule_entry, schedule_names
 from modelpar.simulate.costs import Costs
 from modelpar.simulate.simulator import simulate
 from modelpar.simulate.timeline import FORWARD, Timeline
 
-__all__ = ["headline", "label", "metrics_table", "pareto_table", "sweep", "sweep_table"]
+__all__ = ["headline", "label", "metrics_table", "pareto_table", "sweep", "sweep_table", "takes_chunks"]
 
 
 def label(name: str, chunks: int = 1) -> str:
     """``interleaved (v=2)`` for schedules with a choice of chunks, the plain name otherwise."""
-    return f"{name} (v={chunks})" if name in CHUNKED else name
+    return f"{name} (v={chunks})" if takes_chunks(name) else name
+
+
+def takes_chunks(name: str) -> bool:
+    """Whether ``name`` is a registered schedule that takes any chunks v (interleaved, looped-bfs)."""
+    return name in schedule_names() and schedule_entry(name).chunks is None
 
 
 def headline(timeline: Timeline) -> str:
@@ -59,7 +64,7 @@ def pareto_table(timelines: Sequence[Timeline], front: Sequence[Timeline]) -> st
 def _specs(schedules: Sequence[str | tuple[str, int]], chunks: int) -> list[tuple[str, int]]:
     """Names to (name, v): a bare "interleaved" or "looped-bfs" gets ``chunks``, the others their own."""
     return [
-        s if isinstance(s, tuple) else (s, check_chunks(s, chunks if s in CHUNKED else None)) for s in schedules
+        s if isinstance(s, tuple) else (s, check_chunks(s, chunks if takes_chunks(s) else None)) for s in schedules
     ]
 
 
@@ -75,7 +80,7 @@ def sweep(
     out: dict[tuple[str, int, int], float | None] = {}
     for name, v in _specs(schedules, chunks):
         for m in microbatches:
-            if (name == "interleaved" and v > 1 and m % ranks) or (name == "dualpipe-v" and m < 2 * ranks):
+            if not schedule_entry(name).microbatches.allows(m, ranks, v):
                 out[name, v, m] = None
             else:
                 out[name, v, m] = simulate(get_schedule(name, ranks=ranks, microbatches=m, chunks=v), costs).bubble

@@ -25,7 +25,6 @@ from collections.abc import Collection, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
-from modelpar._renamed import renamed_attribute, renamed_kwargs
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.action import Action
 from modelpar.schedules.memory import peak_held
@@ -57,8 +56,6 @@ class CommSpan(NamedTuple):
     end: float
 
 
-Event.device = renamed_attribute("rank", "Event.device")  # type: ignore[attr-defined]  # rename: keep
-CommSpan.device = renamed_attribute("rank", "CommSpan.device")  # type: ignore[attr-defined]  # rename: keep
 
 
 class Timeline:
@@ -97,7 +94,6 @@ class Timeline:
             raise ValueError(f"inner must hold one list per rank ({len(self.actions)}), got {len(self.inner)}")
 
     @classmethod
-    @renamed_kwargs(num_devices="num_ranks")  # rename: keep
     def from_events(
         cls,
         events: Iterable[Event | tuple],
@@ -154,9 +150,6 @@ class Timeline:
     def num_ranks(self) -> int:
         return len(self.actions)
 
-    num_devices = renamed_attribute("num_ranks")  # rename: keep
-    stage_to_device = renamed_attribute("stage_to_rank")  # rename: keep
-    bubble_per_device = renamed_attribute("bubble_per_rank")  # rename: keep
 
     @property
     def name(self) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from modelpar._validate import check_int
 from modelpar.costmodel.local import PRICED_ZERO, LocalPrediction
-from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.local_memory import LocalLayout
 from modelpar.costmodel.local_search import Capabilities, plan_local, why_ep, why_schedule
 from modelpar.training.config import SCHEDULE_CHOICES, ZERO_CHOICES, TrainConfig
 from modelpar.training.prediction import local_run, profile_of
@@ -34,18 +34,18 @@ CAPABILITIES = Capabilities(schedules=(*SCHEDULE_CHOICES, "auto"),
                             zero=tuple(z for z in ZERO_CHOICES if z in PRICED_ZERO))
 
 
-# The TrainConfig fields the planner chooses, by their LocalRun names: a flag given for one of them is a pin.
+# The TrainConfig fields the planner chooses, by their LocalLayout names: a flag given for one of them is a pin.
 PLANNED = {"tp": "t", "pp": "p", "dp": "d", "cp": "cp", "cp_comm": "cp_comm", "schedule": "schedule", "chunks": "v",
            "microbatches": "microbatches", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
            "zero": "zero", "ep": "ep"}
 
 
-def _config(cfg: TrainConfig, run: LocalRun) -> TrainConfig:
+def _config(cfg: TrainConfig, run: LocalLayout) -> TrainConfig:
     return replace(cfg, **{name: getattr(run, field) for name, field in PLANNED.items()}, memory_limit=run.memory_limit)
 
 
 def _pins(cfg: TrainConfig, given: Iterable[str]) -> dict[str, Any]:
-    """The planner's pins (LocalRun names) from the settings the user gave (flags or ``--config``): each keeps its
+    """The planner's pins (LocalLayout names) from the settings the user gave (flags or ``--config``): each keeps its
     value. A ``--stage-layers`` split or a ``--memory-limit`` the planner does not price: one line, refused."""
     given = set(given)
     if cfg.stage_layers is not None:
@@ -64,7 +64,7 @@ def _flags(cfg: TrainConfig, pins: dict[str, Any]) -> str:
                     for name, field in PLANNED.items() if field in pins)
 
 
-def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
+def _accepted(cfg: TrainConfig, world: int, run: LocalLayout) -> bool:
     try:
         _config(cfg, run).check(world)
     except ValueError:
@@ -72,7 +72,7 @@ def _accepted(cfg: TrainConfig, world: int, run: LocalRun) -> bool:
     return True
 
 
-def describe(run: LocalRun) -> str:
+def describe(run: LocalLayout) -> str:
     sp = ", sequence parallel" if run.sequence_parallel else ""
     limit = f" (memory limit {run.memory_limit:.3g})" if run.schedule == "auto" else ""
     v = f", v={run.v}" if run.v > 1 else ""

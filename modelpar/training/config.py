@@ -27,7 +27,8 @@ from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
 from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
-from modelpar.schedules.generators import CHUNKED, SCHEDULES, V_SHAPED, check_chunks
+from modelpar.schedules.registry import check_chunks, schedule_entry, schedule_names
+from modelpar.schedules.rules import ANY_MICROBATCHES
 from modelpar.tensor_parallel.context_parallel import CP_COMMS
 from modelpar.tensor_parallel.head_loss import chunk_tokens
 from modelpar.text.config import DataConfig
@@ -36,7 +37,7 @@ from modelpar.training.precision import check_precision, compute_dtype, param_dt
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
 
-SCHEDULE_CHOICES = tuple(n for n in SCHEDULES if n != "naive")  # naive (M = 1, 1/K use) is for the simulator
+SCHEDULE_CHOICES = schedule_names(trains=True)  # the built-in ones (naive, M = 1, is for the simulator)
 ZERO_CHOICES = (0, 1, 2, 3)  # ZeRO stages (docs/numerics.md)
 _LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64"}  # ``dtype`` of configs written before ``precision``
 _RETIRED = ("dtype",)  # keys of older configs that from_dict accepts and drops
@@ -224,7 +225,7 @@ class TrainConfig:
 
     def _check_settings(self) -> None:
         _ = self.dims  # ParallelDims checks t, p and d first
-        check_choice("schedule", self.schedule, SCHEDULE_CHOICES + ("auto",))
+        check_choice("schedule", self.schedule, schedule_names(trains=True) + ("auto",))
         check_number("memory_limit", self.memory_limit)
         if self.memory_limit and self.schedule != "auto":
             raise ValueError(f"memory_limit applies to schedule auto (it picks the schedule that fits), got "
@@ -241,15 +242,12 @@ class TrainConfig:
         if self.compile:
             check_compile_backend(self.compile_backend)
         self._check_experts()
-        if self.schedule in CHUNKED:
-            check_int("chunks", self.chunks, minimum=2)
-        elif self.schedule in V_SHAPED:
-            check_chunks(self.schedule, self.chunks)
-        elif self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per rank) or 2 (V or loop)
+        if self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per rank) or 2 (V or loop)
             check_choice("chunks", self.chunks, (1, 2))
-        elif self.chunks != 1:
-            raise ValueError(f"chunks must be 1 unless the schedule is one of {', '.join(CHUNKED + V_SHAPED)}, got "
-                             f"{self.chunks!r} with schedule {self.schedule!r}")
+        elif schedule_entry(self.schedule).chunks is None:  # at v = 1 it is 1F1B or GPipe: run that by name
+            check_int("chunks", self.chunks, minimum=2)
+        else:
+            check_chunks(self.schedule, self.chunks)
         v = self.chunks
         for name in ("microbatches", "batch_size", "steps"):
             check_int(name, getattr(self, name), minimum=1)
@@ -272,10 +270,9 @@ class TrainConfig:
             plan_recompute(fewest, recompute)
         check_divisible("batch_size", self.batch_size, "dp", self.dp)
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
-        if self.schedule == "interleaved":
-            check_divisible("microbatches", self.microbatches, "pp", self.pp)
-        if self.schedule == "dualpipe-v":
-            check_int("microbatches", self.microbatches, minimum=2 * self.pp)
+        if self.schedule != "auto":
+            schedule_entry(self.schedule).microbatches.check(self.schedule, self.microbatches, self.pp, v,
+                                                             k_label="pp")
         self.data.check()
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where to find the checkpoint), got None")
@@ -346,8 +343,8 @@ def default_microbatches(cfg: TrainConfig) -> tuple[int, str]:
         return 1, "p, v, d or the batch is invalid (check() names it)"
     if p == 1:
         return 1, "p = 1: no pipeline to fill"
-    step = p if cfg.schedule == "interleaved" else 1  # interleaving needs m divisible by p
-    least = 2 * p if cfg.schedule == "dualpipe-v" else p  # DualPipe-V pairs microbatches from both ends: m >= 2p
+    rule = schedule_entry(cfg.schedule).microbatches if cfg.schedule in schedule_names() else ANY_MICROBATCHES
+    step, least = rule.step(p, v), max(p, rule.least(p))  # interleaving: m divisible by p; DualPipe-V: m >= 2p
     want = next(m for m in itertools.count(least) if bubble_over_ideal_compute(p, m, v) <= BUBBLE_TARGET)
     rows = batch // dp
     fits = [m for m in range(step, rows + 1, step) if rows % m == 0]

@@ -110,9 +110,9 @@ class TrainResult:
         the loop does not simulate)."""
         if not self.timelines:
             return None
-        from modelpar.pipeline.measure import measured_durations, predict
+        from modelpar.pipeline.measure import measured_durations, simulate_measured
 
-        return predict(self.schedule, measured_durations(self.timelines)).bubble
+        return simulate_measured(self.schedule, measured_durations(self.timelines)).bubble
 
     @property
     def bubble_ideal(self) -> float | None:

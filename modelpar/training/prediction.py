@@ -1,6 +1,6 @@
 """Predicted vs measured for every run: the cost model's figures for the run's own layout, and the bytes it holds.
 
-``local_run`` states a TrainConfig as the cost model's ``LocalRun``; ``predict`` prices it on a
+``local_run`` states a TrainConfig as the cost model's ``LocalLayout``; ``predict_run`` prices it on a
 hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_bytes`` measures, on
 each rank before training, what autograd keeps for one microbatch of each of its stages
 (``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
@@ -20,23 +20,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
-from modelpar.costmodel.local import run_schedule as local_schedule
-from modelpar.costmodel.local_memory import LocalRun
+from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
+from modelpar.costmodel.local_memory import LocalLayout
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.schedules import Schedule
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "held_parameter_bytes", "local_run", "predict", "resolve_schedule", "run_schedule",
+__all__ = ["compare", "held_parameter_bytes", "local_run", "predict_run", "resolve_schedule", "run_schedule",
            "saved_bytes", "summary_rows"]
 
 
-def local_run(cfg: TrainConfig) -> LocalRun:
+def local_run(cfg: TrainConfig) -> LocalLayout:
     """The cost model's description of ``cfg``'s layout (the trainer's buckets and precision included)."""
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
-    return LocalRun(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
+    return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
                     cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0)
@@ -74,7 +73,7 @@ def _chunks_allowed(cfg: TrainConfig) -> tuple[int, ...]:
 
 def run_schedule(cfg: TrainConfig) -> Schedule:
     """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one (v = chunks)."""
-    return local_schedule(local_run(cfg), profile_of(cfg))
+    return layout_schedule(local_run(cfg), profile_of(cfg))
 
 
 def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
@@ -88,7 +87,7 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
         return cfg, None
     schedule, tl = auto_schedule(local_run(cfg), profile_of(cfg), _chunks_allowed(cfg))
     out = replace(cfg, chunks=schedule.chunks)
-    pred = predict(out)
+    pred = predict_run(out)
     what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
     limit = f"limit {cfg.memory_limit:g}" if cfg.memory_limit else "no limit"
     line = (f"schedule auto: {schedule.name} ({what}, v={schedule.chunks}) for p={cfg.pp}, m={cfg.microbatches} "
@@ -98,7 +97,7 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     return out, line
 
 
-def predict(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
+def predict_run(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
     """The cost model's prediction for ``cfg`` (rank 0's bytes; no activations for an unplanned recomputation)."""
     pred = predict_local(local_run(cfg), profile or profile_of(cfg))
     if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
@@ -170,7 +169,7 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
     measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
                 "parameters_bytes": held_parameter_bytes(cfg, result), "gradients_bytes": result.gradient_bytes,
                 "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
-    rows = compare(predict(cfg, profile), measured)
+    rows = compare(predict_run(cfg, profile), measured)
     record = {"event": "prediction", "step": len(result.losses), "hardware": profile.name,
               **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
     append_record(out, record)

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.action import Action
+from modelpar.schedules.kinds import SPECS
 from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.dp_comm import Pending
 from modelpar.training.grads import GradSync
@@ -99,7 +100,7 @@ class ShardedGradSync(GradSync):
     def action_hook(self, action: Action, last_backward: bool) -> Any:
         """PipelineRunner action hook (registered whether or not reductions overlap): a backward fills
         and reduces its stage's buckets; after any action, the reductions issued before it complete."""
-        return self._around(action.stage, action.kind in (Kind.B, Kind.W))
+        return self._around(action.stage, SPECS[action.kind].weight_grads)
 
     @contextmanager
     def _around(self, stage: int, backward: bool) -> Iterator[None]:

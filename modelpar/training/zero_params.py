@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.kinds import SPECS
 from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.compile import gather_units
 from modelpar.training.dp_comm import DataParallelComm, Pending
@@ -126,7 +127,11 @@ class ParamGather:
 
     def _free_now(self) -> bool:
         """Free buckets as they finish: always when resharding, else only in the stage's last backward."""
-        return self.reshard or (self.kind in (Kind.B, Kind.W) and self.last)
+        return self.reshard or (self._weight_grads() and self.last)
+
+    def _weight_grads(self) -> bool:
+        """The action running accumulates weight gradients (``kinds.SPECS``: B, or W of a split backward)."""
+        return self.kind is not None and SPECS[self.kind].weight_grads
 
     def close(self) -> None:
         """Remove the hooks from the modules and parameters (as ``GradSync.close``)."""
@@ -164,7 +169,7 @@ class ParamGather:
 
     def _accumulated(self, b: Bucket) -> Any:
         def hook(param: torch.Tensor) -> None:
-            if self.kind in (Kind.B, Kind.W):
+            if self._weight_grads():
                 self._done[b.index] = self._done.get(b.index, 0) + 1
                 if self._done[b.index] == len(b.params):
                     self._finished.add(b.index)

@@ -1,4 +1,4 @@
-"""Run a schedule as K blocking processes: each rank does its actions in order, waiting for deps.
+"""Replay a schedule as K blocking processes: each rank does its actions in order, waiting for deps.
 
 This one linear-time pass is the deadlock check (``validate``), the timing engine
 (``modelpar.simulate``) and the order lowering appends actions in (``lower``): an action starts
@@ -15,21 +15,24 @@ well under 1 s).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.diagnosis import diagnose
 from modelpar.schedules.kinds import inputs_of, producers
-from modelpar.schedules.schedule import Schedule
 
-__all__ = ["Run", "execute", "run_blocking"]
+if TYPE_CHECKING:  # for annotations only: schedule.py imports validation, which imports this
+    from modelpar.schedules.schedule import Schedule
+
+__all__ = ["Replay", "replay_times", "replay_traced"]
 
 
 class _Invalid(Exception):
-    """Internal: the fast pass found a problem; ``validate.diagnose`` explains it."""
+    """Internal: the fast pass found a problem; ``diagnosis.diagnose`` explains it."""
 
 
-class Run(NamedTuple):
-    """What the blocking execution did: times per rank, the order actions ran in, where ranks stopped."""
+class Replay(NamedTuple):
+    """What the blocking replay did: times per rank, the order actions ran in, where ranks stopped."""
 
     starts: list[list[float]]
     ends: list[list[float]]
@@ -37,7 +40,7 @@ class Run(NamedTuple):
     stuck: dict[int, tuple[int, Action]]  # rank -> (position it stopped at, the dependency it waits for)
 
 
-def execute(
+def replay_times(
     schedule: Schedule,
     durations: Mapping[Kind, Sequence[float]] | None = None,
     transfer_in: Sequence[float] | None = None,
@@ -50,23 +53,21 @@ def execute(
     offending action when the schedule is incomplete, out of order or deadlocks.
     """
     try:
-        run = _run(schedule, durations, transfer_in, trace=False)
-    except _Invalid:
-        run = None
-    if run is None or run.stuck or not _complete(schedule):
-        from modelpar.schedules.validate import diagnose
-
-        raise diagnose(schedule) from None
+        run = _replay(schedule, durations, transfer_in, trace=False)
+    except _Invalid:  # an action out of place, of another style or repeated: diagnose names it before any deadlock
+        raise diagnose(schedule, {}) from None
+    if run.stuck or not _complete(schedule):
+        raise diagnose(schedule, run.stuck)
     return run.starts, run.ends
 
 
-def run_blocking(schedule: Schedule) -> Run:
-    """The blocking execution with unit times, recording the order and where ranks stop.
+def replay_traced(schedule: Schedule) -> Replay:
+    """The blocking replay with unit times, recording the order and where ranks stop.
 
     For a schedule whose actions are each on their stage's rank, of one style, and not
     repeated (``validate`` checks those first); a deadlock shows in ``stuck``.
     """
-    return _run(schedule, None, None, trace=True)
+    return _replay(schedule, None, None, trace=True)
 
 
 def _complete(schedule: Schedule) -> bool:
@@ -74,8 +75,8 @@ def _complete(schedule: Schedule) -> bool:
     return sum(len(acts) for acts in schedule.actions) == expected
 
 
-def _run(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None,
-         transfer_in: Sequence[float] | None, trace: bool) -> Run:
+def _replay(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None,
+            transfer_in: Sequence[float] | None, trace: bool) -> Replay:
     S, M, D = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     dev = schedule.stage_to_rank
     style = schedule.style
@@ -151,7 +152,7 @@ def _run(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None,
                 waiting[key] = None
         ptr[d], clock[d] = i, t
     stuck = {d: (ptr[d], _action(blocked_on[d], style, S, M)) for d in range(D) if ptr[d] < len(schedule.actions[d])}
-    return Run(starts, ends, order, stuck)
+    return Replay(starts, ends, order, stuck)
 
 
 def _action(key: int, style: tuple[Kind, ...], stages: int, microbatches: int) -> Action:
