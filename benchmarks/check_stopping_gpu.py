@@ -26,6 +26,7 @@ from modelpar.checkpoint import latest_checkpoint
 from modelpar.distributed import init_from_env
 from modelpar.distributed.devices import require_gpus
 from modelpar.model import ModelConfig
+from modelpar.schedules import get_schedule
 from modelpar.training import TrainConfig, train
 from modelpar.training.setup import setup_rank
 
@@ -52,7 +53,7 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
     dist.barrier()
 
-    rs = setup_rank(cfg, cfg.timeout)
+    rs = setup_rank(cfg, get_schedule(cfg.schedule, ranks=cfg.pp, microbatches=cfg.microbatches), cfg.timeout)
     timeouts = {name: group_timeout(group)  # each group's own backend: NCCL on the GPU, gloo on the CPU
                 for name, group in (("tp", rs.tp_group), ("dp", rs.dp_group), ("pp", rs.pp_group)) if group is not None}
     want = dict.fromkeys(timeouts, 23.0)

@@ -164,9 +164,10 @@ def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(clu
 
 def _group_timeouts(cfg):
     from modelpar._compat import group_timeout
+    from modelpar.schedules import get_schedule
     from modelpar.training.setup import setup_rank
 
-    rs = setup_rank(cfg, cfg.timeout)
+    rs = setup_rank(cfg, get_schedule(cfg.schedule, ranks=cfg.pp, microbatches=cfg.microbatches), cfg.timeout)
     groups = {"pp": rs.pp_group, "embed": rs.embed_group, "world": dist.group.WORLD}
     return {name: group_timeout(g) for name, g in groups.items()}  # read from each group's own backend
 

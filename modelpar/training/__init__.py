@@ -2,8 +2,9 @@
 
 from modelpar.training.config import SCHEDULE_CHOICES, TrainConfig
 from modelpar.training.grads import GradSync
-from modelpar.training.loop import TrainResult, lr_at, train
+from modelpar.training.loop import TrainResult, lr_at
 from modelpar.training.optimizer import param_groups
+from modelpar.training.start import train
 
 __all__ = [
     "SCHEDULE_CHOICES",

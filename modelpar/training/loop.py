@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from modelpar.checkpoint import CheckpointManager
 from modelpar.model import LMLoss, build_stage
 from modelpar.pipeline.measure import measured_timeline, message_bytes
 from modelpar.pipeline.runner import PipelineRunner
+from modelpar.schedules import Schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
@@ -44,15 +45,15 @@ from modelpar.training.grads import GradSync, finish_order
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.optimizer import build_optimizer, measured_state_bytes
 from modelpar.training.precision import compute_dtype, wrap_stage
-from modelpar.training.prediction import resolve_schedule, run_schedule, saved_bytes
 from modelpar.training.resume import fits, open_directory, resume_check
+from modelpar.training.saved import saved_bytes
 from modelpar.training.setup import release_rank, setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
-__all__ = ["TrainResult", "lr_at", "train"]
+__all__ = ["TrainResult", "lr_at", "train_rank"]
 
 Reporter = Callable[[dict[str, Any]], None]
 _MEASURED_STEPS = 5  # the last steps whose timelines give the measured bubble
@@ -187,13 +188,13 @@ def _resume(cfg: TrainConfig, checkpoints: CheckpointManager | None, state: Any)
 class _Run:
     """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
 
-    def __init__(self, cfg: TrainConfig, report: Reporter | None, checkpoints: CheckpointManager | None,
-                 stop: StopController) -> None:
-        self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, cfg.timeout)
+    def __init__(self, cfg: TrainConfig, schedule: Schedule, report: Reporter | None,
+                 checkpoints: CheckpointManager | None, stop: StopController) -> None:
+        self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, schedule, cfg.timeout)
         self.checkpoints = checkpoints
         rs = self.rs
         self.corpus = open_corpus(cfg.data)
-        self.schedule = run_schedule(cfg)
+        self.schedule = schedule
         stages = self.schedule.num_stages
         self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
         self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
@@ -373,25 +374,35 @@ class _Run:
         return self.stop.outcome(verdict, step, written, None if latest is None else str(latest))
 
 
-def train(cfg: TrainConfig, report: Reporter | None = None) -> TrainResult:
-    """Train on this rank; every rank of the default process group calls it with the same ``cfg``.
+def train_rank(cfg: TrainConfig, schedule: Schedule, report: Reporter | None = None) -> TrainResult:
+    """Train on this rank with ``schedule``, resolved where the run started (``modelpar.training.train``); every
+    rank of the default process group calls it with the same ``cfg`` and schedule.
 
     From here on Ctrl-C and the preemption signal stop every rank at a step boundary
     (``TrainResult.stop``; modelpar.training.stopping).
     """
-    cfg.check(dist.get_world_size())
-    cfg = resolve_schedule(cfg)[0].check(dist.get_world_size())  # schedule auto: its v (the same on every rank)
+    cfg = _with_schedule(cfg.check(dist.get_world_size()), schedule).check(dist.get_world_size())
     with StopController(cfg) as stop:
-        return _train(cfg, report, stop)
+        return _train(cfg, schedule, report, stop)
 
 
-def _train(cfg: TrainConfig, report: Reporter | None, stop: StopController) -> TrainResult:
+def _with_schedule(cfg: TrainConfig, schedule: Schedule) -> TrainConfig:
+    """``cfg`` with the v of the schedule it runs (``schedule auto`` chose it); a schedule of another pipeline or
+    micro-batch count is a ValueError."""
+    if (schedule.num_ranks, schedule.num_microbatches) != (cfg.pp, cfg.microbatches):
+        raise ValueError(f"the schedule given ({schedule.name or 'unnamed'}) is for {schedule.num_ranks} pipeline ranks "
+                         f"and {schedule.num_microbatches} micro-batches; the run has pp {cfg.pp}, microbatches "
+                         f"{cfg.microbatches}")
+    return cfg if schedule.chunks == cfg.chunks else replace(cfg, chunks=schedule.chunks)
+
+
+def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: StopController) -> TrainResult:
     note = (lambda text: report({"event": "note", "text": text})) if report is not None else None
     checkpoints = open_directory(cfg, group=dist.group.WORLD, note=note)  # rank 0 locks it for this run
     try:
         # may write tokenizer.json: after the lock, and after the resume check (a new value is checked once)
         cfg = prepare_on_rank0(cfg, check=resume_check(checkpoints)).check()
-        run = _Run(cfg, report, checkpoints, stop)
+        run = _Run(cfg, schedule, report, checkpoints, stop)
     except BaseException:
         if checkpoints is not None:
             checkpoints.close()

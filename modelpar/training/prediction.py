@@ -1,13 +1,12 @@
 """Predicted vs measured for every run: the cost model's figures for the run's own layout, and the bytes it holds.
 
 ``local_run`` states a TrainConfig as the cost model's ``LocalLayout``; ``predict_run`` prices it on a
-hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); ``saved_bytes`` measures, on
-each rank before training, what autograd keeps for one microbatch of each of its stages
-(``torch.autograd.graph.saved_tensors_hooks``, parameters excluded, each storage once);
-``compare`` lays the two side by side with the error; ``summary_rows`` writes them into the summary
-and ``metrics.jsonl``. ``run_schedule`` is the schedule a run executes: with ``schedule auto`` the one
-``simulate.synthesis`` builds from this cost model's stage times under ``memory_limit`` — pure
-arithmetic on the config, so every rank builds the same one.
+hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); the ranks measure what autograd
+keeps (``modelpar.training.saved.saved_bytes``); ``compare`` lays the two side by side with the error;
+``summary_rows`` writes them into the summary and ``metrics.jsonl``. ``run_schedule`` is the schedule a
+run executes: with ``schedule auto`` the one ``simulate.synthesis`` builds from this cost model's stage
+times under ``memory_limit``. It is built once, where the run starts, and shipped to the ranks
+(``modelpar.training.start``).
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch import nn
 
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout
@@ -29,7 +25,7 @@ from modelpar.schedules import Schedule
 from modelpar.training.config import TrainConfig
 
 __all__ = ["compare", "held_parameter_bytes", "local_run", "predict_run", "resolve_schedule", "run_schedule",
-           "saved_bytes", "summary_rows"]
+           "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalLayout:
@@ -103,45 +99,6 @@ def predict_run(cfg: TrainConfig, profile: HardwareProfile | None = None) -> Loc
     if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
         pred.memory.pop("activations", None)
     return pred
-
-
-@torch.no_grad()
-def _inputs(cfg: TrainConfig, stage: int, tp: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(stage)  # not the run's random stream
-    b = cfg.batch_size // (cfg.dp * cfg.microbatches)
-    if stage == 0:
-        return torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device)
-    s = cfg.model.seq_len // cfg.cp // (tp if cfg.sequence_parallel else 1)
-    return torch.randn(b, s, cfg.model.hidden, generator=gen).to(device, cfg.param_dtype)
-
-
-def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp: int,
-                device: torch.device) -> dict[int, int]:
-    """Bytes autograd keeps for one microbatch of each stage here (a collective over the tensor-parallel group)."""
-    params = [p for m in stages.values() for p in m.parameters()]
-    last = cfg.pp * cfg.chunks - 1
-    out = {}
-    for stage, module in sorted(stages.items()):
-        seen: dict[int, int] = {}
-
-        def pack(x: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-            storage = x.untyped_storage()
-            owned = {p.untyped_storage().data_ptr() for p in params}  # now: ZeRO-3 gathers into new storage
-            if storage.data_ptr() not in owned:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return x
-
-        x = _inputs(cfg, stage, tp, device)
-        if stage:
-            x.requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            y = module(x)
-            if stage == last:
-                gen = torch.Generator().manual_seed(last + 1)
-                b = cfg.batch_size // (cfg.dp * cfg.microbatches)
-                loss_fn(y, torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device))
-        out[stage] = sum(seen.values())
-    return out
 
 
 def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> dict[str, dict[str, float | None]]:

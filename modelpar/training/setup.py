@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from modelpar.distributed.mesh import DIM_NAMES
 from modelpar.pipeline.bounded_comm import step_timeout
+from modelpar.schedules import Schedule
 from modelpar.training.config import TrainConfig
-from modelpar.training.prediction import run_schedule
 
 __all__ = ["RankSetup", "release_rank", "setup_rank"]
 
@@ -100,13 +100,13 @@ def _expert_groups(cfg: TrainConfig, timeout: float) -> tuple[Any, Any]:
     return mine[0], mine[1]
 
 
-def setup_rank(cfg: TrainConfig, timeout: float = 300.0) -> RankSetup:
-    """Build the mesh and groups (a collective: every rank calls it with the same ``cfg``)."""
+def setup_rank(cfg: TrainConfig, schedule: Schedule, timeout: float = 300.0) -> RankSetup:
+    """Build the mesh and groups (a collective: every rank calls it with the same ``cfg``); ``schedule``, the one the
+    run executes, sets the pipeline groups' timeout under NCCL (a whole step's)."""
     use_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     pipeline_backend = "gloo" if use_cuda and cfg.pipeline_gloo else None
     on_nccl = use_cuda and not cfg.pipeline_gloo
-    schedule = run_schedule(cfg)
     pipeline_timeout = step_timeout(schedule, timeout) if on_nccl else timeout
     mesh = cfg.dims.build_mesh("cuda" if use_cuda else "cpu", pipeline_backend=pipeline_backend, timeout=timeout,
                                pipeline_timeout=pipeline_timeout)

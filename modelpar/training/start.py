@@ -6,6 +6,11 @@ thread and feeds rank 0's events, which come back through the cluster's result q
 here with its rank. Signals to this process are relayed to the ranks (``_Relay``), which stop
 together at a step boundary. Under torchrun each process calls ``run_in_process`` (NCCL on GPUs)
 and torchrun's agent relays the signals.
+
+The schedule is resolved once, where the run starts, and shipped to the ranks: ``run_local`` builds it in
+the launcher and hands it to every rank; ``train`` (under torchrun, or called by hand on every rank)
+builds it on global rank 0 and broadcasts its text form. With ``schedule auto`` that is the cost model's
+synthesis; the ranks themselves never consult the cost model (``modelpar.training.loop``).
 """
 
 from __future__ import annotations
@@ -21,16 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from modelpar.checkpoint import latest_checkpoint
 from modelpar.distributed import LocalCluster, exit_with_parent, init_from_env, preload, to_launcher
+from modelpar.schedules import Schedule
 from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
-from modelpar.training.loop import TrainResult, train
+from modelpar.training.loop import Reporter, TrainResult, train_rank
 from modelpar.training.resume import check_resume
 from modelpar.training.stopping import EXIT_PREEMPTED, Stop, handled
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["rank_threads", "run_in_process", "run_local"]
+__all__ = ["rank_threads", "run_in_process", "run_local", "train"]
 
 preload(__name__)  # ranks run ``_rank_main``: born with the training stack (checkpointing, DTensor) imported
 
@@ -42,11 +48,41 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _rank_main(cfg: TrainConfig) -> TrainResult:
+def train(cfg: TrainConfig, report: Reporter | None = None, schedule: Schedule | None = None) -> TrainResult:
+    """Train on this rank; every rank of the default process group calls it with the same ``cfg``.
+
+    ``schedule``: the one to run, when the caller built it; else global rank 0 builds it (``run_schedule``: with
+    ``schedule auto`` the cost model's synthesis) and every rank receives its text. A config rank 0 refuses is
+    the same ValueError on every rank.
+    """
+    return train_rank(cfg, schedule if schedule is not None else _shipped_schedule(cfg), report)
+
+
+def _shipped_schedule(cfg: TrainConfig) -> Schedule:
+    """The run's schedule, built on global rank 0 and broadcast as (name, text) (a collective)."""
+    import torch.distributed as dist
+
+    from modelpar.training.prediction import run_schedule
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            built = run_schedule(cfg.check(dist.get_world_size()))
+            box[0] = ("schedule", built.name, built.to_text())
+        except ValueError as err:
+            box[0] = ("error", str(err), "")
+    dist.broadcast_object_list(box, src=0)
+    kind, name, text = box[0]
+    if kind == "error":
+        raise ValueError(name)
+    return Schedule.from_text(text, name=name)
+
+
+def _rank_main(cfg: TrainConfig, schedule: Schedule) -> TrainResult:
     import torch
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
-    return train(cfg, report=to_launcher())  # only rank 0 reports
+    return train_rank(cfg, schedule, report=to_launcher())  # only rank 0 reports
 
 
 class _Relay:
@@ -151,6 +187,9 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     # a checkpoint of another model, data or optimisation, or none valid: refused before starting ranks, and
     # before the tokenizer is written to the checkpoint directory (a refused run writes nothing there)
     cfg = prepare_data(cfg.check(), console, progress=progress, check=check_resume).check()
+    from modelpar.training.prediction import run_schedule
+
+    schedule = run_schedule(cfg)  # built once, here: the ranks receive it
     if console is not None:
         console.print(f"modelpar train: {cfg.dims.world_size} local processes ({cfg.layout()}), "
                       f"{cfg.model.num_parameters():,} parameters, {cfg.steps} steps",
@@ -165,7 +204,7 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
 
             def target() -> None:
                 try:
-                    outcome["result"] = cluster.run(_rank_main, cfg)[0]
+                    outcome["result"] = cluster.run(_rank_main, cfg, schedule)[0]
                 except BaseException as err:
                     outcome["error"] = err
                 events.put(_DONE)
