@@ -113,3 +113,16 @@ def test_the_training_loop_takes_its_schedule_and_never_asks_the_cost_model():
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not {m for m in imported if m.startswith(("modelpar.costmodel", "modelpar.training.prediction"))}
+
+
+def test_the_training_step_is_short_and_each_dimension_is_one_function():
+    """Issue 37: the step reads as its order (batch → runner → gradient sync → clip → agree → optimizer), at most 20
+    lines, telemetry kept apart; the parts are applied by one function each (modelpar.training.parts)."""
+    import inspect
+
+    from modelpar.training import parts
+    from modelpar.training.loop import _Run
+
+    assert len(inspect.getsource(_Run.step).splitlines()) <= 20
+    assert {"build_stages", "apply_float8", "apply_compile", "stage_loss", "apply_pipeline",
+            "apply_data_parallel"} <= set(parts.__all__)

@@ -26,37 +26,34 @@ import torch
 import torch.distributed as dist
 
 from modelpar.checkpoint import CheckpointManager
-from modelpar.model import LMLoss, build_stage
-from modelpar.pipeline.measure import measured_timeline, message_bytes
-from modelpar.pipeline.runner import PipelineRunner
 from modelpar.schedules import Schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.text import open_corpus, prepare_on_rank0, rank_batch
-from modelpar.training.buckets import BufferMeter
-from modelpar.training.clipping import GradClip
-from modelpar.training.compile import compile_blocks
 from modelpar.training.config import TrainConfig
-from modelpar.training.dp_comm import REDUCTIONS, DataParallelComm
+from modelpar.training.dp_comm import REDUCTIONS
 from modelpar.training.expert_stats import ExpertStats
 from modelpar.training.faults import nonfinite_hook, slow_init
-from modelpar.training.float8 import check_float8_device, float8_linears
-from modelpar.training.grads import GradSync, finish_order
-from modelpar.training.metrics import peak_memory_mb
-from modelpar.training.optimizer import build_optimizer, measured_state_bytes
-from modelpar.training.precision import compute_dtype, wrap_stage
+from modelpar.training.optimizer import build_optimizer, measured_state_bytes, set_lr
+from modelpar.training.parts import (
+    apply_compile,
+    apply_data_parallel,
+    apply_float8,
+    apply_pipeline,
+    build_stages,
+    computed_stages,
+    stage_loss,
+)
 from modelpar.training.resume import fits, open_directory, resume_check
 from modelpar.training.saved import saved_bytes
 from modelpar.training.setup import release_rank, setup_rank
 from modelpar.training.state import checkpoint_state, init_optimizer_state, run_meta
 from modelpar.training.stopping import Stop, StopController, Verdict
-from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
-from modelpar.training.zero_params import ParamGather
+from modelpar.training.telemetry import MEASURED_STEPS, STEP_FIELDS, StepTelemetry
 
 __all__ = ["TrainResult", "lr_at", "train_rank"]
 
 Reporter = Callable[[dict[str, Any]], None]
-_MEASURED_STEPS = 5  # the last steps whose timelines give the measured bubble
 
 
 @dataclass
@@ -151,10 +148,8 @@ class TrainResult:
         return nats_per_token * self.tokens_per_byte / math.log(2)
 
 
-# The result's fields each step event carries under their own names (the step's measurements) ...
-STEP_FIELDS = ("optimizer_state_bytes", "gradient_bytes", "parameter_bytes", "dp_bytes_sent", "all_gather_bytes",
-               "reduce_scatter_bytes")
-# ... and those summary.json carries under their own names (beside the config and what the command derives).
+# The result's fields summary.json carries under their own names (the step's, STEP_FIELDS, among them; beside the
+# config and what the command derives).
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
                   "skipped_steps", "compile_seconds", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
@@ -186,27 +181,18 @@ def _resume(cfg: TrainConfig, checkpoints: CheckpointManager | None, state: Any)
 
 
 class _Run:
-    """Everything one rank holds during training: its stages, runner, optimizer, checkpoint state."""
+    """Everything one rank holds during training: its stages and their parts (``modelpar.training.parts``), the
+    optimizer, the checkpoint state and the step's measurements (``StepTelemetry``)."""
 
     def __init__(self, cfg: TrainConfig, schedule: Schedule, report: Reporter | None,
                  checkpoints: CheckpointManager | None, stop: StopController) -> None:
-        self.cfg, self.stop, self.rs = cfg, stop, setup_rank(cfg, schedule, cfg.timeout)
-        self.checkpoints = checkpoints
-        rs = self.rs
+        self.cfg, self.schedule, self.stop, self.checkpoints = cfg, schedule, stop, checkpoints
+        self.rs = rs = setup_rank(cfg, schedule, cfg.timeout)
         self.corpus = open_corpus(cfg.data)
-        self.schedule = schedule
-        stages = self.schedule.num_stages
         self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
-        self.modules = {s: build_stage(cfg.model, s, stages, seed=cfg.seed, group=rs.tp_group,
-                                       sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_arg,
-                                       dtype=cfg.param_dtype, device=rs.device, split=cfg.layer_split,
-                                       context=self.context, ep_group=rs.ep_group, head_in_loss=cfg.loss_chunk > 0)
-                        for s in self.schedule.stages_on(rs.pp_rank)}
-        if cfg.precision == "fp8":  # before compiling: the float8 products are part of the blocks' graphs
-            check_float8_device(rs.device)
-            float8_linears(self.modules)
-        self.compile_clock = (compile_blocks(self.modules, cfg.compile_backend, self.schedule.split_backward)
-                              if cfg.compile else None)
+        self.modules = build_stages(cfg, rs, schedule, self.context)
+        apply_float8(cfg, self.modules, rs.device)  # before compiling: the float8 products are part of the graphs
+        self.compile_clock = apply_compile(cfg, self.modules, schedule)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
         slow_init()
         self.fault = nonfinite_hook()
@@ -215,61 +201,37 @@ class _Run:
 
             for module in self.modules.values():
                 load_hf_shards(module, cfg.init_from)
-        head = next((m.head for m in self.modules.values() if m.head is not None), None) if cfg.loss_chunk else None
-        self.loss_fn = LMLoss(cfg.model.vocab_size, rs.tp_group, head=head, chunk=cfg.loss_chunk,
-                              compute_dtype=compute_dtype(cfg.precision))
-        computed = {s: wrap_stage(m, cfg.precision, last=s == stages - 1) for s, m in self.modules.items()}
-        self.runner = PipelineRunner(self.schedule, computed, self.loss_fn, group=rs.pp_group, timeout=rs.timeout)
-        # cp joins data parallelism for gradients: every cp rank's loss is the mean over its s/cp tokens of each
-        # sequence (equal counts), so the global mean loss's gradient is the mean over the d·cp ranks
-        self.comm = DataParallelComm(rs.grad_group, self.runner.timer, self.runner.recorder, rs.timeout)
-        elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
-        sync_args: dict[str, Any] = dict(
-                         modules=self.modules, finish_order=finish_order(self.schedule, rs.pp_rank), comm=self.comm,
-                         tp_group=rs.tp_group, embed_group=rs.embed_group, tp_rank=rs.tp_rank, dp_rank=rs.grad_rank,
-                         tied_split=cfg.model.tie_embeddings and stages > 1, zero=cfg.zero, bucket_elements=elements,
-                         overlap=cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, ep=cfg.ep, edp_group=rs.edp_group)
-        self.meter = BufferMeter()
-        self.gather: ParamGather | None = None
-        if cfg.zero >= 2:
-            compute = torch.bfloat16 if cfg.zero == 3 and cfg.precision == "bf16" else None
-            self.sync: GradSync = ShardedGradSync(**sync_args, meter=self.meter, compute_dtype=compute)
-            check_bucket_size(self.sync.buckets, elements, cfg.dp * cfg.cp, cfg.bucket_mb)
-            if cfg.zero == 3:
-                self.gather = ParamGather(self.modules, self.sync.buckets, self.comm, self.meter,
-                                          cfg.reshard_after_forward, shard_of=self.sync.shard_of, compiled=cfg.compile)
-                self.runner.register_action_hook(self.gather.action_hook)
-        else:
-            self.sync = GradSync(**sync_args)
-        if self.sync.overlap or cfg.zero >= 2:
-            self.runner.register_action_hook(self.sync.action_hook)
-        self.clipper = GradClip(self.sync)
-        self.optimizer = build_optimizer(cfg.zero, self.sync, self.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
+        self.loss_fn = stage_loss(cfg, rs, self.modules)
+        self.runner = apply_pipeline(cfg, rs, schedule, self.modules, self.loss_fn)
+        self.dp = apply_data_parallel(cfg, rs, schedule, self.modules, self.runner)
+        self.optimizer = build_optimizer(cfg.zero, self.dp.sync, self.dp.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
         self.rng = torch.get_rng_state()
         self.state = checkpoint_state(cfg.model, self.modules, self.optimizer, self.rng)
         start, losses = _resume(cfg, checkpoints, self.state)
         torch.set_rng_state(self.rng)
-        self.result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
-                                  num_parameters=cfg.model.num_parameters(),
-                                  flops_per_token=cfg.model.flops_per_token(),
-                                  device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
-                                  parameters_here=sum(p.numel() for p in self.sync.params),
-                                  optimizer_state_bytes=measured_state_bytes(self.optimizer),
-                                  gradient_bytes=self.sync.gradient_bytes(), buckets=len(self.sync.buckets),
-                                  parameter_bytes=self.sync.parameter_bytes(),
-                                  unigram_baseline=self.corpus.unigram_baseline(),
-                                  tokens_per_byte=self.corpus.tokens_per_byte)
-        self.result.saved_bytes = saved_bytes(cfg, {s: wrap_stage(m, cfg.precision, last=s == stages - 1)
-                                                    for s, m in self.modules.items()}, self.loss_fn, cfg.tp, rs.device)
-        self.first = rs.pp_rank == self.schedule.rank_of(0)
-        self.last = rs.pp_rank == self.schedule.rank_of(stages - 1)
+        self.result = self._result(start, losses)
+        self.first = rs.pp_rank == schedule.rank_of(0)
+        self.last = rs.pp_rank == schedule.rank_of(schedule.num_stages - 1)
         # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
         self.loss_weight = 1.0 / (cfg.dp * cfg.cp) if (self.last and rs.tp_rank == 0) else 0.0
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
-        self.timelines: list[Any] = []
-        self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
-        self.gather_waits: list[float] = []  # ZeRO-3: seconds waited for gathers, every step
+        self.telemetry = StepTelemetry(self.result, self.dp, self.runner, self.experts, rs.device, self.emit)
+
+    def _result(self, start: int, losses: list[float]) -> TrainResult:
+        """The result before the first step: what this rank holds, measured from its tensors."""
+        cfg, rs, sync = self.cfg, self.rs, self.dp.sync
+        result = TrainResult(start, losses, tokens_per_step=cfg.tokens_per_step,
+                             num_parameters=cfg.model.num_parameters(), flops_per_token=cfg.model.flops_per_token(),
+                             device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
+                             parameters_here=sum(p.numel() for p in sync.params),
+                             optimizer_state_bytes=measured_state_bytes(self.optimizer),
+                             gradient_bytes=sync.gradient_bytes(), buckets=len(sync.buckets),
+                             parameter_bytes=sync.parameter_bytes(), unigram_baseline=self.corpus.unigram_baseline(),
+                             tokens_per_byte=self.corpus.tokens_per_byte)
+        result.saved_bytes = saved_bytes(cfg, computed_stages(cfg, self.modules, self.schedule), self.loss_fn, cfg.tp,
+                                         rs.device)
+        return result
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, y = self.corpus.batch(split, index, self.cfg.batch_size, self.cfg.model.seq_len, self.cfg.seed)
@@ -281,52 +243,25 @@ class _Run:
         return tuple(None if t is None else t.to(self.rs.device) for t in (xi, yi))  # type: ignore[return-value]
 
     def step(self, step: int) -> Verdict:
-        """One optimizer step on global batch ``step``; every rank returns the same verdict."""
-        t0 = time.perf_counter()
+        """Batch → runner → gradient sync → clip → agree → optimizer; every rank returns the same verdict."""
+        t0, lr, sync = time.perf_counter(), lr_at(self.cfg, step), self.dp.sync
         xi, yi = self.batch("train", step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.cfg, step)
-        self.sync.zero_grad()
-        self.meter.reset_peak()
-        self.experts.reset()  # what a measuring pass outside the steps counted
+        set_lr(self.optimizer, lr)
+        sync.zero_grad()
+        self.telemetry.begin()
         self.runner.step(xi, yi)
         moe = self.experts.take_step()  # collective when the model has experts
         if self.fault is not None:  # tests only (modelpar.training.faults)
-            self.fault(step, self.sync.grad_holders)
-        self.sync.finish()
-        norm = self.clipper.clip(self.cfg.clip)
+            self.fault(step, sync.grad_holders)
+        sync.finish()
+        norm = self.dp.clipper.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
-        verdict = self.stop.agree(mine, self.loss_weight, norm, self.sync.grad_holders, self.rs.device)
+        verdict = self.stop.agree(mine, self.loss_weight, norm, sync.grad_holders, self.rs.device)
         if verdict.update:
             self.optimizer.step()  # ZeRO-1/2: then the all-gather of the updated parameters
-        loss = verdict.loss
-        r = self.result
-        if self.gather is not None:
-            self.gather.release_all()  # anything still gathered predates the update
-            r.gathers_per_step, waited = self.gather.take_step()
-            self.gather_waits.append(waited)
-        r.dp_bytes_sent, self.comm_spans = self.comm.take_step()
-        r.all_gather_bytes = self.comm.last_step_bytes.get("all-gather", 0.0)
-        r.reduce_scatter_bytes = self.comm.last_step_bytes.get("reduce-scatter", 0.0)
-        r.peak_buffer_bytes = max(r.peak_buffer_bytes, self.meter.peak)
-        r.step_times.append(time.perf_counter() - t0)
-        r.losses.append(loss)
-        r.grad_norms.append(norm)
-        if moe:
-            r.expert_imbalance = max(r.expert_imbalance or 0.0, moe["expert_imbalance"])
-        if r.message_bytes is None:
-            r.message_bytes = message_bytes(self.runner)
-        if self.emit:
-            self.emit({"event": "step", "step": step + 1, "loss": loss, "grad_norm": norm,
-                       "lr": lr_at(self.cfg, step), "tokens_per_s": self.cfg.tokens_per_step / r.step_times[-1],
-                       "step_time": r.step_times[-1],
-                       "peak_memory_mb": peak_memory_mb(self.rs.device), **r.fields(STEP_FIELDS),
-                       "gathers": r.gathers_per_step, "peak_buffer_bytes": self.meter.peak, **moe})
+        self.dp.after_update()
+        self.telemetry.record(step, lr, verdict.loss, norm, time.perf_counter() - t0, moe, self.cfg.tokens_per_step)
         return verdict
-
-    def measure(self) -> None:
-        """Keep this step's timeline, with the data-parallel collectives (a collective over the pipeline group)."""
-        self.timelines = self.timelines[-(_MEASURED_STEPS - 1):] + [measured_timeline(self.runner, self.comm_spans)]
 
     def validate(self, step: int) -> None:
         total = 0.0
@@ -335,10 +270,7 @@ class _Run:
             loss = self.runner.evaluate(xi, yi)  # the schedule's forward half, same lowered communication
             total += _global_mean(None if loss is None else float(loss), self.loss_weight, self.rs.device) / self.cfg.eval_batches
         self.result.val.append((step, total))
-        if self.gather is not None:  # ZeRO-3: free what the evaluation gathered; its collectives are no step's
-            self.gather.release_all()
-            self.gather.take_step()
-            self.comm.take_step()
+        self.telemetry.after_evaluation()
         if self.emit:
             self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})
 
@@ -356,13 +288,10 @@ class _Run:
         """End what the run started: the data-parallel waiter, the hooks on the parameters (they hold the gradient
         sync, and through it the modules, buffers and groups, in a cycle the garbage collector cannot see through
         autograd's C++ side) and the process groups with their threads (a reused rank would keep them all)."""
-        self.comm.close()
-        self.sync.close()
+        self.dp.close()
         if self.compile_clock is not None:
             self.compile_clock.stop()
             self.result.compile_seconds = self.compile_clock.seconds
-        if self.gather is not None:
-            self.gather.close()
         release_rank(self.rs)
 
     def stop_after(self, verdict: Verdict, step: int) -> Stop:
@@ -425,8 +354,8 @@ def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: 
                 run.result.stop = run.stop_after(verdict, done)
                 break
             stopping = done == cfg.steps or (cfg.exit_after and done - start >= cfg.exit_after)
-            if done > cfg.steps - _MEASURED_STEPS or stopping:
-                run.measure()
+            if done > cfg.steps - MEASURED_STEPS or stopping:
+                run.telemetry.measure()
             if stopping:
                 break
             if cfg.eval_every and done % cfg.eval_every == 0:
@@ -443,10 +372,10 @@ def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: 
             checkpoints.close()
     run.result.skipped_steps = stop.skipped
     run.result.config = cfg
-    if run.gather_waits:
-        run.result.exposed_gather = statistics.median(run.gather_waits[-_MEASURED_STEPS:])
+    if run.telemetry.gather_waits:
+        run.result.exposed_gather = statistics.median(run.telemetry.gather_waits[-MEASURED_STEPS:])
     run.result.peak_held = run.runner.record.peak_held
-    _measured(run.result, run.schedule, run.timelines)
+    _measured(run.result, run.schedule, run.telemetry.timelines)
     if run.emit:
         run.emit({"event": "done"})
     return run.result

@@ -17,7 +17,7 @@ from modelpar.training.dp_comm import DataParallelComm
 from modelpar.training.grads import GradSync
 from modelpar.training.zero import ZeroAdamW
 
-__all__ = ["Optimizer", "build_optimizer", "measured_state_bytes", "param_groups"]
+__all__ = ["Optimizer", "build_optimizer", "measured_state_bytes", "param_groups", "set_lr"]
 
 Optimizer = torch.optim.Optimizer | ZeroAdamW
 
@@ -46,3 +46,9 @@ def measured_state_bytes(optimizer: Optimizer) -> int:
     from the tensors; ``modelpar.costmodel.zero_bytes.optimizer_state_bytes`` is the prediction."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for key, v in state.items() if key != "step")
+
+
+def set_lr(optimizer: Optimizer, lr: float) -> None:
+    """This step's learning rate in every parameter group (``loop.lr_at``'s schedule)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
