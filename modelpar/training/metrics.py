@@ -153,6 +153,10 @@ class MetricsLog:
             kept = [r for r in records if r["step"] <= start_step]
             if _is_run(kept, losses[:start_step]):
                 self.run = kept[-1]["run"]
+                lost = [r["step"] for r in records if r["event"] == "step" and r["step"] > start_step]
+                if lost:  # trained after the checkpoint, then stopped without one: done again from start_step
+                    self._note(f"steps lost: {len(lost)} (steps {start_step + 1}-{max(lost)} of the stopped run, after "
+                               f"its last valid checkpoint at step {start_step}, are trained again)")
             else:
                 if records:
                     runs = sorted({str(r.get("run", "no run id")) for r in records})
