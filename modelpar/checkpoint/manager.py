@@ -14,6 +14,10 @@
                --overwrite, which removes ours (valid or damaged; under the lock) before the run starts
     launcher   a rank whose launcher has died (``lifeline.launcher_gone``) ends before sealing,
                publishing or pruning: nothing more is written after the launcher's ``kill -9``
+    async      ``save_async``: the state is copied to host memory, written in the background, and sealed,
+               published and pruned by the next ``finish`` (the next save, a stop, the run's end), exactly
+               as ``save`` does: until then it is a hidden temporary directory, and the previous
+               checkpoints are untouched; ``close`` waits for a write in flight and seals nothing
     lock       ``LOCK``, held by the writing run's rank 0 (``lock.py``); readers take no lock:
                a checkpoint is removed by one rename, so a reader sees it whole or not at all, and
                ``read_newest`` tries again once if it was pruned while being read
@@ -25,10 +29,15 @@ outcome, so a refusal is the same ValueError on every rank.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import errno
 import os
 import shutil
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -151,6 +160,24 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
 
 
+@dataclass
+class _Pending:
+    """A save written in the background: what ``finish`` needs to complete it."""
+
+    step: int
+    tmp: Path
+    meta: dict[str, Any]
+    nbytes: int
+    crcs: Future[dict[str, int]]
+    started: float  # time.perf_counter() when it was started
+
+
+def _failed(err: BaseException) -> Future[dict[str, int]]:
+    future: Future[dict[str, int]] = Future()
+    future.set_exception(err)
+    return future
+
+
 class CheckpointManager:
     """The checkpoint directory ``root`` of one run (or of a reader: no group needed to read).
 
@@ -162,6 +189,9 @@ class CheckpointManager:
         self.root, self.group, self.keep, self.note = Path(root), group, keep, note
         self.lock: DirLock | None = None
         self._valid: set[tuple[str, int, int]] = set()  # checkpoints verified in this process (marker identity)
+        self._pending: _Pending | None = None  # the save being written in the background (save_async)
+        self._writers: Any = None  # the process group of background writes (their collectives run in DCP's thread)
+        self.write_seconds = 0.0  # how long the last save took from its start to its completion
 
     # --- what counts -------------------------------------------------------------------------------
     def problem(self, path: Path, checksums: bool = True) -> str:
@@ -297,7 +327,8 @@ class CheckpointManager:
         A failed write leaves the previous checkpoints as they were and removes the partial one; a
         full file system is one ValueError on every rank: "no space left on device writing ...".
         """
-        rank = dist.get_rank(self.group)
+        self.finish()
+        started = time.perf_counter()
         tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
         crcs: dict[str, int] = {}
         failure: BaseException | None = None
@@ -305,8 +336,47 @@ class CheckpointManager:
             crcs = store.write_files(tmp, state, self.group)
         except (Exception, CheckpointException) as err:  # DCP's (a BaseException) comes on every rank
             failure = err
+        path = self._complete(tmp, step, meta, crcs, failure, _nbytes(state))
+        self.write_seconds = time.perf_counter() - started
+        return path
+
+    def save_async(self, step: int, state: ShardedState, meta: dict[str, Any]) -> Path | None:
+        """Collective: ``finish`` the save in flight, then start the save of ``step``: ``state`` is copied to host
+        memory before this returns and written in the background (DCP's ``async_save``); the next ``finish``
+        completes it as ``save`` would. Returns the checkpoint ``finish`` completed now (None: none was in flight)."""
+        done = self.finish()
+        started = time.perf_counter()
+        if self._writers is None:  # collective, once: the background writes' own group
+            self._writers = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo")
+        tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
+        try:
+            crcs = store.start_write(tmp, state, self._writers)
+        except (Exception, CheckpointException) as err:
+            crcs = _failed(err)
+        self._pending = _Pending(step, tmp, copy.deepcopy(meta), _nbytes(state), crcs, started)  # as it is now
+        return done
+
+    def finish(self) -> Path | None:
+        """Collective: wait for the save in flight (``save_async``), then seal, publish and prune as ``save`` does;
+        its path (None: none in flight). A failed write is the same ValueError as ``save``'s, on every rank."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        crcs: dict[str, int] = {}
+        failure: BaseException | None = None
+        try:
+            crcs = pending.crcs.result()
+        except (Exception, CheckpointException) as err:
+            failure = err
+        path = self._complete(pending.tmp, pending.step, pending.meta, crcs, failure, pending.nbytes)
+        self.write_seconds = time.perf_counter() - pending.started
+        return path
+
+    def _complete(self, tmp: Path, step: int, meta: dict[str, Any], crcs: dict[str, int],
+                  failure: BaseException | None, nbytes: int) -> Path:
+        """Collective: every rank's outcome gathered, then rank 0 seals, publishes and prunes (``_finish``)."""
+        rank = dist.get_rank(self.group)
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        nbytes = sum(piece.tensor.nbytes for shard in state.shards.values() for piece in shard.pieces)
         dist.all_gather_object(gathered, (crcs, failure is not None, nbytes), group=self.group)
         if rank == 0 and failure is None and any(failed for _, failed, _ in gathered):
             failure = RuntimeError("another rank failed to write its file")
@@ -344,8 +414,16 @@ class CheckpointManager:
         self.prune(final)
         return str(final)
 
-    def close(self) -> None:
-        """Release the lock (rank 0; a no-op elsewhere)."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Release the lock (rank 0; a no-op elsewhere), once a write in flight has ended (at most ``timeout`` s);
+        it is not sealed: its temporary directory is removed by the next run (a stop completes it first: ``finish``)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(BaseException):  # the write is abandoned either way
+                pending.crcs.result(timeout=timeout)
+        if self._writers is not None:  # its gloo threads end with it (a process may train again)
+            dist.destroy_process_group(self._writers)
+            self._writers = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -354,6 +432,10 @@ class CheckpointManager:
         if self.note is not None:
             for text in notes:
                 self.note(text)
+
+
+def _nbytes(state: ShardedState) -> int:
+    return sum(piece.tensor.nbytes for shard in state.shards.values() for piece in shard.pieces)
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, state: ShardedState, meta: dict[str, Any], *,

@@ -120,6 +120,13 @@ class ShardedState:
         return iter(self.shards)
 
     @torch.no_grad()
+    def snapshot(self) -> ShardedState:
+        """Every box copied to host memory now: what an asynchronous save writes while training changes the originals."""
+        return ShardedState({name: Shard(shard.shape, [Piece(p.offsets, p.tensor.detach().to("cpu", copy=True))
+                                                      for p in shard.pieces])
+                             for name, shard in self.shards.items()})
+
+    @torch.no_grad()
     def fill_copies(self) -> None:
         """After a load: the second copy of a name held twice takes the loaded first one."""
         for destination, source in self.copies:

@@ -21,6 +21,7 @@ import shutil
 import uuid
 import warnings
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from modelpar.checkpoint.shards import Shard, ShardedState, ShardLoadPlanner, ShardSavePlanner
 
 __all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "checkpoints", "file_crc32",
            "final_path", "foreign", "is_checkpoint", "leftovers", "load_into", "publish", "read_full_tensors",
-           "read_meta", "remove", "remove_leftovers", "scratch", "seal", "step_dirs", "write_files"]
+           "read_meta", "remove", "remove_leftovers", "scratch", "seal", "start_write", "step_dirs", "write_files"]
 
 FORMAT = 2  # meta.json's "checkpoint_format": full tensors under global names (none: per-shard keys, older)
 MARKER = "COMPLETE"
@@ -204,9 +206,49 @@ def write_files(tmp: Path, state: ShardedState, group: Any) -> dict[str, int]:
     the CRC-32 of the files this rank wrote (``__<rank>_*``; rank 0 also ``.metadata``), read back once."""
     dcp.save(state.shards, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardSavePlanner(),
              process_group=group)  # returns once every rank's file and the .metadata are written
-    rank = dist.get_rank(group)
-    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")]
+    return _own_crcs(tmp, dist.get_rank(group))
+
+
+def _own_crcs(tmp: Path, rank: int) -> dict[str, int]:
+    """The CRC-32 of the files rank ``rank`` wrote into ``tmp`` (``__<rank>_*``; rank 0 also ``.metadata``)."""
+    mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == DCP_METADATA)]
     return {p.name: file_crc32(p) for p in mine}
+
+
+class _HostCopy(AsyncStager):
+    """DCP's staging step for a ``{name: Shard}`` dict: every box copied to host memory before ``stage`` returns."""
+
+    _synchronize_after_execute = False  # the copy is made in ``stage``: nothing to wait for afterwards
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return ShardedState(state_dict).snapshot().shards
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start_write(tmp: Path, state: ShardedState, group: Any) -> Future[dict[str, int]]:
+    """Collective over ``group``: ``write_files`` in the background. ``state`` is copied to host memory before this
+    returns (training may change it at once); DCP's ``async_save`` writes the copy in a thread of its own, whose
+    collectives use ``group``: give it a group nothing else uses meanwhile. The future: this rank's CRC-32s."""
+    rank = dist.get_rank(group)
+    upload = dcp.async_save(state.shards, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardSavePlanner(),
+                            process_group=group, async_stager=_HostCopy())
+    crcs: Future[dict[str, int]] = Future()
+
+    def read_back(done: Any) -> None:  # in the writing thread: the checksums are read there too
+        try:
+            done.result()
+            crcs.set_result(_own_crcs(tmp, rank))
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            crcs.set_exception(err)
+
+    assert isinstance(upload, Future)  # a stager that copies in ``stage`` gets a plain future
+    upload.add_done_callback(read_back)
+    return crcs
 
 
 def seal(directory: Path, step: int, meta: dict[str, Any], crcs: dict[str, int] | None = None) -> None:

@@ -245,6 +245,16 @@ def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> in
     return 0
 
 
+def _saves(cfg: Any, result: Any) -> str:
+    """The checkpoint saves in words: how many, how long each held training, how long each took to write."""
+    from statistics import median
+
+    how = "written in the background (--async-checkpoint)" if cfg.async_checkpoint else "blocking"
+    written = f"; written in {1e3 * median(result.save_writes):,.1f} ms" if result.save_writes else ""
+    return (f"{len(result.save_stalls)}, {how}: training held {1e3 * median(result.save_stalls):,.1f} ms per save "
+            f"(median){written}")
+
+
 def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
@@ -277,6 +287,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
         ("precision", _PRECISION[cfg.precision]),
         ("compiled", "no (--compile: each block compiled)" if result.compile_seconds is None else
          f"each block, {cfg.compile_backend}: {result.compile_seconds:.1f} s compiling on rank 0"),
+        *([("checkpoint saves", _saves(cfg, result))] if result.save_stalls else []),
         ("data parallel", f"ZeRO-{cfg.zero}, {result.buckets} bucket{'s' if result.buckets != 1 else ''}, "
                           + ("overlapped" if cfg.overlap_grad_reduce and cfg.dp > 1 else "after the step")),
         ("rank 0: params, grads, AdamW", f"{_mib(result.parameter_bytes)}, {_mib(result.gradient_bytes)}, "

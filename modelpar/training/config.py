@@ -140,6 +140,9 @@ class TrainConfig:
                                                                  "if a directory is set)")
     keep: int = option(2, section="checkpoint", help="valid checkpoints kept on disk (damaged ones are never counted; "
                                                      "docs/checkpoints.md)")
+    async_checkpoint: bool = option(False, section="checkpoint", help="write checkpoints while training goes on: a "
+                                                                      "copy in host memory, written by DCP's async_save "
+                                                                      "(docs/checkpoints.md)")
     resume: bool = option(False, section="checkpoint", help="continue from the latest complete checkpoint in "
                                                             "checkpoint_dir, at any split; the model, data and "
                                                             "optimisation settings left out come from it")

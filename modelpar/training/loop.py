@@ -95,6 +95,8 @@ class TrainResult:
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
     compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)
+    save_stalls: list[float] = field(default_factory=list)  # s each checkpoint save held this rank's training
+    save_writes: list[float] = field(default_factory=list)  # s from each completed save's start to its completion
     config: Any = None  # the TrainConfig the ranks trained: the data's vocabulary and the resolved schedule in it
 
     @property
@@ -153,7 +155,7 @@ class TrainResult:
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
                   "skipped_steps", "compile_seconds", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
-                  "exposed_gather", "message_bytes", "expert_imbalance")
+                  "exposed_gather", "message_bytes", "expert_imbalance", "save_stalls", "save_writes")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -274,15 +276,34 @@ class _Run:
         if self.emit:
             self.emit({"event": "eval", "step": step, "val_loss": total, "val_bpb": self.result.bits_per_byte(total)})
 
-    def save(self, step: int) -> str | None:
-        """Write the checkpoint of ``step`` (collective); return its path (None: no checkpoint_dir)."""
+    def save(self, step: int, wait: bool = True) -> str | None:
+        """Write the checkpoint of ``step`` (collective); return its path (None: no checkpoint_dir). With
+        ``async_checkpoint`` and not ``wait``, it is written in the background and completed by the next save or
+        ``finish_save``; the path returned is then the previous one's (None: none was in flight)."""
         if self.checkpoints is None:
             return None
         t0 = time.perf_counter()
         self.rng.copy_(torch.get_rng_state())
-        path = self.checkpoints.save(step, self.state, run_meta(self.cfg, step, self.result.losses))
-        self.stop.saved(time.perf_counter() - t0)
-        return str(path)
+        meta = run_meta(self.cfg, step, self.result.losses)
+        if self.cfg.async_checkpoint and not wait:
+            path = self.checkpoints.save_async(step, self.state, meta)
+        else:
+            self.finish_save()
+            path = self.checkpoints.save(step, self.state, meta)
+        self.result.save_stalls.append(time.perf_counter() - t0)
+        if path is not None:
+            self._written()
+        return None if path is None else str(path)
+
+    def finish_save(self) -> None:
+        """Complete a checkpoint being written in the background, if any (collective)."""
+        if self.checkpoints is not None and self.checkpoints.finish() is not None:
+            self._written()
+
+    def _written(self) -> None:
+        assert self.checkpoints is not None
+        self.result.save_writes.append(self.checkpoints.write_seconds)
+        self.stop.saved(self.checkpoints.write_seconds)  # the estimate for a save inside the preemption grace
 
     def close(self) -> None:
         """End what the run started: the data-parallel waiter, the hooks on the parameters (they hold the gradient
@@ -298,6 +319,7 @@ class _Run:
         """Stop at ``step`` as ``verdict`` says, on every rank: the checkpoint it asks for, then the one line."""
         if self.emit:
             self.emit({"event": "stopping", "step": step, "save": verdict.save})
+        self.finish_save()  # a checkpoint in flight is completed: every rank is here
         written = self.save(step) if verdict.save else None
         latest = self.checkpoints.latest(checksums=False) if self.checkpoints is not None else None
         return self.stop.outcome(verdict, step, written, None if latest is None else str(latest))
@@ -361,15 +383,17 @@ def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: 
             if cfg.eval_every and done % cfg.eval_every == 0:
                 run.validate(done)
             if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-                run.save(done)
+                run.save(done, wait=False)
         if run.result.stop is None:
             run.validate(done)
             if done > start:
                 run.save(done)
+            else:
+                run.finish_save()
     finally:
-        run.close()
-        if checkpoints is not None:
+        if checkpoints is not None:  # first: a background write still in flight (an error) ends before the groups
             checkpoints.close()
+        run.close()
     run.result.skipped_steps = stop.skipped
     run.result.config = cfg
     if run.telemetry.gather_waits:
