@@ -61,6 +61,7 @@ from modelpar.costmodel.local_memory import (
     activation_bytes,
     bucket_shards,
     moe_layers_of,
+    offloaded_bytes,
     stage_bucket_list,
     stage_buckets,
     stage_tensors,
@@ -89,6 +90,7 @@ __all__ = [
     "dp_traffic",
     "layout_schedule",
     "moe_stage_seconds",
+    "offload_seconds",
     "predict_local",
     "predicted_timeline",
     "stage_costs",
@@ -109,6 +111,7 @@ class LocalPrediction:
     memory: dict[str, float] = field(default_factory=dict)  # rank 0: parameters, gradients, optimizer, activations
     peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or I)
     busiest: tuple[int, float] = (0, 0.0)  # (pipeline rank, bytes) of the rank holding the most
+    host_bytes: float = 0.0  # rank 0's activations in host memory at its peak (activation offload)
 
     @property
     def memory_bytes(self) -> float:
@@ -118,7 +121,7 @@ class LocalPrediction:
     def as_dict(self) -> dict[str, object]:
         return {"step_time_s": self.step_time_s, "bubble": self.bubble, "time_s": dict(self.time),
                 "memory_bytes": dict(self.memory), "peak_held": self.peak_held,
-                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1]}
+                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1], "host_bytes": self.host_bytes}
 
 
 def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
@@ -351,7 +354,18 @@ def _stage_costs(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[flo
             forward += _tp_time(run, hw, op, nbytes)
         else:
             backward += _tp_time(run, hw, op, nbytes)
-    return forward, backward, weight
+    copy = offload_seconds(run, hw, stage)
+    if hw.device == "cpu":  # the copies are memcpys on the compute's own cores: on the step
+        return forward + copy, backward + copy, weight
+    # a GPU copies on a side stream while the stage computes: only what outlasts the compute shows
+    return forward + max(0.0, copy - forward), backward + max(0.0, copy - backward), weight
+
+
+def offload_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> float:
+    """Seconds of one microbatch's activation-offload copy of ``stage`` one way (to host in the forward, the same
+    back for the backward): ``offloaded_bytes`` over the host link (``HardwareProfile.host_bytes_per_s``)."""
+    nbytes = offloaded_bytes(run, stage)
+    return nbytes / hw.host_bytes_per_s(min(run.world, hw.devices_per_node)) if nbytes else 0.0
 
 
 def _hop(run: LocalLayout, hw: HardwareProfile) -> float:
@@ -471,6 +485,7 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
                                                                         allgather_bytes(48.0 * run.world, run.world))
     held = round(timeline.peak_held[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
+    host = held * sum(offloaded_bytes(run, s) for s in stages) / len(stages)
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
-                           memory, held, (busiest, per_rank[busiest]))
+                           memory, held, (busiest, per_rank[busiest]), host)

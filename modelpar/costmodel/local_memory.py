@@ -39,6 +39,9 @@ The first stage also keeps the token ids (8 bytes each), the last the final norm
 input, the targets and one fp32 log-sum-exp per token (the chunked head and loss, ``loss_chunk_mb``;
 with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
 recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
+
+Activation offload (``offload``, ``recompute.offload_plan``) moves the chosen layers' own bytes to host
+memory: ``offloaded_bytes``, taken off ``activation_bytes`` (the rotary cos/sin every layer shares stay).
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ from dataclasses import dataclass
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tensors
 from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
+from modelpar.recompute.offload_plan import offload_layers
 
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "bucket_shards",
-           "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
+           "moe_layers_of", "offloaded_bytes", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its activations (fp8: bf16 between the products)
@@ -84,6 +88,7 @@ class LocalLayout(RankGrid):
     moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
     ep: int = 1  # expert-parallel ranks (folded into d)
     chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
+    offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``recompute.offload_plan``)
 
     @property
     def stages(self) -> int:
@@ -313,4 +318,18 @@ def activation_bytes(run: LocalLayout, stage: int) -> float:
         body = layers * layer + _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
         if layers and run.model.gated_mlp:  # one rotary cos/sin for all of the stage's layers
             body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
-    return body + first + last
+    return body + first + last - offloaded_bytes(run, stage)
+
+
+def offloaded_bytes(run: LocalLayout, stage: int) -> float:
+    """Bytes of one microbatch of ``stage`` that activation offload moves to host memory: the chosen layers' own
+    (a MoE layer's with its experts' terms); none under full recomputation (the layers save nothing then)."""
+    if run.offload == "none" or run.recompute == "full":
+        return 0.0
+    layer = activation_parts(run, stage)[0]
+    per = run.model.layers // run.stages
+    chosen = [stage * per + i for i in offload_layers(per, run.offload)]
+    n_moe = moe_layers_of(run, stage)
+    extra = _moe_bytes(run, stage) / n_moe if n_moe else 0.0
+    moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
+    return sum(layer + (extra if i in moe else 0.0) for i in chosen)

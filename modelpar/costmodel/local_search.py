@@ -2,6 +2,7 @@
 predicted step time, those whose most loaded rank does not fit the memory limit set aside.
 
 What the trainer can run is one list, ``Capabilities`` (schedules, ZeRO stages, recomputations,
+activation offload (tried only on a layout that does not fit without it, the fewest layers that make it fit),
 sequence parallelism, interleaving, microbatch counts, context parallelism's modes); context-parallel
 layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rule: a sequence in 2·cp
 chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
@@ -43,6 +44,7 @@ class Capabilities:
     chunks: tuple[int, ...] = (2, 4)  # v tried with the interleaved schedule
     max_microbatches: int = 16
     cp_comms: tuple[str, ...] = CP_COMMS  # context parallelism's modes tried at cp > 1 (none: cp = 1 only)
+    offload: bool = True  # activation offload: tried on a layout only when it does not fit without it
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,22 @@ def _auto(run: LocalLayout, hw: HardwareProfile, limit_bytes: float, accept: Cal
     return replace(run, v=schedule.chunks)
 
 
+def _offloaded(run: LocalLayout, pred: LocalPrediction, hw: HardwareProfile, limit_bytes: float,
+               accept: Callable[[LocalLayout], bool]) -> tuple[LocalLayout, LocalPrediction]:
+    """``run`` with the least activation offload that fits ``limit_bytes`` (the first n layers of each stage, n
+    from 1, then all: the fewest bytes copied), or ``run`` as it was when none does. Full recomputation keeps
+    nothing in the layers to move."""
+    per = run.model.layers // run.stages
+    if run.recompute == "full" or not per:
+        return run, pred
+    for choice in [str(n) for n in range(1, per)] + ["all"]:
+        trial = replace(run, offload=choice)
+        got = predict_local(trial, hw)
+        if got.memory_bytes <= limit_bytes and accept(trial):
+            return trial, got
+    return run, pred
+
+
 def pinned(run: LocalLayout, pins: Mapping[str, Any], later: tuple[str, ...] = ()) -> bool:
     """Whether ``run`` keeps every pinned field's value (``LocalLayout`` names; as ``modelpar plan``'s pins fix a
     dimension of its search, the user's layout flags fix this one's); ``later``: fields not chosen yet."""
@@ -197,6 +215,8 @@ def plan_local(base: LocalLayout, world: int, hw: HardwareProfile, limit_bytes: 
             continue
         tried += 1
         pred = predict_local(run, hw)
+        if pred.memory_bytes > limit_bytes and caps.offload and "offload" not in pins:
+            run, pred = _offloaded(run, pred, hw, limit_bytes, lambda r: pinned(r, pins) and accept(r))
         if pred.memory_bytes <= limit_bytes:
             ranked.append((run, pred))
         elif leanest is None or pred.memory_bytes < leanest[1].memory_bytes:

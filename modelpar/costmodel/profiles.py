@@ -86,6 +86,7 @@ class HardwareProfile:
     inter_node_gbps: float
     hbm_tb_s: float  # element-wise (memory-bound) throughput, TB/s (table: HBM; measured: at one rank)
     matmul_ceiling: float = 0.8  # table entries: the efficiency curve's ceiling (assumptions.py's curve)
+    host_gbps: float = 0.0  # device <-> host copies, GB/s one direction (PCIe, C2C); 0: a CPU's memcpy (element-wise)
     torch: str | None = None  # torch version measured with; None for a table entry
     host: str = "-"
     cores: int = 0  # CPU cores of the host (0: unknown)
@@ -204,6 +205,11 @@ class HardwareProfile:
         if self.elementwise_gbps:
             return self.elementwise_gbps[self.ranks_measured(ranks)] * 1e9
         return self.hbm_tb_s * 1e12
+
+    def host_bytes_per_s(self, ranks: int = 1) -> float:
+        """Bytes per second one rank copies to host memory and back (activation offload): ``host_gbps``, else (a
+        CPU, where the host is the device's own memory) its memory-bound element-wise throughput, the memcpy rate."""
+        return self.host_gbps * 1e9 if self.host_gbps else self.elementwise_bytes_per_s(ranks)
 
     def op_latency(self, ranks: int = 1) -> float | None:
         table = self.op_latency_s

@@ -39,6 +39,7 @@ from modelpar.training.parts import (
     apply_compile,
     apply_data_parallel,
     apply_float8,
+    apply_offload,
     apply_pipeline,
     build_stages,
     computed_stages,
@@ -91,6 +92,7 @@ class TrainResult:
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
+    offloaded_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes moved to host per microbatch
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
@@ -136,6 +138,13 @@ class TrainResult:
         if not self.saved_bytes or not self.peak_held:
             return None
         return self.peak_held * sum(self.saved_bytes.values()) / len(self.saved_bytes)
+
+    @property
+    def offloaded_activation_bytes(self) -> float | None:
+        """Activations in host memory at this rank's peak (``--offload-activations``; None: off)."""
+        if not self.offloaded_bytes or not self.peak_held:
+            return None
+        return self.peak_held * sum(self.offloaded_bytes.values()) / len(self.offloaded_bytes)
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,6 +200,7 @@ class _Run:
         self.corpus = open_corpus(cfg.data)
         self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
         self.modules = build_stages(cfg, rs, schedule, self.context)
+        self.offload = apply_offload(cfg, self.modules)
         apply_float8(cfg, self.modules, rs.device)  # before compiling: the float8 products are part of the graphs
         self.compile_clock = apply_compile(cfg, self.modules, schedule)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
@@ -230,7 +240,7 @@ class _Run:
                              parameter_bytes=sync.parameter_bytes(), unigram_baseline=self.corpus.unigram_baseline(),
                              tokens_per_byte=self.corpus.tokens_per_byte)
         result.saved_bytes = saved_bytes(cfg, computed_stages(cfg, self.modules, self.schedule), self.loss_fn, cfg.tp,
-                                         rs.device)
+                                         rs.device, self.offload, result.offloaded_bytes)
         return result
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -4,6 +4,7 @@ torchtitan applies each parallelism as a function over the model; these are mode
 ``loop._Run`` applies them:
 
     build_stages        the model: t (and sequence parallelism), cp and ep live in its layers (build_stage)
+    apply_offload       --offload-activations: the chosen layers' saved activations to host memory
     apply_float8        --precision fp8: torchao's float8 products in the linear layers
     apply_compile       --compile: each transformer block's forward compiled
     stage_loss          the last stage's loss (the head and cross entropy in chunks of tokens)
@@ -23,6 +24,8 @@ from torch import nn
 from modelpar._compat import CompileClock
 from modelpar.model import LMLoss, Transformer, build_stage
 from modelpar.pipeline.runner import PipelineRunner
+from modelpar.recompute.offload import HostOffload
+from modelpar.recompute.offload import apply_offload as offload_stage
 from modelpar.schedules import Schedule
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.training.buckets import BufferMeter
@@ -37,8 +40,8 @@ from modelpar.training.setup import RankSetup
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
-__all__ = ["DataParallel", "apply_compile", "apply_data_parallel", "apply_float8", "apply_pipeline", "build_stages",
-           "stage_loss"]
+__all__ = ["DataParallel", "apply_compile", "apply_data_parallel", "apply_float8", "apply_offload", "apply_pipeline",
+           "build_stages", "stage_loss"]
 
 
 def build_stages(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, context: ContextParallel) -> dict[int, Transformer]:
@@ -48,6 +51,16 @@ def build_stages(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, context: C
                            device=rs.device, split=cfg.layer_split, context=context, ep_group=rs.ep_group,
                            head_in_loss=cfg.loss_chunk > 0)
             for s in schedule.stages_on(rs.pp_rank)}
+
+
+def apply_offload(cfg: TrainConfig, modules: Mapping[int, Transformer]) -> HostOffload | None:
+    """``--offload-activations``: the chosen layers of every stage here save into one host store (None: off)."""
+    if cfg.offload_activations == "none":
+        return None
+    store = HostOffload()
+    for module in modules.values():
+        offload_stage(module, cfg.offload_activations, store)
+    return store
 
 
 def apply_float8(cfg: TrainConfig, modules: Mapping[int, nn.Module], device: torch.device) -> None:

@@ -34,7 +34,8 @@ def local_run(cfg: TrainConfig) -> LocalLayout:
     return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
-                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0)
+                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
+                    offload=cfg.offload_activations)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
@@ -106,6 +107,8 @@ def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> di
     measured − 1, for the bubble (itself a fraction of the step, often near 0) predicted − measured."""
     pairs = {"step_time_s": predicted.step_time_s, "bubble": predicted.bubble,
              **{f"{k}_bytes": v for k, v in predicted.memory.items()}}
+    if predicted.host_bytes or measured.get("offloaded_bytes"):  # --offload-activations: what went to host memory
+        pairs["offloaded_bytes"] = predicted.host_bytes
     rows: dict[str, dict[str, float | None]] = {}
     for name, value in pairs.items():
         got = measured.get(name)
@@ -125,7 +128,8 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
     times = result.step_times[1:] or result.step_times
     measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
                 "parameters_bytes": held_parameter_bytes(cfg, result), "gradients_bytes": result.gradient_bytes,
-                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
+                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes,
+                "offloaded_bytes": result.offloaded_activation_bytes}
     rows = compare(predict_run(cfg, profile), measured)
     record = {"event": "prediction", "step": len(result.losses), "hardware": profile.name,
               **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}

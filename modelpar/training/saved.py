@@ -2,6 +2,7 @@
 
 ``saved_bytes`` runs one forward (and the last stage's loss) of each stage under
 ``torch.autograd.graph.saved_tensors_hooks``, counting each storage once and leaving the parameters out;
+with ``--offload-activations`` it also counts what the chosen layers moved to host memory;
 the run reports it beside the cost model's figure (``modelpar.training.prediction.compare``).
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelpar.recompute.offload import HostOffload
 from modelpar.training.config import TrainConfig
 
 __all__ = ["saved_bytes"]
@@ -28,8 +30,11 @@ def _inputs(cfg: TrainConfig, stage: int, tp: int, device: torch.device) -> torc
 
 
 def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp: int,
-                device: torch.device) -> dict[int, int]:
-    """Bytes autograd keeps for one microbatch of each stage here (a collective over the tensor-parallel group)."""
+                device: torch.device, offload: HostOffload | None = None,
+                offloaded: dict[int, int] | None = None) -> dict[int, int]:
+    """Bytes autograd keeps on the device for one microbatch of each stage here (a collective over the
+    tensor-parallel group). With ``offload`` (``--offload-activations``) the chosen layers' hooks are inner to
+    this count, so what they moved is not in it; ``offloaded`` gets the bytes each stage put in host memory."""
     params = [p for m in stages.values() for p in m.parameters()]
     last = cfg.pp * cfg.chunks - 1
     out = {}
@@ -43,6 +48,7 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
                 seen[storage.data_ptr()] = storage.nbytes()
             return x
 
+        before = offload.reading.bytes if offload is not None else 0
         x = _inputs(cfg, stage, tp, device)
         if stage:
             x.requires_grad_(True)
@@ -52,5 +58,7 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
                 gen = torch.Generator().manual_seed(last + 1)
                 b = cfg.batch_size // (cfg.dp * cfg.microbatches)
                 loss_fn(y, torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device))
+            if offloaded is not None and offload is not None:
+                offloaded[stage] = offload.reading.bytes - before
         out[stage] = sum(seen.values())
     return out
