@@ -96,6 +96,7 @@ class HostOffload:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._streams: dict[int, Any] = {}
+        self._outer: tuple[Any, Any] | None = None  # ``passing``'s hooks
         self._last: weakref.ref[_Layer] | None = None  # the chosen layer before, for the prefetch
         self.bytes = self.peak_bytes = self.copied_out = self.copied_in = 0
         self.seconds = 0.0
@@ -103,6 +104,16 @@ class HostOffload:
     @property
     def reading(self) -> OffloadReading:
         return OffloadReading(self.bytes, self.peak_bytes, self.copied_out, self.copied_in, self.seconds)
+
+    @contextlib.contextmanager
+    def passing(self, pack: Any, unpack: Any) -> Iterator[None]:
+        """Inside: what a chosen layer keeps on the device (cos/sin, ...) goes through these outer hooks, which the
+        layer's own hooks otherwise hide (autograd applies the innermost only): how a meter still counts it."""
+        self._outer = (pack, unpack)
+        try:
+            yield
+        finally:
+            self._outer = None
 
     def new_chain(self) -> None:
         """The next chosen layer prefetches nothing before it (a new stage forward)."""
@@ -167,7 +178,8 @@ class HostOffload:
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if in_backward() or _is_parameter(tensor) or storage.nbytes() == 0 or key in group.skip:
-                return tensor
+                outer = self._outer
+                return _Kept(outer[1], outer[0](tensor)) if outer is not None else tensor
             if key not in group.host:
                 group.device = tensor.device
                 group.host[key] = self._to_host(storage)
@@ -181,9 +193,20 @@ class HostOffload:
             alive.clear()
 
 
+class _Kept:
+    """A tensor kept on the device and handed to ``passing``'s outer hooks."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, unpack: Any, packed: Any) -> None:
+        self.unpack, self.packed = unpack, packed
+
+
 def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Kept):
+        return packed.unpack(packed.packed)  # type: ignore[no-any-return]
     if not isinstance(packed, _Packed):
-        return packed  # type: ignore[no-any-return]
+        return packed
     group = packed.layer
     group.load()
     before = group.previous() if group.previous is not None else None
@@ -215,6 +238,8 @@ def apply_offload(stage: nn.Module, offload: str, store: HostOffload) -> list[st
     no parameter or state-dict name changes, so checkpoints load at any setting. Each forward of the stage starts
     a new prefetch chain (the backward of its first layer does not fetch another stage's or microbatch's)."""
     layers = stage.layers
+    if not isinstance(layers, nn.ModuleDict):
+        raise ValueError(f"stage.layers must be an nn.ModuleDict of the stage's layers, got {type(layers).__name__}")
     names = list(layers.keys())
     if names:
         stage.register_forward_pre_hook(lambda module, args: store.new_chain())

@@ -8,6 +8,7 @@ the run reports it beside the cost model's figure (``modelpar.training.predictio
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -52,7 +53,8 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
         x = _inputs(cfg, stage, tp, device)
         if stage:
             x.requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        passing = offload.passing(pack, lambda x: x) if offload is not None else contextlib.nullcontext()
+        with passing, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
             y = module(x)
             if stage == last:
                 gen = torch.Generator().manual_seed(last + 1)
@@ -60,5 +62,6 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
                 loss_fn(y, torch.randint(0, cfg.model.vocab_size, (b, cfg.model.seq_len // cfg.cp), generator=gen).to(device))
             if offloaded is not None and offload is not None:
                 offloaded[stage] = offload.reading.bytes - before
+        del y  # this stage's graph and its host copies go before the next stage is counted
         out[stage] = sum(seen.values())
     return out
