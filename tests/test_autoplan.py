@@ -132,10 +132,14 @@ def test_a_limit_only_context_parallelism_meets(monkeypatch):
     no logits, and there d = 2 under ZeRO-3 is leaner.)"""
     cfg = dataclasses.replace(CFG, model=ModelConfig(hidden=32, heads=1, layers=1, seq_len=256), batch_size=1,
                               microbatches=1, memory_limit_gb=0.55e-3)
+    offloaded, _, _ = auto_plan(cfg, 2)  # activation offload (issue 40) lets cp = 2 keep its layer's tensors on the host
+    assert (offloaded.cp, offloaded.recompute, offloaded.offload_activations) == (2, "none", "all")
+    monkeypatch.setattr("modelpar.training.autoplan.CAPABILITIES", dataclasses.replace(CAPABILITIES, offload=False))
     planned, pred, line = auto_plan(cfg, 2)
     assert (planned.cp, planned.cp_comm, planned.dp, planned.zero) == (2, "ring", 1, 1) and planned.check(2) is planned
     assert planned.recompute == "full" and pred.memory_bytes <= 0.55e6 and "t=1 cp=2 (ring) p=1 d=1" in line
-    monkeypatch.setattr("modelpar.training.autoplan.CAPABILITIES", dataclasses.replace(CAPABILITIES, cp_comms=()))
+    monkeypatch.setattr("modelpar.training.autoplan.CAPABILITIES", dataclasses.replace(CAPABILITIES, cp_comms=(),
+                                                                                        offload=False))
     with pytest.raises(ValueError, match=r"no layout the trainer runs splits this model on 2 ranks \(batch 1"):
         auto_plan(cfg, 2)
 

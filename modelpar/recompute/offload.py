@@ -204,7 +204,7 @@ class _Kept:
 
 def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Kept):
-        return packed.unpack(packed.packed)  # type: ignore[no-any-return]
+        return packed.unpack(packed.packed)
     if not isinstance(packed, _Packed):
         return packed
     group = packed.layer
