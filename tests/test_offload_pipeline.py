@@ -37,7 +37,7 @@ def _train(cfg):
         import pathlib
 
         path = str(sorted(pathlib.Path(cfg.checkpoint_dir).glob("step_*"))[-1])
-    return r.losses, r.grad_norms, r.val, r.saved_bytes, r.offloaded_bytes, r.peak_held, path
+    return r.losses, r.grad_norms, r.val, r.saved_bytes, r.offloaded_bytes, r.peak_held, path, r.offload_peak_bytes
 
 
 def _weights(path):
@@ -85,3 +85,4 @@ def test_pipeline_equals_the_plain_run_and_holds_the_predicted_bytes(c2, tmp_pat
     if offloaded_bytes(run, 0):
         measured_host = moved[0][5] * sum(moved[0][4].values()) / len(moved[0][4])
         assert measured_host == pytest.approx(pred.host_bytes, rel=0.05)
+        assert moved[0][7] == pytest.approx(pred.host_bytes, rel=0.05)  # the host store's own peak over the steps

@@ -154,6 +154,8 @@ class HostOffload:
 
     def _to_device(self, host: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
         back = torch.empty(host.nbytes(), dtype=torch.uint8, device=device).untyped_storage()
+        if device.type == "cuda":  # written on the side stream: not reused before that (a graph dropped unread)
+            torch.empty(0, dtype=torch.uint8, device=device).set_(back).record_stream(self._stream(device))
         self._copy(host, back, device)
         with self._lock:
             self.copied_in += host.nbytes()
@@ -177,9 +179,11 @@ class HostOffload:
         def pack(tensor: torch.Tensor) -> Any:
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
-            if in_backward() or _is_parameter(tensor) or storage.nbytes() == 0 or key in group.skip:
-                outer = self._outer
-                return _Kept(outer[1], outer[0](tensor)) if outer is not None else tensor
+            if _is_parameter(tensor):
+                return tensor
+            if in_backward() or storage.nbytes() == 0 or key in group.skip:
+                outer = self._outer  # detached: a Python holder of a node's own output would make a cycle
+                return _Kept(outer[1], outer[0](tensor.detach())) if outer is not None else tensor
             if key not in group.host:
                 group.device = tensor.device
                 group.host[key] = self._to_host(storage)

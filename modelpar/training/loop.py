@@ -93,6 +93,8 @@ class TrainResult:
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
     offloaded_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes moved to host per microbatch
+    offload_peak_bytes: int | None = None  # most bytes in host memory at once during the steps (offload; None: off)
+    offload_seconds: float | None = None  # seconds this rank spent copying, both ways, all steps (a CPU; a GPU: 0)
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
@@ -162,7 +164,7 @@ class TrainResult:
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
                   "skipped_steps", "compile_seconds", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
-                  "exposed_gather", "message_bytes", "expert_imbalance")
+                  "exposed_gather", "message_bytes", "expert_imbalance", "offload_peak_bytes", "offload_seconds")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -221,6 +223,8 @@ class _Run:
         start, losses = _resume(cfg, checkpoints, self.state)
         torch.set_rng_state(self.rng)
         self.result = self._result(start, losses)
+        if self.offload is not None:  # the peak in host memory from here on is the training steps'
+            self.offload.reset_peak()
         self.first = rs.pp_rank == schedule.rank_of(0)
         self.last = rs.pp_rank == schedule.rank_of(schedule.num_stages - 1)
         # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
@@ -385,6 +389,8 @@ def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: 
     if run.telemetry.gather_waits:
         run.result.exposed_gather = statistics.median(run.telemetry.gather_waits[-MEASURED_STEPS:])
     run.result.peak_held = run.runner.record.peak_held
+    if run.offload is not None:
+        run.result.offload_peak_bytes, run.result.offload_seconds = run.offload.reading.peak_bytes, run.offload.reading.seconds
     _measured(run.result, run.schedule, run.telemetry.timelines)
     if run.emit:
         run.emit({"event": "done"})

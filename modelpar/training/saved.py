@@ -47,7 +47,7 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
             owned = {p.untyped_storage().data_ptr() for p in params}  # now: ZeRO-3 gathers into new storage
             if storage.data_ptr() not in owned:
                 seen[storage.data_ptr()] = storage.nbytes()
-            return x
+            return x.detach()  # never unpacked (no backward); x itself, a node's own output, would make a cycle
 
         before = offload.reading.bytes if offload is not None else 0
         x = _inputs(cfg, stage, tp, device)
