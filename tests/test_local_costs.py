@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from modelpar.costmodel.inventory import stage_buckets, stage_tensors
 from modelpar.costmodel.local import (
     _comm,
     all_reduce_exposed,
@@ -15,7 +16,7 @@ from modelpar.costmodel.local import (
     dp_traffic,
     predict_local,
 )
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_buckets, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
 from modelpar.costmodel.moe import MoESpec, moe_layer_params
 from modelpar.costmodel.presets import CPU_DEFAULT

@@ -1,6 +1,6 @@
 """Predicted vs measured: every rank's parameter, gradient and AdamW bytes (ZeRO 0–3; context parallelism, ring
 and all-gather, with t and p) and its data-parallel bytes sent under ZeRO are the cost model's exactly, its held
-activations within 10% (cp: 0.1%), and the summary and metrics.jsonl carry both.
+activations within 10% (cp: 0.1%), uneven and ``--stage-layers`` splits too, and the summary and metrics.jsonl carry both.
 
 One LocalCluster of 4 gloo ranks for the module; the runs are one or two steps of a tiny model.
 """
@@ -50,6 +50,12 @@ CASES = [
     dict(dp=4, ep=2, zero=1, model=MOE),  # ZeRO over d, the experts' ranges over the d/ep replicas holding them
     dict(tp=2, pp=2, loss_chunk_mb=0),  # the head in the model, the logits whole: their softmax is kept
     dict(tp=2, dp=2, sequence_parallel=True, model=LLAMA, loss_chunk_mb=0.01),  # the loss over 10-token chunks
+    # uneven splits (issue 38: priced ⌊L/p⌋ layers a stage before the model inventory)
+    dict(pp=2, dp=2, model=dataclasses.replace(TINY, layers=5)),  # the default split: 2, 3
+    dict(pp=2, tp=2, stage_layers=(3, 1), bucket_mb=0.01),  # --stage-layers, several buckets
+    dict(pp=2, dp=2, zero=2, stage_layers=(1, 3), bucket_mb=0.04, model=LLAMA),
+    dict(pp=2, dp=2, ep=2, stage_layers=(3, 1), model=MOE),  # MoE layer 1 on stage 0, layer 3 on stage 1
+    dict(pp=2, schedule="interleaved", chunks=2, dp=2, stage_layers=(0, 2, 1, 1)),  # an empty first chunk
 ]
 
 

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
+from modelpar.costmodel.inventory import bucket_shards, stage_bucket_list, stage_buckets, stage_layers, stage_tensors
 from modelpar.costmodel.local_compute import (
     LayerCost,
     attention_seconds,
@@ -55,17 +56,7 @@ from modelpar.costmodel.local_compute import (
     step_end_seconds,
     table_dtype,
 )
-from modelpar.costmodel.local_memory import (
-    COMPUTE_BYTES,
-    LocalLayout,
-    activation_bytes,
-    bucket_shards,
-    moe_layers_of,
-    stage_bucket_list,
-    stage_buckets,
-    stage_tensors,
-    state_bytes,
-)
+from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalLayout, activation_bytes, moe_layers_of, state_bytes
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.moe import MoESeconds, moe_layer_seconds, moe_spans
 from modelpar.costmodel.profiles import HardwareProfile
@@ -323,7 +314,7 @@ def moe_stage_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> tupl
 def _stage_costs(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``: its layers'
     and ends' compute (``local_compute``), the runtime's cost per action, and the communication beside them."""
-    layers = run.model.layers // run.stages
+    layers = len(stage_layers(run, stage))
     f_layer, b_layer, layer = tp_layer_seconds(run, hw)  # compute and its tensor-parallel collectives; compute
     blocks = blockwise_seconds(run, hw)
     attention = (attention_seconds(run, hw) if blocks is None else blocks[0]) * core_share(run, hw)
@@ -425,7 +416,6 @@ def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
     """The pipeline ``predict_local`` times, in ms, with each MoE layer's expert all-to-alls inside its F and
     B (I) boxes (``Timeline.inner``, placed by ``costmodel.moe.moe_spans`` at the lengths priced here)."""
     schedule, _, _, tl = _timeline(run, hw)
-    per = run.model.layers // run.stages
     moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
     inner: list[list[tuple[str, float, float]]] = [[] for _ in tl.actions]
     for d, actions in enumerate(tl.actions):
@@ -433,7 +423,7 @@ def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
             _, sec = moe_stage_seconds(run, hw, a.stage)
             if sec is None or a.kind is Kind.W:
                 continue
-            flags = [i in moe for i in range(a.stage * per, (a.stage + 1) * per)]
+            flags = [i in moe for i in stage_layers(run, a.stage)]
             inner[d] += [("all-to-all", 1e3 * x, 1e3 * y) for x, y in
                          moe_spans(s, e, flags, sec, "F" if a.kind is Kind.F else "B", run.recompute == "full")]
     ms = [[1e3 * x for x in row] for row in tl.starts], [[1e3 * x for x in row] for row in tl.ends]

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
