@@ -6,6 +6,7 @@ sequence number on receipt: a message that meets the wrong receive fails loudly.
 
 import os
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from hypothesis import settings
 
 import modelpar.training.start  # noqa: F401  (before any cluster starts: ranks are born with the training stack)
+from modelpar.calibrate.cache import NO_CALIBRATE_ENV
 from modelpar.pipeline.runner import CHECK_MESSAGES_ENV
 
 os.environ.setdefault(CHECK_MESSAGES_ENV, "1")
@@ -22,6 +24,12 @@ os.environ.setdefault(CHECK_MESSAGES_ENV, "1")
 # at every op (docs/testing.md: a generation test took 79.5 s with two threads and 10.1 s with one, under load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# No run of the suite writes to the user's cache or pays a calibration (modelpar.calibrate.cache): the cache is a
+# directory of the session's own, and `modelpar train` measures nothing for its prediction (memory only; the tests
+# of the cache itself lift this with monkeypatch). Set here, before any process starts, so every rank inherits them.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="modelpar-test-cache-")
+os.environ[NO_CALIBRATE_ENV] = "1"
 
 # No per-example deadline: on a crowded machine hypothesis's 200 ms fails a correct test (seen: 589 ms for
 # an example of test_microbatch_sizes_match_tensor_split); pytest-timeout bounds each test instead.

@@ -67,7 +67,7 @@ def test_plan_auto_runs_the_plan(tmp_path, capsys):
                  "--eval-batches", "1", "--no-progress", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0 and "modelpar train: plan on cpu-default" in captured.err
-    assert "predicted / measured step time" in captured.out and (out / "summary.json").exists()
+    assert "predicted / measured parameters" in captured.out and (out / "summary.json").exists()
 
 
 @pytest.mark.parametrize("flags, message", [(["--plan", "maybe"], "plan must be one of"),

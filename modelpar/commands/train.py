@@ -178,6 +178,19 @@ def _planned(cfg: Any, args: argparse.Namespace) -> Any:
         cfg, _, line = auto_plan(cfg, world, explicit_settings(args))  # the same plan on every rank; rank 0 prints it
         if os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+    if not cfg.hardware and cfg.calibrate:  # every run predicted with its own device (calibrate.cache)
+        import dataclasses
+
+        from modelpar.calibrate.cache import machine_profile
+
+        def log(line: str) -> None:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+
+        found = machine_profile(cfg.check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None), log)
+        cfg = dataclasses.replace(cfg, hardware=found.hardware)
+        if found.hardware is not None and found.how != "given":
+            log(f"prediction from {found.hardware} ({found.how})")
     if cfg.schedule == "auto":  # the schedule built here, and a memory limit none meets refused, before any process
         from modelpar.training.prediction import resolve_schedule
 
