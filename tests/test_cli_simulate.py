@@ -89,7 +89,7 @@ def test_sweep_prints_both_tables(capsys):
     "argv, message",
     [
         (["--schedule", "foo"], "--schedule must be one of {naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, "
-                                "zb-h2, zb-v, v-half, v-min, dualpipe-v} or auto, got 'foo'"),
+                                "zb-h2, zb-v, v-half, v-min, dualpipe-v, dualpipe-v-serial} or auto, got 'foo'"),
         (["--ranks", "0"], "--ranks must be >= 1, got 0"),
         (["--microbatches", "2.5"], "--microbatches must be an integer, got '2.5'"),
         (["--schedule", "interleaved", "--microbatches", "6"],

@@ -21,7 +21,7 @@ def generated(draw):
         return get_schedule(name, ranks=k, microbatches=k * draw(st.integers(1, 3)), chunks=draw(st.integers(1, 4)))
     if name == "looped-bfs":
         return get_schedule(name, ranks=k, microbatches=draw(st.integers(1, 9)), chunks=draw(st.integers(1, 4)))
-    low = 2 * k if name == "dualpipe-v" else 1
+    low = 2 * k if name.startswith("dualpipe-v") else 1
     return get_schedule(name, ranks=k, microbatches=draw(st.integers(low, max(low, 9))))
 
 
@@ -86,6 +86,8 @@ def check_lowering(schedule):
         # the compute actions are the schedule's, in its order
         assert [op for op in program if isinstance(op, Action)] == list(schedule.actions[d])
         position = {op: i for i, op in enumerate(program)}
+        acts = schedule.actions[d]
+        partner = {acts[j]: acts[j + 1] for j in schedule.overlapped[d]}  # a pair's forward sends after its backward
         for i, op in enumerate(program):
             if not isinstance(op, Transfer):
                 continue
@@ -95,8 +97,9 @@ def check_lowering(schedule):
             kind, producer, m = op.message
             if op.is_send:  # right after its producer (sends of one action follow it in a row)
                 made = Action(producer, Kind.F if kind == "F" else _grad_kind(schedule), m)
+                after = partner.get(made, made)
                 assert position[made] < i and all(isinstance(x, Transfer) and x.is_send
-                                                  for x in program[position[made] + 1:i])
+                                                  for x in program[position[after] + 1:i])
             else:  # before the action that consumes it
                 consumer = Action(op.stage, Kind.F, m) if kind == "F" else Action(op.stage, _grad_kind(schedule), m)
                 assert i < position[consumer]

@@ -130,7 +130,7 @@ def test_each_registry_entry_states_what_its_generator_builds(name):
     [
         (lambda: get_schedule("pipedream", ranks=4, microbatches=8),
          r"schedule must be one of \{naive, gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, "
-         r"v-min, dualpipe-v\}, got 'pipedream'"),
+         r"v-min, dualpipe-v, dualpipe-v-serial\}, got 'pipedream'"),
         (lambda: get_schedule("zb-v", ranks=4, microbatches=8, chunks=3), r"chunks must be 2 for schedule 'zb-v'"),
         (lambda: get_schedule("dualpipe-v", ranks=4, microbatches=7),
          r"microbatches must be >= 8, got 7 \(schedule 'dualpipe-v' needs 2 x ranks\)"),

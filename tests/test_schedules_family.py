@@ -55,7 +55,7 @@ def test_orders_equal_torchs(name, cls, ms, k):
 def test_valid_and_lowered_programs_pass_the_rendezvous_model(name):
     for k in range(1, 7):
         for m in range(1, 13):
-            if name == "dualpipe-v" and m < 2 * k:
+            if name.startswith("dualpipe-v") and m < 2 * k:
                 continue
             s = get_schedule(name, ranks=k, microbatches=m, chunks=schedule_entry(name).default_chunks).validate()
             assert s.name == name and s.num_microbatches == m and s.num_ranks == k

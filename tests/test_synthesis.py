@@ -14,7 +14,7 @@ from modelpar.simulate.synthesis import StageCosts, candidates, pareto, synthesi
 def _best_named(k, m, costs, limit):
     best = None
     for name in schedule_names():
-        if (name == "interleaved" and m % k) or (name == "dualpipe-v" and m < 2 * k):
+        if (name == "interleaved" and m % k) or (name.startswith("dualpipe-v") and m < 2 * k):
             continue
         tl = costs.timeline(get_schedule(name, ranks=k, microbatches=m, chunks=schedule_entry(name).default_chunks))
         if max(tl.peak_held) <= limit + 1e-9 and (best is None or tl.step_time < best.step_time):

@@ -64,7 +64,11 @@ def test_reads_what_torchs_dualpipe_v_writes():
         writer.writerow([None] + torch_schedules.ScheduleDualPipeV._calculate_single_rank_operations(fake, rank) + [None])
     text = out.getvalue()
     assert "OVERLAP_F_B" in text and text.startswith(",")
-    assert from_csv(text).actions == get_schedule("dualpipe-v", ranks=2, microbatches=5).actions
+    ours = get_schedule("dualpipe-v", ranks=2, microbatches=5)
+    assert from_csv(text).actions == ours.actions
+    assert from_csv(text).overlapped == ours.overlapped  # the pairs where torch writes OVERLAP_F_B
+    assert from_csv(to_csv(ours), "dualpipe-v") == ours
+    assert to_csv(ours).count("OVERLAP_F_B") == text.count("OVERLAP_F_B")
 
 
 @pytest.mark.parametrize("text, error, match", [

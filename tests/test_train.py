@@ -211,7 +211,7 @@ def test_uneven_splits_compute_the_single_process_model(request, changes):
     ({"pp": 2, "microbatches": 3}, r"batch_size per replica \(8\) must be divisible by microbatches \(3\)"),
     ({"pp": 2, "schedule": "pipedream"},
      r"schedule must be one of \{gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, v-half, v-min, dualpipe-v, "
-     r"auto\}, got 'pipedream'"),
+     r"dualpipe-v-serial, auto\}, got 'pipedream'"),
     ({"pp": 2, "schedule": "auto", "memory_limit": 0.5}, r"memory limit must be >= 1 microbatches' activations per "
                                                          r"rank .*got 0.5"),
     ({"pp": 2, "schedule": "dualpipe-v", "chunks": 2}, r"microbatches must be >= 4, got 2"),
@@ -255,7 +255,7 @@ def test_a_schedule_registered_here_validates_simulates_is_offered_and_trains_as
     copy, plain = json.loads(capsys.readouterr().out)
     assert copy["schedule"] == "gpipe-copy" and copy["bubble"] == plain["bubble"] == pytest.approx(1 / 5)  # (K - 1)/(M + K - 1)
     assert main(["simulate", "--schedule", "pipedream"]) == 2
-    assert "dualpipe-v, gpipe-copy} or auto, got 'pipedream'" in capsys.readouterr().err
+    assert "dualpipe-v, dualpipe-v-serial, gpipe-copy} or auto, got 'pipedream'" in capsys.readouterr().err
     cfg = dataclasses.replace(BASE, pp=2, steps=1)
     copied = c2.run(_train_registered, dataclasses.replace(cfg, schedule=gpipe_copy))
     assert copied == c2.run(_train, dataclasses.replace(cfg, schedule="gpipe"))  # bitwise: the same actions

@@ -35,7 +35,7 @@ def test_flags_reach_the_config():
     (["--tp", "3"], "heads (4) must be divisible by tp (3)"),
     (["--microbatches", "5"], "batch_size per replica (16) must be divisible by microbatches (5)"),
     (["--schedule", "dualpipe"], "schedule must be one of {gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zb-h2, zb-v, "
-                                 "v-half, v-min, dualpipe-v, auto}, got 'dualpipe'"),
+                                 "v-half, v-min, dualpipe-v, dualpipe-v-serial, auto}, got 'dualpipe'"),
     (["--schedule", "auto", "--memory-limit", "0.5"], "memory limit must be >= 1 microbatches' activations per "
                                                       "rank (the least any schedule for K = 2, M = 4 holds), got 0.5"),
     (["--memory-limit", "2"], "memory_limit applies to schedule auto (it picks the schedule that fits), got 2"),

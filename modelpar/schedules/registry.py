@@ -12,13 +12,15 @@ candidates and the planner read the entry; none of them names a schedule.
     looped-bfs    any      any                     yes     no
     zb-h1, zb-h2  1        any                     yes     yes
     zb-v, v-half, v-min  2 any                     yes     yes
-    dualpipe-v    2        >= 2K                   yes     yes
+    dualpipe-v    2        >= 2K                   yes     yes  (F&B pairs overlapped)
+    dualpipe-v-serial  2   >= 2K                   yes     yes  (the same order, pairs back to back)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from modelpar._validate import check_choice, check_int
 from modelpar.schedules.generators import (
@@ -67,6 +69,8 @@ _ENTRIES: dict[str, ScheduleEntry] = {
     "v-half": ScheduleEntry(v_half, chunks=2, split_backward=True),
     "v-min": ScheduleEntry(v_min, chunks=2, split_backward=True),
     "dualpipe-v": ScheduleEntry(dualpipe_v, chunks=2, microbatches=DUALPIPE_MICROBATCHES, split_backward=True),
+    "dualpipe-v-serial": ScheduleEntry(partial(dualpipe_v, overlap=False), chunks=2,
+                                       microbatches=DUALPIPE_MICROBATCHES, split_backward=True),
 }
 
 

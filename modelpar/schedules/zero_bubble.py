@@ -2,9 +2,9 @@
 
 All split the backward into I (input gradient) and W (weight gradient). ZB-V and DualPipe-V
 follow torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
-action for action (DualPipe-V's overlapped F+B pairs run one after the other, as torch's runtime
-runs them; its full backwards B are written I then W, which the runtime merges back into one
-backward). The others are built for equal F, I and W times:
+action for action (DualPipe-V's full backwards B are written I then W; its overlapped F+B pairs
+are marked where torch writes ``OVERLAP_F_B``, each a forward and the I of a full backward, and
+run and priced together: ``schedules.overlap``). The others are built for equal F, I and W times:
 
     schedule    placement            how                           held per rank (1F1B: K on rank 0)
     zb-h2       one stage a rank   list scheduler (``greedy``)   2(K − d) − 1 on rank d  (2024a §3.1)
@@ -108,22 +108,29 @@ def zb_v(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(v_map(k), tuple(per_rank), "zb-v")
 
 
-def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
+def dualpipe_v(*, ranks: int, microbatches: int, overlap: bool = True) -> Schedule:
     """DualPipe-V (DeepSeek's DualPipe folded onto a V), as torch's ``ScheduleDualPipeV``.
 
-    Needs M ≥ 2K. The main phase pairs a chunk-0 forward with a chunk-1 backward and vice versa
-    (DualPipe overlaps each pair's compute and communication; here they run back to back); the
-    last microbatches' backwards are split into I and W, the W's filling the drain.
+    Needs M ≥ 2K. The main phase pairs a chunk-0 forward with a chunk-1 backward and vice versa,
+    each pair overlapped (``Schedule.overlapped``: one half's communication behind the other's
+    compute); ``overlap=False`` keeps the order but runs each pair back to back (registered as
+    "dualpipe-v-serial", to compare). The last microbatches' backwards are split into I and W,
+    the W's filling the drain.
     """
     k, m = _counts(ranks, microbatches)
-    DUALPIPE_MICROBATCHES.check("dualpipe-v", m, k, 2)
-    return Schedule(v_map(k), tuple(_dualpipe_rank(k, m, d) for d in range(k)), "dualpipe-v")
+    name = "dualpipe-v" if overlap else "dualpipe-v-serial"
+    DUALPIPE_MICROBATCHES.check(name, m, k, 2)
+    ranks_ = [_dualpipe_rank(k, m, d) for d in range(k)]
+    pairs = tuple(p if overlap else () for _, p in ranks_)
+    return Schedule(v_map(k), tuple(a for a, _ in ranks_), name, pairs)
 
 
-def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
-    """Device d's actions, step by step as torch's ``ScheduleDualPipeV`` writes them."""
+def _dualpipe_rank(k: int, m: int, d: int) -> tuple[tuple[Action, ...], tuple[int, ...]]:
+    """Device d's actions, step by step as torch's ``ScheduleDualPipeV`` writes them, and the positions
+    of its overlapped pairs' forwards."""
     s0, s1 = d, 2 * k - 1 - d
     acts: list[Action] = []
+    pairs: list[int] = []
     count: dict[tuple[int, Kind], int] = {}
     weights: list[tuple[int, int]] = []
 
@@ -142,6 +149,11 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         if weights:
             acts.append(Action(weights[0][0], _W, weights.pop(0)[1]))
 
+    def pair(forward: int, backward: int) -> None:  # torch's OVERLAP_F_B: F with a full backward
+        pairs.append(len(acts))
+        add(forward, _F)
+        add(backward, _B)
+
     for _ in range(2 * (k - d - 1)):  # 1: F0
         add(s0, _F)
     for _ in range(d + 1):  # 2: F0 F1
@@ -151,15 +163,16 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         add(s1, _I)
         weight()
         add(s1, _F)
-    for _ in range(m - 2 * k + d + 1):  # 4: (F0 B1) (F1 B0)
-        add(s0, _F)
-        add(s1, _B)
-        add(s1, _F)
-        add(s0, _B)
+    for i in range(m - 2 * k + d + 1):  # 4: (F0 B1) (F1 B0)
+        if i == 0 and d == k - 1:  # torch: not overlapped, "to further reduce bubble size"
+            add(s0, _F)
+            add(s1, _B)
+        else:
+            pair(s0, s1)
+        pair(s1, s0)
     for _ in range(k - d - 1):  # 5: B1 (F1 B0)
         add(s1, _B)
-        add(s1, _F)
-        add(s0, _B)
+        pair(s1, s0)
     split = False
     for i in range(d + 1):  # 6: B1 B0, the second half split
         if i == (d + 1) // 2 and d % 2 == 1:
@@ -173,4 +186,4 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         add(s0, _I if split else _B)
     for _ in range(d + 1):  # 8: W
         weight()
-    return tuple(acts)
+    return tuple(acts), tuple(pairs)
