@@ -4,7 +4,8 @@ The same Llama MoE (every layer, dropless) trained on 2 local CPU ranks with d =
 each rank runs the one-rank V (two chunks) of "dualpipe-v" (pairs overlapped) and of
 "dualpipe-v-serial" (the same actions, each pair back to back), the experts' all-to-alls inside
 the pairs. The two runs alternate ``--rounds`` times in one cluster (which goes first alternates
-too); per run the median step time of the slowest rank; printed: each round's ratio overlapped / serial and their median. On a CPU a
+too); per run the median step time of the slowest rank; printed: each round's ratio overlapped /
+serial and their median. On a CPU a
 pair's halves run one after the other (``pipeline.pair_streams``): the ratio shows that the pair's
 bookkeeping costs nothing (it should be 1 within the noise); what overlap gains needs a GPU
 (benchmarks/gpu_dualpipe_overlap.py). Losses are checked equal (the same arithmetic).
