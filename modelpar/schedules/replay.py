@@ -123,25 +123,37 @@ def _replay(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None
         i = n
         j = ptr[d]
         while j < n:
-            group = acts[j:j + 2] if j in paired else acts[j:j + 1]
+            a = acts[j]
+            s, k, m = a  # an Action is a (stage, kind, microbatch) named tuple
+            if not 0 <= s < S or m < 0 or dev[s] != d or k not in spec:
+                raise _Invalid
+            own, took, ins = spec[k][s]
+            r = t
             need = -1
-            ready_at = []
-            for a in group:
-                s, k, m = a  # an Action is a (stage, kind, microbatch) named tuple
-                if not 0 <= s < S or m < 0 or dev[s] != d or k not in spec:
+            for off, x in ins:
+                f = fin[off + m]
+                if f is None:
+                    need = off + m
+                    break
+                f += x
+                if f > r:
+                    r = f
+            group = None
+            if need < 0 and paired and j in paired:  # an overlapped pair: its backward's inputs too
+                b = acts[j + 1]
+                s2, k2, m2 = b
+                if not 0 <= s2 < S or m2 < 0 or dev[s2] != d or k2 not in spec:
                     raise _Invalid
-                r = t
-                for off, x in spec[k][s][2]:
-                    f = fin[off + m]
+                r2 = t
+                for off, x in spec[k2][s2][2]:
+                    f = fin[off + m2]
                     if f is None:
-                        need = off + m
+                        need = off + m2
                         break
                     f += x
-                    if f > r:
-                        r = f
-                if need >= 0:
-                    break
-                ready_at.append(r)
+                    if f > r2:
+                        r2 = f
+                group = ((a, b), pair_span(r, took, inside[k][s], r2, spec[k2][s2][1], inside[k2][s2]))
             if need >= 0:
                 i = j
                 w = waiting[need]
@@ -151,28 +163,37 @@ def _replay(schedule: Schedule, durations: Mapping[Kind, Sequence[float]] | None
                     w.append(d)
                 blocked_on[d] = need
                 break
-            if len(group) == 1:
-                bounds = [(ready_at[0], ready_at[0] + spec[k][s][1])]
-            else:
-                (s1, k1, _), (s2, k2, _) = group
-                bounds = list(pair_span(ready_at[0], spec[k1][s1][1], inside[k1][s1],
-                                        ready_at[1], spec[k2][s2][1], inside[k2][s2]))
-            for a, (b, e) in zip(group, bounds):
-                s, k, m = a
-                key = spec[k][s][0] + m
+            if group is None:  # one action (the fast path)
+                key = own + m
                 if fin[key] is not None:  # duplicate
                     raise _Invalid
-                fin[key] = e
-                st(b)
-                en(e)
+                t = r + took
+                fin[key] = t
+                st(r)
+                en(t)
                 if trace:
                     order.append(a)
                 woken = waiting[key]
                 if woken is not None:
                     ready.extend(woken)
                     waiting[key] = None
-            t = bounds[-1][1]
-            j += len(group)
+                j += 1
+                continue
+            for a, (r, t) in zip(*group):
+                s, k, m = a
+                key = spec[k][s][0] + m
+                if fin[key] is not None:  # duplicate
+                    raise _Invalid
+                fin[key] = t
+                st(r)
+                en(t)
+                if trace:
+                    order.append(a)
+                woken = waiting[key]
+                if woken is not None:
+                    ready.extend(woken)
+                    waiting[key] = None
+            j += 2
         ptr[d], clock[d] = i, t
     stuck = {d: (ptr[d], _action(blocked_on[d], style, S, M)) for d in range(D) if ptr[d] < len(schedule.actions[d])}
     return Replay(starts, ends, order, stuck)
