@@ -89,3 +89,22 @@ def test_a_pair_is_lowered_as_a_unit(k, m):
             assert all(n > j + 1 for n in sends)  # ... the forward's output sent after both
     assert rendezvous(programs, s.stage_to_rank) is None
     assert rendezvous(programs, s.stage_to_rank, channel="rank") is None
+
+
+def test_the_cost_model_hides_the_expert_all_to_alls_in_pairs_on_a_gpu_only():
+    import dataclasses
+
+    from modelpar.costmodel.local import predict_local
+    from modelpar.costmodel.presets import CPU_DEFAULT
+    from modelpar.model import ModelConfig
+    from modelpar.training import TrainConfig
+    from modelpar.training.prediction import local_run
+
+    moe = ModelConfig(arch="llama", hidden=64, heads=4, layers=4, seq_len=64, experts=4, top_k=2)
+    gpu = dataclasses.replace(CPU_DEFAULT, device="cuda")
+    step = {}
+    for name in ("dualpipe-v", "dualpipe-v-serial"):
+        cfg = TrainConfig(model=moe, tp=1, pp=1, dp=2, ep=2, schedule=name, chunks=2, microbatches=4, batch_size=16)
+        step[name] = [predict_local(local_run(cfg.check(2)), hw).step_time_s for hw in (CPU_DEFAULT, gpu)]
+    assert step["dualpipe-v"][0] == step["dualpipe-v-serial"][0]  # a CPU runs a pair's halves one after the other
+    assert step["dualpipe-v"][1] < step["dualpipe-v-serial"][1]

@@ -417,7 +417,14 @@ def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tup
     hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
-    starts, ends = replay_times(schedule, durations, transfer)
+    comm = {kind: [0.0] * run.stages for kind in KINDS}  # the expert all-to-alls an overlapped F&B pair hides
+    for s in range(run.stages if hw.device != "cpu" else 0):  # a CPU runs a pair's halves one after the other
+        n, sec = moe_stage_seconds(run, hw, s)
+        if sec is not None:
+            redo = sec.a2a_forward if run.recompute == "full" else 0.0  # the recomputed forward's, in the backward
+            comm[Kind.F][s] = n * sec.a2a_forward
+            comm[Kind.B][s] = comm[Kind.I][s] = n * (sec.a2a_backward + redo)
+    starts, ends = replay_times(schedule, durations, transfer, comm)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
 
 

@@ -53,6 +53,7 @@ def parse_pair(text: str) -> tuple[Action, Action] | None:
 
 def pair_time(first: float, first_comm: float, second: float, second_comm: float) -> float:
     """How long an overlapped pair takes: each half's time and the part of it that is communication."""
+    first_comm, second_comm = min(first_comm, first), min(second_comm, second)  # communication is part of the time
     c1, c2 = first - first_comm, second - second_comm
     return max(c1 + c2, first_comm + second_comm, first, second)
 
