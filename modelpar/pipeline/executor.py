@@ -112,15 +112,17 @@ class _Step:
         """Take the action's input, run it inside the hooks, put its output where it goes."""
         a, ctx = p.op, self.ctx
         assert isinstance(a, Action)
-        x: Any = None
-        if p.source == "input":
-            x = self.inputs[a.microbatch]  # type: ignore[index]
-        elif p.source == "local":
-            x = self.local.pop(p.source_key)
-        elif p.source == "recv":
-            x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
         stage = ctx.stages[a.stage]
-        with ctx.streams.half(a, p.pair, p.partner, [x]):
+        with ctx.streams.half(a, p.pair, p.partner):  # a pair's half on its stream: its receive waits there too
+            x: Any = None
+            if p.source == "input":
+                x = self.inputs[a.microbatch]  # type: ignore[index]
+            elif p.source == "local":
+                x = self.local.pop(p.source_key)
+            elif p.source == "recv":
+                x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
+            if p.pair:
+                ctx.streams.used(x)
             if ctx.hooks and not p.absorbed:
                 seen = Action(a.stage, Kind.B, a.microbatch) if p.fused else a  # a fused I is a whole backward
                 with ExitStack() as around:

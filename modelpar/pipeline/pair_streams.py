@@ -37,11 +37,11 @@ class PairStreams:
         return torch.cuda.current_stream(self.device), self._side
 
     @contextmanager
-    def half(self, action: Any, pair: int, partner: tuple[int, int] | None, tensors: list[Any]) -> Iterator[None]:
-        """Run ``action`` (pair 0: alone, 1: a pair's forward, 2: its backward) on its stream.
+    def half(self, action: Any, pair: int, partner: tuple[int, int] | None) -> Iterator[None]:
+        """Run ``action`` (pair 0: alone, 1: a pair's forward, 2: its backward) on its stream; what the
+        body waits for (its receive) orders that stream.
 
-        ``partner``: for a forward, the (stage, microbatch) of the backward it is paired with;
-        ``tensors``: its input, recorded on the stream that reads it.
+        ``partner``: for a forward, the (stage, microbatch) of the backward it is paired with.
         """
         if not self.cuda:
             yield
@@ -59,15 +59,17 @@ class PairStreams:
             side.wait_stream(main)
         else:
             stream = self._graph.get(key, main)
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(stream)
         with torch.cuda.stream(stream):
             yield
         if pair == 1:
             self._graph[key] = stream
         else:
             main.wait_stream(side)  # the pair is done: what follows on the current stream sees both halves
+
+    def used(self, x: Any) -> None:
+        """A pair half's input: recorded on the half's stream (the current one), which reads it."""
+        if self.cuda and isinstance(x, torch.Tensor) and x.is_cuda:
+            x.record_stream(torch.cuda.current_stream(self.device))
 
     def produced(self, y: Any) -> None:
         """A pair half's output: recorded on the current stream, where it is sent or handed over."""
