@@ -1,8 +1,6 @@
 """The reference text's closed-form numbers: §1.1, §1.3, §2.3, §5.5, §5.6 and Korthikanti's formulas."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -147,11 +145,3 @@ def test_generalised_counts_for_gated_gqa_models():
     with pytest.raises(ValueError, match="kv_heads"):
         ModelSpec(2, 64, 8, 16, 100, kv_heads=3)
     assert math.isclose(ModelSpec(2, 64, 8, 16, 100).ffn_size, 256)
-
-
-def test_importing_the_simulator_loads_neither_torch_nor_the_planner_search():
-    # the simulator and the tensor-parallel accounting share modelpar.formulas, a leaf
-    code = ("import sys, modelpar.simulate, modelpar.schedules, modelpar.formulas\n"
-            "print(sorted(m for m in ('torch', 'modelpar.costmodel', 'modelpar.costmodel.search') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from modelpar.costmodel.local import dp_bytes_step, predict_local, tp_collectives, tp_grad_sync
 from modelpar.costmodel.local_memory import activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
 from modelpar.tensor_parallel.accounting import comm_log
@@ -51,12 +50,6 @@ CASES = [
     dict(tp=2, pp=2, loss_chunk_mb=0),  # the head in the model, the logits whole: their softmax is kept
     dict(tp=2, dp=2, sequence_parallel=True, model=LLAMA, loss_chunk_mb=0.01),  # the loss over 10-token chunks
 ]
-
-
-@pytest.fixture(scope="module")
-def c4():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 def _measured(cfg):

@@ -74,14 +74,3 @@ def test_plan_json_still_writes_both_layer_keys():
     assert not hasattr(e, "device_layers")
     row = e.as_dict()
     assert row["device_layers"] == row["rank_layers"] == list(e.rank_layers)  # `modelpar plan --json`: both keys
-
-
-def test_the_tree_uses_only_the_new_names():
-    """tools/rename_ranks.py --check: nothing left to rename (rerun the codemod after merging old-name code)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tool = Path(__file__).resolve().parents[1] / "tools" / "rename_ranks.py"
-    run = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr

@@ -159,7 +159,7 @@ def test_docs_list_every_setting_as_generated():
 
     from modelpar.commands.train_options import settings_markdown
 
-    text = (Path(__file__).parent.parent / "docs" / "training.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
     start = text.index("<!-- settings:begin")
     block = text[text.index("\n", start) + 1:text.index("<!-- settings:end -->")]
     assert block == settings_markdown(), "regenerate with: python -m modelpar.commands.train_options"
@@ -174,7 +174,7 @@ def _write(tmp_path, name, text):
 def test_a_config_file_sets_the_run_and_flags_override_it(tmp_path):
     from pathlib import Path
 
-    example = str(Path(__file__).parent.parent / "examples" / "run.toml")
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "run.toml")
     cfg = build_config(build_parser().parse_args(["train", "--config", example]))
     assert (cfg.model.arch, cfg.model.kv_heads, cfg.model.layers, cfg.tp, cfg.pp, cfg.stage_layers, cfg.steps) == \
         ("llama", 2, 6, 1, 4, (1, 2, 2, 1), 200)

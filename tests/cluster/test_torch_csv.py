@@ -21,7 +21,6 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from modelpar.bench.pipeline import torch_schedule_step
-from modelpar.distributed import LocalCluster
 from modelpar.pipeline import PipelineRunner, split_stages
 from modelpar.schedules import DeadlockError, get_schedule, schedule_names
 from modelpar.schedules.registry import schedule_entry
@@ -81,12 +80,6 @@ def test_bad_csv_is_refused_naming_the_first_bad_action(text, error, match):
 
 
 # --- real runs, 2 gloo ranks -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, timeout=120) as c:
-        yield c
-
-
 def _model(seed=0):
     torch.manual_seed(seed)
     layers = []
@@ -140,7 +133,7 @@ def _torch_runs_our_csv(text, fmt, m):
 
 @pytest.mark.parametrize("name", ["auto", "zb-v", "v-min", "dualpipe-v", "zb-h2", "interleaved"])
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
-def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
+def test_torch_runs_our_export_with_our_gradients(c2, name, fmt):
     m = 4
     if name == "auto":  # synthesised for I = 3 W, at most 2 microbatches held: a V order of the list scheduler
         schedule, _ = synthesize(2, m, StageCosts.uniform(2, 1, 1.5, 0.5), 2)
@@ -148,7 +141,7 @@ def test_torch_runs_our_export_with_our_gradients(cluster, name, fmt):
     else:
         schedule = get_schedule(name, ranks=2, microbatches=m, chunks=schedule_entry(name).default_chunks)
     text = to_csv(schedule, comm=fmt == "compute_comms")
-    for ours_vs_torch, torch_vs_one in cluster.run(_torch_runs_our_csv, text, fmt, m):
+    for ours_vs_torch, torch_vs_one in c2.run(_torch_runs_our_csv, text, fmt, m):
         assert ours_vs_torch <= TOL and torch_vs_one <= TOL
 
 
@@ -174,7 +167,7 @@ def _we_run_torchs(cls_name, m):
 
 
 @pytest.mark.parametrize("cls_name, ours", [("ScheduleZBVZeroBubble", "zb-v"), ("ScheduleDualPipeV", "dualpipe-v")])
-def test_torchs_zbv_and_dualpipe_v_run_in_modelpar(cluster, cls_name, ours):
-    for err, text, placement in cluster.run(_we_run_torchs, cls_name, 4):
+def test_torchs_zbv_and_dualpipe_v_run_in_modelpar(c2, cls_name, ours):
+    for err, text, placement in c2.run(_we_run_torchs, cls_name, 4):
         assert err <= TOL and placement == (0, 1, 1, 0)
         assert from_csv(text).actions == get_schedule(ours, ranks=2, microbatches=4).actions

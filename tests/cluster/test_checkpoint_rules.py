@@ -245,3 +245,25 @@ def test_a_rank_whose_launcher_died_publishes_and_prunes_nothing(tmp_path):
     assert names[-1] == "step_00000001" and len(names) == 2 and names[0].startswith(".step_00000002.tmp-"), names
     assert not {"COMPLETE", "meta.json"} & {p.name for p in (tmp_path / names[0]).iterdir()}  # never sealed
     assert latest_checkpoint(tmp_path).name == "step_00000001"
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from modelpar.checkpoint.lock import DirLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "started": "then"}))
+    lock = DirLock(tmp_path)
+    assert lock.acquire() == (f"took over the stale lock of pid {pid} on host {socket.gethostname()} (since then), "
+                              "which is no longer running")
+    assert json.loads((tmp_path / "LOCK").read_text())["pid"] == os.getpid()
+    lock.release()
+    (tmp_path / "LOCK").write_text(json.dumps({"host": "elsewhere", "pid": pid, "started": "then"}))
+    with pytest.raises(ValueError, match=r"has a lock from pid \d+ on host elsewhere \(since then\), another host: "
+                                         r"if that run has ended, delete '.*LOCK'"):
+        DirLock(tmp_path).acquire()

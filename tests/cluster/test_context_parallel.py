@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from oracle import plain_loop
 
 from modelpar.checkpoint import latest_checkpoint
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.tensor_parallel.context_parallel import (
     ContextParallel,
@@ -103,12 +102,6 @@ def test_the_core_on_one_rank_is_sdpa_forward_and_backward(comm):
     assert torch.allclose(out, ref, rtol=0, atol=1e-14)
     for a, b in zip(mine, theirs):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
-
-
-@pytest.fixture(scope="module")
-def c2():
-    with LocalCluster(2, timeout=120) as c:
-        yield c
 
 
 def _core_on_ranks(comm):

@@ -45,12 +45,6 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, timeout=60) as c:
-        yield c
-
-
 def _ids(rows=2, cols=CFG.seq_len, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, CFG.vocab_size, (rows, cols), generator=g), torch.randint(
@@ -83,8 +77,8 @@ def _tp_ops_without_checks():
     return SYNC in _forward_backward_ops(model, loss_fn, x, y)
 
 
-def test_tensor_parallel_stage_never_syncs_once_checks_are_off(cluster):
-    assert cluster.run(_tp_ops_without_checks) == [False, False]
+def test_tensor_parallel_stage_never_syncs_once_checks_are_off(c2):
+    assert c2.run(_tp_ops_without_checks) == [False, False]
 
 
 def _pipeline_step_ops():
@@ -102,8 +96,8 @@ def _pipeline_step_ops():
     return [n for n in ops.names if n == SYNC]
 
 
-def test_a_pipeline_step_never_syncs_after_the_first(cluster):
-    assert cluster.run(_pipeline_step_ops) == [[], []]
+def test_a_pipeline_step_never_syncs_after_the_first(c2):
+    assert c2.run(_pipeline_step_ops) == [[], []]
 
 
 # --- token ids: checked where the batch is made ----------------------------------------------------
@@ -154,8 +148,8 @@ def _runner_on_meta():
     return None
 
 
-def test_runner_refuses_a_stage_off_its_groups_device(cluster):
-    assert cluster.run(_runner_on_meta) == [
+def test_runner_refuses_a_stage_off_its_groups_device(c2):
+    assert c2.run(_runner_on_meta) == [
         f"stage {r}'s parameters are on meta but this rank's process group communicates on cpu: move the stage to "
         "cpu (torch.cuda.set_device(local_rank) at start-up, build the model on that device)" for r in (0, 1)]
 
@@ -197,8 +191,8 @@ def _mesh_timeouts():
     return _compat.group_timeout(pp), str(_compat.backend_device(pp)), out.tolist()
 
 
-def test_group_timeout_reads_the_mesh_groups_timeout(cluster):
-    assert cluster.run(_mesh_timeouts) == [(7.5, "cpu", [10, 11])] * 2
+def test_group_timeout_reads_the_mesh_groups_timeout(c2):
+    assert c2.run(_mesh_timeouts) == [(7.5, "cpu", [10, 11])] * 2
 
 
 def test_backend_options_carry_the_timeout():

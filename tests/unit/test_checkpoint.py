@@ -8,8 +8,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -232,20 +230,6 @@ def test_a_held_lock_refuses_a_second_writer_and_names_the_holder(tmp_path):
     assert not (tmp_path / "LOCK").exists() and lock_holder(tmp_path) is None
     check_unlocked(tmp_path)
 
-
-def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    (tmp_path / "LOCK").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "started": "then"}))
-    lock = DirLock(tmp_path)
-    assert lock.acquire() == (f"took over the stale lock of pid {pid} on host {socket.gethostname()} (since then), "
-                              "which is no longer running")
-    assert json.loads((tmp_path / "LOCK").read_text())["pid"] == os.getpid()
-    lock.release()
-    (tmp_path / "LOCK").write_text(json.dumps({"host": "elsewhere", "pid": pid, "started": "then"}))
-    with pytest.raises(ValueError, match=r"has a lock from pid \d+ on host elsewhere \(since then\), another host: "
-                                         r"if that run has ended, delete '.*LOCK'"):
-        DirLock(tmp_path).acquire()
 
 
 def test_piece_is_a_box_and_its_data():

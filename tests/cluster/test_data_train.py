@@ -10,7 +10,6 @@ import torch
 from oracle import plain_loop
 
 from modelpar.corpus import load_corpus
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.text import DataConfig, open_corpus, prepare_data
 from modelpar.training import TrainConfig, train
@@ -18,12 +17,6 @@ from modelpar.training import TrainConfig, train
 pytestmark = pytest.mark.timeout(600)  # several whole runs per case: over 200 s seen on a crowded 2-core machine
 
 TOL = 1e-9
-
-
-@pytest.fixture(scope="module")
-def c2():
-    with LocalCluster(2, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

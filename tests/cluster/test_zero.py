@@ -17,23 +17,10 @@ from modelpar.checkpoint import latest_checkpoint, read_full_tensors
 from modelpar.cli import build_parser
 from modelpar.commands.train import build_config
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes, weight_bytes
-from modelpar.distributed import LocalCluster
 from modelpar.training import TrainConfig, train
 
 SIX = dataclasses.replace(BASE, steps=6)  # >= 6 steps, clipping active (the oracle's norms exceed clip)
 ZBUCKET = 0.04  # MiB: 5242 float64 elements, several buckets per stage and one shard of the largest parameter
-
-
-@pytest.fixture(scope="module")
-def c2():
-    with LocalCluster(2, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def c4():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 def _train_zero(cfg):

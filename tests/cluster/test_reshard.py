@@ -1,6 +1,6 @@
 """Checkpoints move between layouts: save at one (t, p, d, v), resume at another, export to one process.
 
-Real gloo processes, float64: one cluster of 4 ranks for the module; a run of fewer ranks takes
+Real gloo processes, float64: one c4 of 4 ranks for the module; a run of fewer ranks takes
 the first ranks as a world of its own (``in_world``). The oracle is a plain single-process loop on
 the whole model (torch's cross entropy and ``clip_grad_norm_``).
 """
@@ -19,7 +19,6 @@ from oracle import plain_loop
 
 from modelpar.checkpoint import Shard, ShardedState, latest_checkpoint, load_checkpoint, save_checkpoint
 from modelpar.corpus import load_corpus
-from modelpar.distributed import LocalCluster
 from modelpar.export import export_checkpoint, load_model
 from modelpar.model import ModelConfig, build_stage
 from modelpar.training import TrainConfig, train
@@ -34,12 +33,6 @@ LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_
 BASE = TrainConfig(model=TINY, steps=2 * STEPS, batch_size=8, microbatches=2, precision="fp64", warmup=2, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 def _stores(timeout):
@@ -77,9 +70,9 @@ def _train(cfg):
     return {"losses": r.losses, "val": r.val[-1][1], "start": r.start_step}
 
 
-def run_at(cluster, cfg):
-    """``train(cfg)`` on t·p·d ranks of the cluster; rank 0's result."""
-    return cluster.run(in_world, cfg.dims.world_size, _train, cfg)[0]
+def run_at(c4, cfg):
+    """``train(cfg)`` on t·p·d ranks of the c4; rank 0's result."""
+    return c4.run(in_world, cfg.dims.world_size, _train, cfg)[0]
 
 
 def val_loss(model, cfg):
@@ -131,12 +124,12 @@ PAIRS = [  # (saved, resumed): t, p, d and v each go up and down, the schedule, 
 
 
 @pytest.mark.parametrize("saved, resumed", PAIRS)
-def test_resume_at_another_split_continues_the_run(cluster, tmp_path, saved, resumed):
+def test_resume_at_another_split_continues_the_run(c4, tmp_path, saved, resumed):
     cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path / "ckpt"))
-    first = run_at(cluster, dataclasses.replace(cfg, exit_after=STEPS, **saved))
+    first = run_at(c4, dataclasses.replace(cfg, exit_after=STEPS, **saved))
     cfg = dataclasses.replace(cfg, model=saved.get("model", cfg.model))
     assert_layout_free(latest_checkpoint(cfg.checkpoint_dir), cfg.model)
-    second = run_at(cluster, dataclasses.replace(cfg, resume=True, **resumed))
+    second = run_at(c4, dataclasses.replace(cfg, resume=True, **resumed))
     want_losses, want_params, want_val = oracle(cfg)
     assert second["start"] == STEPS and len(second["losses"]) == 2 * STEPS
     assert first["losses"] == pytest.approx(want_losses[:STEPS], abs=TOL, rel=0)
@@ -169,7 +162,7 @@ def _held_by_one_rank(root):
     return other.tolist(), whole.tolist()
 
 
-def test_a_tensor_saved_by_one_rank_loads_on_whichever_rank_asks(cluster, tmp_path):
+def test_a_tensor_saved_by_one_rank_loads_on_whichever_rank_asks(c4, tmp_path):
     # what ZeRO-1 needs: optimizer state held by one data-parallel rank, owned by another after resuming
-    results = cluster.run(in_world, 2, _held_by_one_rank, str(tmp_path))
+    results = c4.run(in_world, 2, _held_by_one_rank, str(tmp_path))
     assert results[:2] == [([2.0] * 3, [0.0, 0.0, 1.0, 1.0]), ([1.0] * 3, [0.0, 0.0, 1.0, 1.0])]

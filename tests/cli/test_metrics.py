@@ -8,7 +8,7 @@ import torch
 
 from modelpar.cli import main
 from modelpar.training.metrics import MetricsLog, Reporters, peak_memory_mb, read_metrics
-from tests.test_checkpoint_cli import TINY
+from tests.cli.test_checkpoint_cli import TINY
 
 
 def events(start, stop, eval_every=2):

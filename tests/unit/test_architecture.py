@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "modelpar"
 
 
@@ -109,7 +109,7 @@ def test_no_import_cycle_between_modules():
 def test_the_training_loop_takes_its_schedule_and_never_asks_the_cost_model():
     """Issue 37: the schedule is resolved where the run starts and shipped to the ranks (modelpar.training.start);
     the loop imports nothing from the cost model, directly or through the run's prediction."""
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "modelpar" / "training" / "loop.py").read_text())
+    tree = ast.parse((ROOT / "modelpar" / "training" / "loop.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not {m for m in imported if m.startswith(("modelpar.costmodel", "modelpar.training.prediction"))}

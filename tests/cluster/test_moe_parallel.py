@@ -16,7 +16,6 @@ import torch.distributed as dist
 from oracle import plain_loop
 
 from modelpar.costmodel.local_memory import state_bytes
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.schedules import get_schedule
 from modelpar.training import TrainConfig, train
@@ -27,12 +26,6 @@ MOE = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=2, layers=2, seq_le
 BASE = TrainConfig(model=MOE, steps=6, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2, clip=0.5,
                    eval_every=0, eval_batches=1, tp=1, pp=1, dp=4, ep=2)
 TOL = 1e-9
-
-
-@pytest.fixture(scope="module")
-def c4():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 def _train(cfg):

@@ -19,7 +19,7 @@ from modelpar.checkpoint import latest_checkpoint, read_full_tensors, read_meta
 from modelpar.cli import main
 from modelpar.corpus import load_corpus
 from modelpar.costmodel import dp_bytes_sent, gradient_bytes, optimizer_state_bytes
-from modelpar.distributed import LocalCluster, free_port
+from modelpar.distributed import free_port
 from modelpar.model import ModelConfig
 from modelpar.schedules import (
     Schedule,
@@ -37,24 +37,6 @@ LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_
 BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-9
-
-
-@pytest.fixture(scope="module")
-def c2():
-    with LocalCluster(2, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def c4():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def c8():
-    with LocalCluster(8, timeout=120) as c:
-        yield c
 
 
 _REFERENCES: dict = {}

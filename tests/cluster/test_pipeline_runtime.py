@@ -1,6 +1,6 @@
 """The multi-process pipeline runtime on real gloo processes, float64, against one process.
 
-One cluster of 4 ranks for the module. Pipeline groups are carved out of it with
+One c4 of 4 ranks for the module. Pipeline groups are carved out of it with
 ``dist.new_group``: K = 4 uses every rank; K = 2 runs two pipelines at once on the groups
 [0, 2] and [1, 3] (group ranks are not global ranks); K = 1 runs one per rank.
 """
@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from modelpar.distributed import LocalCluster
 from modelpar.pipeline import (
     PipelineRunner,
     measured_durations,
@@ -41,12 +40,6 @@ CASES = {  # schedule -> (K, M, v) where the schedule allows it
     "dualpipe-v": [(k, m, 2) for k in (1, 2, 4) for m in (2 * k, 2 * k + 1, 8) if m <= 8],
 }
 _GROUPS: dict = {}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 # --- helpers that run on the ranks -------------------------------------------------------------
@@ -123,8 +116,8 @@ def _transparency(name, cases):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_transparency_two_steps_every_k_and_m(cluster, name):
-    per_rank = cluster.run(_transparency, name, CASES[name])
+def test_transparency_two_steps_every_k_and_m(c4, name):
+    per_rank = c4.run(_transparency, name, CASES[name])
     for rank, cases in enumerate(per_rank):
         for c in cases:
             _, k, m, v = c["case"]
@@ -141,11 +134,11 @@ def test_transparency_two_steps_every_k_and_m(cluster, name):
             assert c["peak"] == [round(expected)] * 2, (rank, c)
 
 
-def test_reference_peaks_one_f_one_b_and_gpipe(cluster):
+def test_reference_peaks_one_f_one_b_and_gpipe(c4):
     """§4.1: 1F1B (K = 4, M = 8) holds [4, 3, 2, 1] microbatches per device; GPipe holds all 8."""
-    per_rank = cluster.run(_transparency, "1f1b", [(4, 8, 1)])
+    per_rank = c4.run(_transparency, "1f1b", [(4, 8, 1)])
     assert [r[0]["peak"][0] for r in per_rank] == [4, 3, 2, 1]
-    per_rank = cluster.run(_transparency, "gpipe", [(4, 8, 1)])
+    per_rank = c4.run(_transparency, "gpipe", [(4, 8, 1)])
     assert [r[0]["peak"][0] for r in per_rank] == [8, 8, 8, 8]
 
 
@@ -187,9 +180,9 @@ def _uneven_tokens(name, balance, recompute, microbatches=6):
 
 
 @pytest.mark.parametrize("name,recompute", [("1f1b", None), ("zb-h1", None), ("1f1b", "full"), ("zb-h1", "sqrt")])
-def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
+def test_uneven_stages_token_ids_and_recompute(c4, name, recompute):
     balance = [1, 2, 5, 8]  # layers per stage; 9 rows in 6 microbatches: sizes 2, 2, 2, 1, 1, 1
-    per_rank = cluster.run(_uneven_tokens, name, balance, recompute)
+    per_rank = c4.run(_uneven_tokens, name, balance, recompute)
     owned = [sum(1 for layer in list(_token_model())[sum(balance[:d]):sum(balance[:d + 1])]
                  for _ in layer.parameters()) for d in range(4)]
     for d, r in enumerate(per_rank):
@@ -216,11 +209,11 @@ def test_uneven_stages_token_ids_and_recompute(cluster, name, recompute):
 
 @pytest.mark.parametrize("name,recompute,m", [("zb-v", "full", 6), ("v-half", "sqrt", 5), ("v-min", None, 7),
                                                ("dualpipe-v", "full", 8), ("zb-h2", "sqrt", 6)])
-def test_v_shapes_uneven_stages_and_recompute(cluster, name, recompute, m):
+def test_v_shapes_uneven_stages_and_recompute(c4, name, recompute, m):
     """V placements (both ends of the model on device 0), uneven layer counts, 9 rows in m microbatches."""
     schedule = get_schedule(name, ranks=4, microbatches=m)
     balance = [1, 1, 2, 2, 2, 2, 3, 3] if schedule.num_stages == 8 else [1, 2, 5, 8]
-    per_rank = cluster.run(_uneven_tokens, name, balance, recompute, m)
+    per_rank = c4.run(_uneven_tokens, name, balance, recompute, m)
     model = list(_token_model())
     for d, r in enumerate(per_rank):
         assert r["err"] <= TOL and r["loss_err"] <= TOL, (d, r["err"], r["loss_err"])
@@ -250,10 +243,10 @@ def _hand_written_v(schedule_text):
     return _compare(model, ref), len(losses), runner.record.peak_held
 
 
-def test_hand_written_v_schedule(cluster):
+def test_hand_written_v_schedule(c4):
     schedule = Schedule.from_text(V_SCHEDULE).validate()
     assert schedule.stage_to_rank == (0, 1, 1, 0)
-    per_rank = cluster.run(_hand_written_v, V_SCHEDULE)
+    per_rank = c4.run(_hand_written_v, V_SCHEDULE)
     for rank, ((err, owned), n_losses, peak) in enumerate(per_rank):
         device = rank // 2  # groups [0, 2] and [1, 3]
         assert err <= TOL and owned == 8
@@ -297,8 +290,8 @@ def _error_on_every_rank(case):
     ("shapes", r"stage 1 \(rank 1\) cannot run on the output of stage 0 \(shape \(2, 6\), torch.float64\)"
                r".*mat1 and mat2 shapes cannot be multiplied"),
 ])
-def test_bad_input_same_error_on_every_rank(cluster, case, message):
-    errors = cluster.run(_error_on_every_rank, case)
+def test_bad_input_same_error_on_every_rank(c4, case, message):
+    errors = c4.run(_error_on_every_rank, case)
     assert len(set(errors)) == 1, errors
     assert errors[0] != "no error"
     import re
@@ -353,8 +346,8 @@ def _swapped_receives_and_a_missing_rank():
     return out
 
 
-def test_message_check_and_collective_timeout_name_the_fault(cluster):
-    results = cluster.run(_swapped_receives_and_a_missing_rank)
+def test_message_check_and_collective_timeout_name_the_fault(c4):
+    results = c4.run(_swapped_receives_and_a_missing_rank)
     for rank in (1, 3):  # device 1 of each pair: the first receive it waits on holds the other microbatch
         assert results[rank]["swapped"] == (  # messages #0-#2: the first contact and the warm-up's two activations
             f"RuntimeError: rank {rank} (pipeline device 1) received message #3, the activation of microbatch 1 "
@@ -370,7 +363,7 @@ def test_message_check_and_collective_timeout_name_the_fault(cluster):
         message, elapsed = results[rank]["missing"]
         assert message.startswith(f"rank {rank} (pipeline device {rank}) waited 1 s for the batch shapes (an "
                                   f"all-reduce over the pipeline group); the last operations it issued: nothing yet")
-        assert 1 <= elapsed < LONG  # the timeout ended it: not before 1 s, and long before the cluster's limit
+        assert 1 <= elapsed < LONG  # the timeout ended it: not before 1 s, and long before the c4's limit
 
 
 # --- a stage that raises: every rank ends, the caller sees the original error ------------------
@@ -414,9 +407,9 @@ class _BoomLater(nn.Module):
         return self.inner(x)
 
 
-def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
-    results = cluster.run(_raise_on_rank_1, True)
-    cluster.close()  # the timed-out receives broke the gloo pairs: the next run starts fresh ranks
+def test_failing_stage_every_rank_ends_within_the_timeout(c4):
+    results = c4.run(_raise_on_rank_1, True)
+    c4.close()  # the timed-out receives broke the gloo pairs: the next run starts fresh ranks
     kind, message, notes, elapsed, _, _ = results[1]
     assert kind == "KeyError" and "boom in stage 1" in message
     assert "while running 1F2 on rank 1 (pipeline device 1)" in notes
@@ -439,7 +432,7 @@ def test_failing_stage_every_rank_ends_within_the_timeout(cluster):
         assert result[4].startswith("a step of this PipelineRunner failed (") and "build a new process group" in result[4]
 
 
-def test_failing_stage_reaches_the_caller_with_its_rank(cluster):
+def test_failing_stage_reaches_the_caller_with_its_rank(c4):
     with pytest.raises(KeyError, match=r"\[rank 1\] 'boom in stage 1'") as info:
-        cluster.run(_raise_on_rank_1, False)
+        c4.run(_raise_on_rank_1, False)
     assert info.value.rank == 1

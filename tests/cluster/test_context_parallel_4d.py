@@ -10,7 +10,6 @@ import pytest
 import torch
 from oracle import plain_loop
 
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
 
@@ -19,12 +18,6 @@ LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=4, seq_
 BASE = TrainConfig(model=TINY, steps=3, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2,
                    clip=0.5, eval_every=0, eval_batches=1, tp=1, pp=1, dp=1, cp=2)
 TOL = 1e-9
-
-
-@pytest.fixture(scope="module")
-def c4():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
 
 
 def _train(cfg):

@@ -15,7 +15,6 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from modelpar.distributed import LocalCluster
 from modelpar.model import LMLoss, ModelConfig, build_stage
 from modelpar.tensor_parallel import vocab_parallel_cross_entropy
 from modelpar.tensor_parallel.head_loss import chunk_tokens, chunked_head_cross_entropy
@@ -26,12 +25,6 @@ LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=2, layers=4, seq_
 BASE = TrainConfig(model=LLAMA, steps=3, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2, clip=0.5,
                    eval_every=0, eval_batches=1, tp=1, pp=1, dp=1)
 TOL = 1e-12
-
-
-@pytest.fixture(scope="module")
-def c2():
-    with LocalCluster(2, timeout=300) as c:
-        yield c
 
 
 def _train(cfg):
@@ -65,17 +58,12 @@ def test_compiled_blocks_train_as_eager(c2, case):
     assert eager[0][3] is None  # not compiled: no compile time reported
 
 
-def test_the_inductor_backend_compiles_the_blocks_and_trains_as_eager(c2):
+def test_the_inductor_backend_compiles_the_blocks_and_trains_as_eager(c1):
     """(1, 1, 1) on one process with the default backend: generated kernels, the same losses (float64)."""
-    eager = _train_one(BASE)
-    compiled = _train_one(dataclasses.replace(BASE, compile=True))
+    eager = c1.run(_train, BASE)[0]
+    compiled = c1.run(_train, dataclasses.replace(BASE, compile=True))[0]
     assert compiled[0] == pytest.approx(eager[0], abs=1e-10, rel=0)
     assert compiled[3] > 0.0  # the compile time the summary reports
-
-
-def _train_one(cfg):
-    with LocalCluster(1, timeout=300) as c:
-        return c.run(_train, cfg)[0]
 
 
 def test_every_block_shares_one_graph():

@@ -14,12 +14,6 @@ from _wait import pid_alive, wait_gone
 from modelpar.distributed import LocalCluster, ParallelDims, RankError, coordinates, launch, rank_groups
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(4, timeout=30) as c:
-        yield c
-
-
 def _rank_and_sum():
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
@@ -59,13 +53,13 @@ def _send_messages(n):
     return dist.get_rank()
 
 
-def test_messages_reach_the_launcher_in_order_before_the_result(cluster):
+def test_messages_reach_the_launcher_in_order_before_the_result(c4):
     got = []
-    cluster.on_message = got.append
+    c4.on_message = got.append
     try:
-        assert cluster.run(_send_messages, 3) == [0, 1, 2, 3]
+        assert c4.run(_send_messages, 3) == [0, 1, 2, 3]
     finally:
-        cluster.on_message = None
+        c4.on_message = None
     for rank in range(4):  # every message arrived by the time run returned, each rank's in its order
         assert [m["i"] for m in got if m["rank"] == rank] == [0, 1, 2]
     from modelpar.distributed import to_launcher
@@ -73,21 +67,21 @@ def test_messages_reach_the_launcher_in_order_before_the_result(cluster):
     assert to_launcher() is None  # not a rank of a LocalCluster
 
 
-def test_results_in_rank_order_and_collectives_work(cluster):
-    assert cluster.run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
+def test_results_in_rank_order_and_collectives_work(c4):
+    assert c4.run(_rank_and_sum) == [(r, 10.0) for r in range(4)]
 
 
-def test_child_exception_reraised_with_rank_and_type(cluster):
+def test_child_exception_reraised_with_rank_and_type(c4):
     with pytest.raises(KeyError, match=r"\[rank 2\] .*boom on 2") as info:
-        cluster.run(_fail_on, 2)
+        c4.run(_fail_on, 2)
     assert info.value.rank == 2
     assert "_fail_on" in str(info.value.__cause__)  # the child's traceback is chained
-    assert cluster.run(_rank_and_sum)[3] == (3, 10.0)  # restarted for the next run
+    assert c4.run(_rank_and_sum)[3] == (3, 10.0)  # restarted for the next run
 
 
-def test_dead_rank_ends_the_group(cluster):
+def test_dead_rank_ends_the_group(c4):
     with pytest.raises(RankError, match=r"rank 1 died \(exit code 7\)"):
-        cluster.run(_die_on, 1)
+        c4.run(_die_on, 1)
 
 
 def test_hung_rank_ends_the_group_within_timeout():
@@ -97,10 +91,10 @@ def test_hung_rank_ends_the_group_within_timeout():
     assert time.monotonic() - start < 20
 
 
-def test_device_mesh_matches_the_pure_function(cluster):
+def test_device_mesh_matches_the_pure_function(c4):
     groups = rank_groups(pp=2, dp=1, tp=2)
     for backend in (None, "gloo"):  # "gloo": the pipeline groups an NCCL run uses
-        for rank, got in enumerate(cluster.run(_mesh_groups, 2, 1, 2, backend)):
+        for rank, got in enumerate(c4.run(_mesh_groups, 2, 1, 2, backend)):
             for dim in ("pp", "dp", "tp"):
                 assert got[dim] in groups[dim] and rank in got[dim]
 
@@ -140,10 +134,10 @@ def test_bad_dims_name_the_argument():
         ParallelDims(pp=2, tp=2).check_world(3)
 
 
-def test_unpicklable_function_is_refused_before_anything_runs(cluster):
+def test_unpicklable_function_is_refused_before_anything_runs(c4):
     with pytest.raises(ValueError, match=r"fn and its arguments must be picklable .*<lambda>"):
-        cluster.run(lambda: 1)
-    assert cluster.run(_rank_and_sum)[0] == (0, 10.0)
+        c4.run(lambda: 1)
+    assert c4.run(_rank_and_sum)[0] == (0, 10.0)
 
 
 def test_run_timeout_none_waits_but_a_dead_rank_is_still_seen():
@@ -188,12 +182,12 @@ def test_busy_ranks_end_with_their_launcher_and_write_nothing_after(tmp_path, si
     assert all((tmp_path / str(p)).stat().st_size > 0 for p in ranks)
 
 
-def test_kill_and_signal_reach_every_rank(cluster):
+def test_kill_and_signal_reach_every_rank(c4):
     import threading
 
-    pids = cluster.pids
-    threading.Timer(0.5, cluster.signal, (signal.SIGUSR1,)).start()  # the ranks start with the default: death
+    pids = c4.pids
+    threading.Timer(0.5, c4.signal, (signal.SIGUSR1,)).start()  # the ranks start with the default: death
     with pytest.raises(RankError, match=r"rank \d \(pid \d+\) was killed by signal 10 \(SIGUSR1\)$"):
-        cluster.run(_hang_on, 0)
-    assert not any(map(pid_alive, pids)) and cluster.pids == []
-    assert cluster.run(_rank_and_sum)[1] == (1, 10.0)  # started again
+        c4.run(_hang_on, 0)
+    assert not any(map(pid_alive, pids)) and c4.pids == []
+    assert c4.run(_rank_and_sum)[1] == (1, 10.0)  # started again

@@ -39,12 +39,6 @@ BASE = build_config(build_parser().parse_args(["train", *FLAGS]))
 assert BASE.model == ModelConfig(hidden=32, layers=2, heads=2, seq_len=16) and BASE.steps == 12
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(2, timeout=60) as c:
-        yield c
-
-
 def _train(cfg: TrainConfig, env: dict | None = None):
     """Rank side: train with ``env`` set for the run; the numbers a test compares."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.dims.world_size))  # as `modelpar train` ranks
@@ -60,14 +54,14 @@ def _train(cfg: TrainConfig, env: dict | None = None):
 _UNINTERRUPTED: dict[TrainConfig, list[float]] = {}  # the module's uninterrupted runs: a longer one serves a shorter
 
 
-def uninterrupted(cluster, cfg: TrainConfig, steps: int) -> list[float]:
+def uninterrupted(c2, cfg: TrainConfig, steps: int) -> list[float]:
     """The losses of the first ``steps`` steps of ``cfg`` run without a stop (without checkpoints, and with no
     non-finite gradient to skip); one run serves every test of the same config (at least 16 steps of it)."""
     plain = dataclasses.replace(cfg, checkpoint_dir=None, checkpoint_every=0, resume=False, exit_after=0,
                                 skip_nonfinite=0)
     if len(_UNINTERRUPTED.get(plain, [])) < steps:
         run = dataclasses.replace(plain, exit_after=min(plain.steps, max(steps, 16)))
-        _UNINTERRUPTED[plain] = cluster.run(_train, run)[0][0]
+        _UNINTERRUPTED[plain] = c2.run(_train, run)[0][0]
     return _UNINTERRUPTED[plain][:steps]
 
 
@@ -75,25 +69,25 @@ def steps_saved(ckpt: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in ckpt.glob("step_*"))
 
 
-def check_resume_is_bitwise(cluster, cfg: TrainConfig, start: int) -> None:
+def check_resume_is_bitwise(c2, cfg: TrainConfig, start: int) -> None:
     """Resume two steps past checkpoint ``start``: the losses, the checkpoint's history included, are
     bitwise those of an uninterrupted run."""
-    losses, stop, _, resumed_at = cluster.run(_train, dataclasses.replace(cfg, resume=True, exit_after=2))[0]
+    losses, stop, _, resumed_at = c2.run(_train, dataclasses.replace(cfg, resume=True, exit_after=2))[0]
     assert resumed_at == start and stop is None
-    assert losses == uninterrupted(cluster, cfg, start + 2)
+    assert losses == uninterrupted(c2, cfg, start + 2)
 
 
-def signal_when_saved(cluster: LocalCluster, rank: int, sig: int, ckpt: Path) -> threading.Thread:
+def signal_when_saved(c2: LocalCluster, rank: int, sig: int, ckpt: Path) -> threading.Thread:
     """Send ``sig`` to ``rank`` once the first checkpoint is complete (the ranks are training).
 
     If the rank dies first or no checkpoint comes, nothing is sent and the test fails on the run's result.
     """
     def alive() -> bool:  # the ranks may still be starting
-        return len(cluster.pids) <= rank or pid_alive(cluster.pids[rank])
+        return len(c2.pids) <= rank or pid_alive(c2.pids[rank])
 
     def wait_and_signal():
         wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=alive)
-        os.kill(cluster.pids[rank], sig)
+        os.kill(c2.pids[rank], sig)
 
     thread = threading.Thread(target=wait_and_signal, daemon=True)
     thread.start()
@@ -101,10 +95,10 @@ def signal_when_saved(cluster: LocalCluster, rank: int, sig: int, ckpt: Path) ->
 
 
 # --- in the ranks: the world agrees on one rank's signal, and on one rank's NaN ------------------------
-def test_sigterm_to_one_rank_saves_at_the_same_step_on_every_rank(cluster, tmp_path):
+def test_sigterm_to_one_rank_saves_at_the_same_step_on_every_rank(c2, tmp_path):
     cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400)
-    signal_when_saved(cluster, 1, signal.SIGTERM, tmp_path)  # under torchrun: `kill` of one worker
-    results = cluster.run(_train, cfg)
+    signal_when_saved(c2, 1, signal.SIGTERM, tmp_path)  # under torchrun: `kill` of one worker
+    results = c2.run(_train, cfg)
     stops = {r[1] for r in results}
     assert len(stops) == 1  # the same Stop on both ranks
     stop = stops.pop()
@@ -113,13 +107,13 @@ def test_sigterm_to_one_rank_saves_at_the_same_step_on_every_rank(cluster, tmp_p
     assert stop.message == f"preempted (SIGTERM) at step {stop.step} of 400; checkpoint written: {stop.checkpoint} " \
                            "(resume continues from there)"
     assert not list(tmp_path.glob(".*"))  # no temporary directory
-    check_resume_is_bitwise(cluster, cfg, stop.step)
+    check_resume_is_bitwise(c2, cfg, stop.step)
 
 
-def test_preemption_past_the_grace_period_writes_nothing(cluster, tmp_path):
+def test_preemption_past_the_grace_period_writes_nothing(c2, tmp_path):
     cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400, preempt_grace=1e-6)
-    signal_when_saved(cluster, 0, signal.SIGTERM, tmp_path)
-    stop = cluster.run(_train, cfg)[0][1]
+    signal_when_saved(c2, 0, signal.SIGTERM, tmp_path)
+    stop = c2.run(_train, cfg)[0][1]
     assert stop.reason == "preempt" and stop.exit_code == EXIT_PREEMPTED
     assert re.fullmatch(rf"preempted \(SIGTERM\) at step {stop.step} of 400, but the step ended [\d.]+ s after the "
                         r"signal and the last save took [\d.]+ s, past preempt_grace = 1e-06 s: no checkpoint written; "
@@ -128,9 +122,9 @@ def test_preemption_past_the_grace_period_writes_nothing(cluster, tmp_path):
     assert steps_saved(tmp_path)[-1] < stop.step  # nothing at the stop
 
 
-def test_nan_at_step_k_stops_every_rank_and_nothing_is_saved_from_it(cluster, tmp_path):
+def test_nan_at_step_k_stops_every_rank_and_nothing_is_saved_from_it(c2, tmp_path):
     cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=1, steps=6)
-    results = cluster.run(_train, cfg, {INJECT_NONFINITE: "4:1"})  # rank 1 sees a NaN gradient in step 4
+    results = c2.run(_train, cfg, {INJECT_NONFINITE: "4:1"})  # rank 1 sees a NaN gradient in step 4
     stops = {r[1] for r in results}
     assert len(stops) == 1
     stop = stops.pop()
@@ -138,28 +132,28 @@ def test_nan_at_step_k_stops_every_rank_and_nothing_is_saved_from_it(cluster, tm
     assert stop.message.startswith("non-finite gradient norm (nan), first seen on rank 1 at step 4 of 6: stopped "
                                    "before the update, nothing saved from it; last complete checkpoint: ")
     assert steps_saved(tmp_path) == [2, 3]  # keep=2, and no step 4
-    check_resume_is_bitwise(cluster, cfg, 3)
+    check_resume_is_bitwise(c2, cfg, 3)
 
 
-def test_skip_nonfinite_skips_the_update_and_counts_it(cluster):
+def test_skip_nonfinite_skips_the_update_and_counts_it(c2):
     cfg = dataclasses.replace(BASE, steps=6, skip_nonfinite=1)
-    losses, stop, skipped, _ = cluster.run(_train, cfg, {INJECT_NONFINITE: "3:0"})[0]
-    want = uninterrupted(cluster, cfg, 6)
+    losses, stop, skipped, _ = c2.run(_train, cfg, {INJECT_NONFINITE: "3:0"})[0]
+    want = uninterrupted(c2, cfg, 6)
     assert stop is None and skipped == 1 and len(losses) == 6
     assert losses[:3] == want[:3] and losses[3] != want[3]  # step 3's loss came before its (skipped) update
     assert torch.isfinite(torch.tensor(losses)).all()
 
 
-def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(cluster, tmp_path):
+def test_a_rank_killed_mid_step_ends_the_run_and_the_last_checkpoint_resumes(c2, tmp_path):
     cfg = dataclasses.replace(BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, steps=400)
-    pids = cluster.pids  # started by the earlier cases
-    signal_when_saved(cluster, 1, signal.SIGKILL, tmp_path)
+    pids = c2.pids  # started by the earlier cases
+    signal_when_saved(c2, 1, signal.SIGKILL, tmp_path)
     with pytest.raises(RankError, match=r"^rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\) \(not sent by modelpar"):
-        cluster.run(_train, cfg)
+        c2.run(_train, cfg)
     assert not any(map(pid_alive, pids))  # every rank is gone, so nothing can be written after the kill:
     saved = steps_saved(tmp_path)  # what is on disk now is final
     assert latest_checkpoint(tmp_path) == tmp_path / f"step_{saved[-1]:08d}"
-    check_resume_is_bitwise(cluster, cfg, saved[-1])
+    check_resume_is_bitwise(c2, cfg, saved[-1])
 
 
 def _group_timeouts(cfg):
@@ -172,10 +166,10 @@ def _group_timeouts(cfg):
     return {name: group_timeout(g) for name, g in groups.items()}  # read from each group's own backend
 
 
-def test_every_group_of_the_run_has_the_run_timeout(cluster):
+def test_every_group_of_the_run_has_the_run_timeout(c2):
     cfg = dataclasses.replace(BASE, timeout=17.0, model=dataclasses.replace(BASE.model, tie_embeddings=True))
-    for got in cluster.run(_group_timeouts, cfg):
-        assert got == {"pp": 17.0, "embed": 17.0, "world": 60.0}  # not torch's 1800 s default
+    for got in c2.run(_group_timeouts, cfg):
+        assert got == {"pp": 17.0, "embed": 17.0, "world": c2.timeout}  # the cluster's; not torch's 1800 s default
 
 
 # --- `python -m modelpar train` and a signal to the launcher -------------------------------------------
@@ -223,7 +217,7 @@ def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(start_
     assert not list(ckpt.glob(".*"))
 
 
-def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, start_cli, tmp_path):
+def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(c2, start_cli, tmp_path):
     proc = start_cli()
     ckpt = tmp_path / "ckpt"
     wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
@@ -233,7 +227,7 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(cluster, st
     step = int(re.fullmatch(rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 400; checkpoint written: "
                             rf"{re.escape(str(ckpt))}/step_\d+ \(resume continues from there\)", err[-1])[1])
     assert steps_saved(ckpt)[-1] == step and len(err) == 2
-    check_resume_is_bitwise(cluster, dataclasses.replace(BASE, steps=400, checkpoint_dir=str(ckpt)), step)
+    check_resume_is_bitwise(c2, dataclasses.replace(BASE, steps=400, checkpoint_dir=str(ckpt)), step)
 
 
 def _no_traceback(err: list[str]) -> None:

@@ -2,20 +2,10 @@
 
 import importlib
 import inspect
-import subprocess
-import sys
 
 import pytest
 
 import modelpar
-
-
-def test_pure_parts_import_no_torch():
-    code = ("import sys, modelpar, modelpar.schedules, modelpar.simulate, modelpar.costmodel; "
-            "modelpar.clock_cycles; modelpar.get_schedule; modelpar.Costs; modelpar.estimate; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
 
 
 def test_every_public_name_resolves():

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from modelpar import hf
 from modelpar.corpus import load_corpus
-from modelpar.distributed import LocalCluster
 from modelpar.model import ModelConfig, build_stage
 
 # 300 ids (padded to 320 inside modelpar), 2 kv heads for 4 query heads
@@ -25,7 +24,7 @@ def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def transformers():
-    """The optional test dependency, imported here only: the ranks of the cluster never load it."""
+    """The optional test dependency, imported here only: the ranks of the c4 never load it."""
     return pytest.importorskip("transformers")
 
 
@@ -102,21 +101,15 @@ def _train_first_loss(path: str, checkpoint_dir: str) -> float:
     return train(cfg).losses[0]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(4, timeout=120) as c:
-        yield c
-
-
-def test_hugging_face_directory_at_t2_p2_gives_the_same_logits(cluster, hf_dir):
+def test_hugging_face_directory_at_t2_p2_gives_the_same_logits(c4, hf_dir):
     path, want = hf_dir
-    results = cluster.run(_stage_logits, str(path))
+    results = c4.run(_stage_logits, str(path))
     assert results[0] is None and results[1] is None
     for logits in results[2:]:
         torch.testing.assert_close(logits, want, rtol=0, atol=TOL)
 
 
-def test_init_from_at_t2_p2_and_export_back_to_hugging_face(transformers, cluster, hf_dir, tmp_path, capsys):
+def test_init_from_at_t2_p2_and_export_back_to_hugging_face(transformers, c4, hf_dir, tmp_path, capsys):
     from modelpar.cli import main
     from modelpar.export import load_model
 
@@ -125,7 +118,7 @@ def test_init_from_at_t2_p2_and_export_back_to_hugging_face(transformers, cluste
     x, y = load_corpus().batch("train", 0, 4, 16, 0)
     with torch.no_grad():
         want = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()
-    losses = cluster.run(_train_first_loss, str(path), str(tmp_path / "ckpt"))
+    losses = c4.run(_train_first_loss, str(path), str(tmp_path / "ckpt"))
     assert losses == pytest.approx([want] * 4, abs=TOL, rel=0)  # the run started from the directory's weights
     # the trained run back to the Hugging Face layout: modelpar export --format hf
     assert main(["export", str(tmp_path / "ckpt"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0

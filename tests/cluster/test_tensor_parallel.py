@@ -1,6 +1,6 @@
 """Megatron tensor parallelism on real gloo processes, float64, against the single-process modules.
 
-One cluster of 4 ranks serves the module; t = 2 runs on sub-groups [0, 1] and [2, 3], t = 1 on
+One c4 of 4 ranks serves the module; t = 2 runs on sub-groups [0, 1] and [2, 3], t = 1 on
 group=None (the reference itself, through the parallel code path). The functions above the
 tests run on every rank: each builds the single-process module (group=None) and the t-rank one
 from the same full weights, runs both on the same float64 input and returns the differences.
@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import modelpar.tensor_parallel as tp
-from modelpar.distributed import LocalCluster
 from modelpar.tensor_parallel import collectives
 
 B, S, H, HEADS, VOCAB = 2, 8, 16, 4, 32
@@ -126,7 +125,7 @@ def llama_cases(kind: str, sp: bool, **kw) -> dict:
 
 
 def for_each_t(fn, ts: tuple[int, ...], *args, **kw) -> dict:
-    """``fn(*args, t=t, **kw)`` for each t in one cluster run (saves a round trip per case)."""
+    """``fn(*args, t=t, **kw)`` for each t in one c4 run (saves a round trip per case)."""
     return {t: fn(*args, t=t, **kw) for t in ts}
 
 
@@ -215,12 +214,6 @@ def expect_value_error(case: str):
 TOL = 1e-12
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(4, timeout=60) as c:
-        yield c
-
-
 def _assert_all_close(results, tol=TOL, cases=1):
     """``results``: per rank, a diffs dict or {case: diffs dict} with ``cases`` entries; every diffs dict
     holds the output, the input gradient (if the input is not ids) and at least one weight gradient."""
@@ -238,13 +231,13 @@ def _assert_all_close(results, tol=TOL, cases=1):
     ("column", {}), ("column", {"gather_output": True}), ("row", {}), ("row", {"input_is_parallel": False}),
     ("embedding", {}), ("mlp", {}), ("attention", {}), ("layer", {}),
 ])
-def test_output_and_every_gradient_match_one_process(cluster, kind, kw):
-    _assert_all_close(cluster.run(for_each_t, transparency, (1, 2, 4), kind, **kw), cases=3)
+def test_output_and_every_gradient_match_one_process(c4, kind, kw):
+    _assert_all_close(c4.run(for_each_t, transparency, (1, 2, 4), kind, **kw), cases=3)
 
 
 @pytest.mark.parametrize("kind", ["column", "row", "embedding", "mlp", "attention", "layer"])
-def test_sequence_parallel_matches_one_process(cluster, kind):
-    results = cluster.run(for_each_t, transparency, (2, 4), kind, sp=True)
+def test_sequence_parallel_matches_one_process(c4, kind):
+    results = c4.run(for_each_t, transparency, (2, 4), kind, sp=True)
     _assert_all_close(results, cases=2)
     if kind == "layer":  # LayerNorm γ/β and row biases were compared after the SP gradient sum
         assert {"ln1.weight", "ln2.bias", "attn.proj.bias", "mlp.fc2.bias", "input"} <= set(results[0][4])
@@ -252,34 +245,34 @@ def test_sequence_parallel_matches_one_process(cluster, kind):
 
 @pytest.mark.parametrize("kind", ["llama_attention", "llama_layer"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_llama_blocks_match_one_process_for_kv_heads_below_equal_and_above_t(cluster, kind, sp):
-    results = cluster.run(llama_cases, kind, sp)
+def test_llama_blocks_match_one_process_for_kv_heads_below_equal_and_above_t(c4, kind, sp):
+    results = c4.run(llama_cases, kind, sp)
     _assert_all_close(results, cases=12)
     names = set(results[0][(4, 1)])  # t = 4, one kv head replicated on 4 ranks: its gradient summed over them
     assert "kv.weight" in names or {"attn.kv.weight", "ln1.weight", "mlp.fc1.weight", "input"} <= names
 
 
-def test_selective_recomputation_under_tensor_parallelism(cluster):
-    _assert_all_close(cluster.run(llama_cases, "llama_layer", True, recompute_core=True), cases=12)
+def test_selective_recomputation_under_tensor_parallelism(c4):
+    _assert_all_close(c4.run(llama_cases, "llama_layer", True, recompute_core=True), cases=12)
 
 
 @pytest.mark.parametrize("sp", [False, True])
-def test_dropout_masks_are_the_single_process_ones(cluster, sp):
-    results = cluster.run(transparency, "layer", 4, sp=sp, dropout=0.2, attn_dropout=0.1)
+def test_dropout_masks_are_the_single_process_ones(c4, sp):
+    results = c4.run(transparency, "layer", 4, sp=sp, dropout=0.2, attn_dropout=0.1)
     _assert_all_close([diffs for diffs, _ in results])
     assert all(dropped > 1e-3 for _, dropped in results)  # the masks did drop something
 
 
-def test_f_backward_written_as_identity_is_caught(cluster):
-    for diffs in cluster.run(f_backward_identity, 2):
+def test_f_backward_written_as_identity_is_caught(c4):
+    for diffs in c4.run(f_backward_identity, 2):
         assert diffs["output"] < TOL  # the forward is still right ...
         assert diffs["input"] > 1e-3 and diffs["ln1.weight"] > 1e-3  # ... the gradients are not
         assert diffs["mlp.fc1.weight"] < TOL  # weights after f still see the right gradient
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_vocab_parallel_cross_entropy_equals_F_cross_entropy(cluster, reduction):
-    for per_t in cluster.run(for_each_t, cross_entropy, (1, 2, 4), reduction=reduction):
+def test_vocab_parallel_cross_entropy_equals_F_cross_entropy(c4, reduction):
+    for per_t in c4.run(for_each_t, cross_entropy, (1, 2, 4), reduction=reduction):
         assert len(per_t) == 3
         for t, res in per_t.items():
             assert res["loss"] < TOL and res["grad"] < TOL, (t, res)
@@ -288,9 +281,9 @@ def test_vocab_parallel_cross_entropy_equals_F_cross_entropy(cluster, reduction)
                 assert res["comm"][("all_reduce", "forward")] == (3, 3 * B * S)
 
 
-def test_padded_vocabulary_gets_no_probability_and_the_unpadded_loss(cluster):
+def test_padded_vocabulary_gets_no_probability_and_the_unpadded_loss(c4):
     # 50 real ids padded to 64: at t = 4 rank 3 holds ids 48..63, 14 of them padding
-    results = cluster.run(for_each_t, cross_entropy, (1, 2, 4), vocab=50, padded=64)
+    results = c4.run(for_each_t, cross_entropy, (1, 2, 4), vocab=50, padded=64)
     for rank, per_t in enumerate(results):
         for t, res in per_t.items():
             assert res["loss"] < TOL and res["grad"] < TOL, (t, res)
@@ -299,13 +292,13 @@ def test_padded_vocabulary_gets_no_probability_and_the_unpadded_loss(cluster):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_communication_counts_per_layer(cluster, t):
+def test_communication_counts_per_layer(c4, t):
     bsh = B * S * H
-    (_, plain), = cluster.run(transparency, "layer", t, count=True)[:1]
+    (_, plain), = c4.run(transparency, "layer", t, count=True)[:1]
     assert plain["forward"] == {("all_reduce", "forward"): (2, 2 * bsh), ("shape_check", "forward"): (2, 2 * 11 * t)}
     assert plain["backward"] == {("all_reduce", "backward"): (2, 2 * bsh)}
     assert plain["sync"] == {}  # nothing partial without SP or replicated kv heads
-    (_, sp), = cluster.run(transparency, "layer", t, sp=True, count=True)[:1]
+    (_, sp), = c4.run(transparency, "layer", t, sp=True, count=True)[:1]
     assert sp["forward"][("all_gather", "forward")] == (2, 2 * bsh)
     assert sp["forward"][("reduce_scatter", "forward")] == (2, 2 * bsh)
     assert sp["backward"] == {("reduce_scatter", "backward"): (2, 2 * bsh), ("all_gather", "backward"): (2, 2 * bsh)}
@@ -313,7 +306,7 @@ def test_communication_counts_per_layer(cluster, t):
     assert plain["sent"] == pytest.approx(4 * 2 * (t - 1) / t * bsh * 8)  # §5.6: 4 all-reduces of b·s·h
     # grouped-query attention: q and kv share one f, so the same 2 + 2 all-reduces; a kv head on t
     # ranks adds one all-reduce after backward, of the whole [Wk; Wv] (2·d·h): each rank's slot of it
-    (_, llama), = cluster.run(transparency, "llama_layer", t, kv_heads=1, count=True)[:1]
+    (_, llama), = c4.run(transparency, "llama_layer", t, kv_heads=1, count=True)[:1]
     lbsh = B * S * LLAMA_H
     assert llama["forward"][("all_reduce", "forward")] == (2, 2 * lbsh)
     assert llama["backward"] == {("all_reduce", "backward"): (2, 2 * lbsh)}
@@ -321,14 +314,14 @@ def test_communication_counts_per_layer(cluster, t):
 
 
 @pytest.mark.parametrize("t,sp", [(2, False), (4, True)])
-def test_meta_build_load_and_gather_round_trip(cluster, t, sp):
-    for err, specs in cluster.run(meta_and_gather, t, sp):
+def test_meta_build_load_and_gather_round_trip(c4, t, sp):
+    for err, specs in c4.run(meta_and_gather, t, sp):
         assert err == 0.0
         assert specs["attn.qkv.weight"] == (0, 3, 1, False)
         assert specs["mlp.fc2.weight"] == (1, 1, 1, False)
         assert specs["mlp.fc2.bias"] == (None, 1, 1, sp)
         assert specs["ln1.weight"] == (None, 1, 1, sp)
-    for err, specs in cluster.run(meta_and_gather, t, sp, "llama_layer", kv_heads=1):
+    for err, specs in c4.run(meta_and_gather, t, sp, "llama_layer", kv_heads=1):
         assert err == 0.0
         assert specs["attn.kv.weight"] == (0, 2, t, False)  # [Wk; Wv] of the one kv head, on every rank
         assert specs["attn.q.weight"] == (0, 1, 1, False) and specs["mlp.fc1.weight"] == (0, 2, 1, False)
@@ -343,8 +336,8 @@ def test_meta_build_load_and_gather_round_trip(cluster, t, sp):
     ("one_bad_id", True, r"ids must be in \[0, 32\), got 99|ids is invalid on tensor-parallel rank\(s\) \[1\]"),
     ("not_member", False, r"global rank [23]\) is not a member of group ranks \[0, 1\]"),
 ])
-def test_bad_input_is_a_clear_error_on_every_rank(cluster, case, every_rank, match):
-    messages = cluster.run(expect_value_error, case)
+def test_bad_input_is_a_clear_error_on_every_rank(c4, case, every_rank, match):
+    messages = c4.run(expect_value_error, case)
     ranks = range(4) if every_rank else (2, 3)
     for r in ranks:
         assert messages[r] is not None and re.search(match, messages[r]), (r, messages[r])
