@@ -6,7 +6,7 @@ calibrate measured them, inside the measured grid; else composed from the GEMM, 
 and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per layer; sequence
 parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
-in tests/test_local_costs.py) — and the schedule is timed by the simulator
+in tests/unit/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
