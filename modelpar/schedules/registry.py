@@ -70,6 +70,12 @@ _ENTRIES: dict[str, ScheduleEntry] = {
 }
 
 
+# The schedules set side by side when nobody names them: the simulator's default comparison and the family the
+# local planner searches (its others are reached through ``auto``); 1F1B is what every other is measured against.
+COMPARED = ("gpipe", "1f1b", "interleaved", "zb-h1")
+BASELINE = "1f1b"
+
+
 def register_schedule(name: str, entry: ScheduleEntry) -> None:
     """Add schedule ``name`` (ValueError if the name is taken: unregister it first)."""
     if name in _ENTRIES or name == "auto":
@@ -93,6 +99,11 @@ def schedule_entry(name: str) -> ScheduleEntry:
     return _ENTRIES[check_choice("schedule", name, schedule_names())]
 
 
+def any_chunks() -> tuple[str, ...]:
+    """The schedules that take a chunks count v (a loop placement); the others have a fixed v."""
+    return tuple(name for name, e in _ENTRIES.items() if e.chunks is None)
+
+
 def check_chunks(name: str, chunks: int | None) -> int:
     """The chunks v schedule ``name`` runs with: ``chunks`` for one that takes any (default 1), its fixed v
     for the others (None or that v); ValueError otherwise."""
@@ -102,7 +113,7 @@ def check_chunks(name: str, chunks: int | None) -> int:
     v = check_int("chunks", chunks, minimum=1)
     if fixed is not None and v != fixed:
         why = "a V: two stages per rank" if fixed == 2 else \
-            f"only {', '.join(repr(n) for n in schedule_names() if _ENTRIES[n].chunks is None)} take a chunks count"
+            f"only {', '.join(map(repr, any_chunks()))} take a chunks count"
         raise ValueError(f"chunks must be {fixed} for schedule {name!r} ({why}), got {v}")
     return v
 
