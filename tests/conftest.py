@@ -5,7 +5,6 @@ sequence number on receipt: a message that meets the wrong receive fails loudly.
 """
 
 import json
-import math
 import os
 import random
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _order import longest_first, module_of
 from hypothesis import settings
 
 import modelpar.training.start  # noqa: F401  (before any cluster starts: ranks are born with the training stack)
@@ -42,13 +42,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="at the end of the run, write each test module's seconds to tests/durations.json")
 
 
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    items.sort(key=lambda item: -seconds.get(_module(item.nodeid), math.inf))  # stable: a module stays together
+    items[:] = longest_first(items, seconds)
 
 
 class _DurationRecorder:
@@ -58,7 +54,7 @@ class _DurationRecorder:
         self.seconds: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        module = _module(report.nodeid)
+        module = module_of(report.nodeid)
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
 
     def pytest_sessionfinish(self) -> None:
