@@ -9,8 +9,6 @@ import re
 import socket
 import subprocess
 import sys
-from multiprocessing import forkserver
-from pathlib import Path
 
 import pytest
 
@@ -18,23 +16,10 @@ from modelpar.checkpoint import DirLock
 from modelpar.cli import main
 from modelpar.training.config import TrainConfig
 from modelpar.training.resume import _layout
+from tests._ranks import rank_processes
 
 TINY = ["--tp", "1", "--pp", "1", "--hidden", "32", "--heads", "2", "--layers", "2", "--seq-len", "16",
         "--batch-size", "4", "--microbatches", "2", "--eval-batches", "1", "--precision", "fp64", "--no-progress"]
-
-
-def rank_processes() -> list[int]:
-    """Live children of multiprocessing's forkserver: the rank processes of local runs."""
-    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if server is not None and int(ppid) == server and state != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def train(capsys, tmp_path, *flags, out="out"):

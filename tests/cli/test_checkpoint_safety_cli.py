@@ -21,7 +21,8 @@ import pytest
 from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.cli import main
 from modelpar.commands.preflight import OUT_LOCK
-from tests.cli.test_checkpoint_cli import TINY, rank_processes
+from tests._ranks import rank_processes
+from tests.cli.test_checkpoint_cli import TINY
 from tests.tmpfs import resize, tmpfs, used
 
 DEADLINE = 120.0  # s a test waits for another process's run to reach a point

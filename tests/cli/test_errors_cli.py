@@ -216,7 +216,7 @@ def test_a_full_disk_under_out_is_one_line_and_leaves_no_empty_lock_or_summary(c
     summary.json (after it). Each: one line naming the file, exit 2, no 0-byte lock or summary, no torn
     line, no rank left."""
     from modelpar.training import prediction
-    from tests.cli.test_checkpoint_cli import rank_processes
+    from tests._ranks import rank_processes
 
     run = [*TINY, "--eval-batches", "1", "--precision", "fp64", "--cache-dir", str(tmp_path / "cache")]
     with tmpfs(tmp_path / "disk", size="1m") as disk:

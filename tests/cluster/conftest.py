@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from modelpar.distributed import LocalCluster
+from tests._ranks import SHARED_CLUSTERS
 
 # Bounds each collective inside the ranks: generous, for a loaded 2-core machine and the compile tests'
 # first graphs; a rank that dies is still noticed at once.
@@ -18,7 +19,11 @@ COLLECTIVE_TIMEOUT = 300
 
 def _cluster(world_size: int) -> Iterator[LocalCluster]:
     with LocalCluster(world_size, timeout=COLLECTIVE_TIMEOUT) as cluster:
-        yield cluster
+        SHARED_CLUSTERS.append(cluster)  # its ranks are not a run's leftovers (tests/_ranks.py)
+        try:
+            yield cluster
+        finally:
+            SHARED_CLUSTERS.remove(cluster)
 
 
 @pytest.fixture(scope="session")
