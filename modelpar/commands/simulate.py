@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         m_here = entry.default_microbatches if entry.default_microbatches and args.microbatches is None else m
         v_here = check_chunks(name, v if entry.chunks is None else None)
         entry.microbatches.check(name, m_here, k, v_here, "--microbatches", "--ranks")
-        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here))
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here, costs=stage_costs.per_kind()))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
@@ -305,7 +305,7 @@ def _print(args, timelines) -> None:
                 print(f"rank {d}: {' '.join(map(str, ops))}")
         print()
     print(metrics_table(timelines))
-    print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "
+    print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or W); "
           "time unit = " + ("one microbatch's forward through one whole stage" if not timelines
                             or timelines[0].unit == "forward" else timelines[0].unit_name))
 

@@ -79,9 +79,9 @@ def test_stage_forward_backward_scales_the_loss_and_holds_microbatches():
     stage = LocalStage(1, module, num_stages=2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     x, t = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
     loss = stage.forward(0, x, t, scale=0.25)
-    assert stage.held_until_w == 1 and not loss.requires_grad
+    assert stage.held == 1 and not loss.requires_grad
     gx = stage.backward(0, None)
-    assert stage.held_until_w == 0
+    assert stage.held == 0
     ref = nn.Linear(3, 1).double()
     ref.load_state_dict(module.state_dict())
     xr = x.clone().requires_grad_()
