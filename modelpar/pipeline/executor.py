@@ -47,8 +47,7 @@ class StepRecord:
 
     events: list[tuple[Action, float, float]] = field(default_factory=list)  # (action, start, end), seconds
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> loss (last stage only)
-    peak_held: int = 0  # most microbatch-chunks held at once, F until B or I (the simulator's count)
-    peak_held_until_w: int = 0  # the same, counting a split backward as held until its W
+    peak_held: int = 0  # most microbatch-chunks held at once, F until B or W (the simulator's count)
 
 
 class StepContext:
@@ -146,7 +145,6 @@ class _Step:
             self.outbox[p.key] = y
         held = ctx.stages.values()
         self.rec.peak_held = max(self.rec.peak_held, sum(st.held for st in held))
-        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held_until_w for st in held))
 
     def timed(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> tuple[Any, Any, Any]:
         """(start mark, result, end mark) of one action."""
