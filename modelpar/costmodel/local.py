@@ -6,7 +6,7 @@ calibrate measured them, inside the measured grid; else composed from the GEMM, 
 and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per layer; sequence
 parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
-in tests/test_local_costs.py) — and the schedule is timed by the simulator
+in tests/unit/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
@@ -98,7 +98,7 @@ class LocalPrediction:
     bubble: float  # idle share of the pipeline (the simulator's, with these costs)
     time: dict[str, float]  # pipeline, dp (exposed), optimizer
     memory: dict[str, float] = field(default_factory=dict)  # rank 0: parameters, gradients, optimizer, activations
-    peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or I)
+    peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or W)
     busiest: tuple[int, float] = (0, 0.0)  # (pipeline rank, bytes) of the rank holding the most
 
     @property
@@ -366,7 +366,8 @@ def layout_schedule(run: LocalLayout, hw: HardwareProfile) -> Schedule:
     """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
     from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
     if run.schedule != "auto":
-        return get_schedule(run.schedule, ranks=run.p, microbatches=run.microbatches, chunks=run.v)
+        return get_schedule(run.schedule, ranks=run.p, microbatches=run.microbatches, chunks=run.v,
+                            costs=stage_costs(run, hw).per_kind())
     return auto_schedule(run, hw, (run.v,))[0]
 
 
@@ -408,7 +409,14 @@ def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tup
     hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
-    starts, ends = replay_times(schedule, durations, transfer)
+    comm = {kind: [0.0] * run.stages for kind in KINDS}  # the expert all-to-alls an overlapped F&B pair hides
+    for s in range(run.stages if hw.device != "cpu" else 0):  # a CPU runs a pair's halves one after the other
+        n, sec = moe_stage_seconds(run, hw, s)
+        if sec is not None:
+            redo = sec.a2a_forward if run.recompute == "full" else 0.0  # the recomputed forward's, in the backward
+            comm[Kind.F][s] = n * sec.a2a_forward
+            comm[Kind.B][s] = comm[Kind.I][s] = n * (sec.a2a_backward + redo)
+    starts, ends = replay_times(schedule, durations, transfer, comm)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
 
 

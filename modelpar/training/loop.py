@@ -91,7 +91,7 @@ class TrainResult:
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
-    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
+    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or W)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
     compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)
