@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
-from modelpar.schedules.registry import schedule_entry
+from modelpar.schedules.registry import BASELINE, COMPARED, schedule_entry
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
 __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "why_ep", "why_schedule"]
@@ -37,7 +38,7 @@ __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "w
 class Capabilities:
     """What the trainer runs today; extend an entry when it learns more (uneven stages, ...)."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    schedules: tuple[str, ...] = COMPARED
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = PLANNED_RECOMPUTE
     sequence_parallel: bool = True
@@ -88,7 +89,7 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
         if batch % d:
             continue
         for schedule in caps.schedules:
-            if p == 1 and schedule != "1f1b":
+            if p == 1 and schedule != BASELINE:
                 continue  # one stage: every schedule is the same loop
             for v in _chunk_choices(schedule, caps):
                 if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
@@ -231,15 +232,15 @@ def why_schedule(plan: LocalPlan, run: LocalLayout, pred: LocalPrediction) -> st
     name += f", v={run.v}" if run.v > 1 else ""
     if run.p == 1:
         return "one pipeline stage: no schedule to choose"
-    same = [(r, p) for r, p in plan.ranked if r.schedule == "1f1b" and
+    same = [(r, p) for r, p in plan.ranked if r.schedule == BASELINE and
             replace(r, schedule=run.schedule, v=run.v, memory_limit=run.memory_limit) == run]
     mib = lambda x: f"{x / 2**20:,.2f}"  # noqa: E731
-    if run.schedule == "1f1b":
-        return "1f1b: no schedule of the family, nor auto, is faster at this layout within the limit"
+    if run.schedule == BASELINE:
+        return f"{BASELINE}: no schedule of the family, nor auto, is faster at this layout within the limit"
     if not same:
-        return f"{name}: {100 * pred.bubble:.1f}% bubble; 1f1b does not fit the limit at this layout"
+        return f"{name}: {100 * pred.bubble:.1f}% bubble; {BASELINE} does not fit the limit at this layout"
     base = same[0][1]
-    return (f"{name}: {100 * pred.bubble:.1f}% bubble vs 1f1b {100 * base.bubble:.1f}%, step "
+    return (f"{name}: {100 * pred.bubble:.1f}% bubble vs {BASELINE} {100 * base.bubble:.1f}%, step "
             f"{1e3 * pred.step_time_s:,.2f} vs {1e3 * base.step_time_s:,.2f} ms, busiest rank "
             f"{mib(pred.memory_bytes)} vs {mib(base.memory_bytes)} MiB")
 

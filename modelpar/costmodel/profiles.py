@@ -31,7 +31,8 @@ from typing import Any
 from modelpar._validate import check_choice, check_int, check_number
 
 __all__ = ["BUSY_OPS", "COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
-           "HardwareProfile", "check_torch", "load_profile", "node_profile", "save_profile"]
+           "HardwareProfile", "check_torch", "load_profile", "node_profile", "profile_cache_dir", "profile_source",
+           "save_profile"]
 
 PROFILE_FORMAT = "modelpar-hardware-profile"
 PROFILE_VERSION = 2  # 2: the trainer's own work measured whole (layer, ends, blockwise, runtime_s, optimizer)
@@ -364,3 +365,19 @@ def node_profile(name: str, peak_tflops: float, memory_gb: float, hbm_tb_s: floa
     return HardwareProfile(name=name, device="gpu", backend="-", memory_gb=memory_gb, devices_per_node=gpus_per_node,
                            peak_tflops={"bf16": peak_tflops}, intra_node_gbps=intra_node_gbps,
                            inter_node_gbps=inter_node_gbps, hbm_tb_s=hbm_tb_s, matmul_ceiling=matmul_ceiling)
+
+
+def profile_cache_dir() -> str:
+    """Where ``modelpar train`` keeps this machine's calibrated profiles (``calibrate.cache``):
+    ``$XDG_CACHE_HOME/modelpar``, else ``~/.cache/modelpar``."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "modelpar")
+
+
+def profile_source(hardware: str, presets: Sequence[str]) -> str:
+    """How the profile a run names (``--hardware``) was obtained, as its summary says it: one of ``presets``
+    (a data sheet), a file in ``profile_cache_dir`` (this machine, calibrated once), or another calibrated file."""
+    if hardware.lower() in presets:
+        return "data-sheet preset"
+    if os.path.dirname(os.path.abspath(hardware)) == os.path.abspath(profile_cache_dir()):
+        return "calibrated for this machine, cached"
+    return f"calibrated, --hardware {hardware}"

@@ -169,8 +169,12 @@ class TrainConfig:
                                                                     "model.safetensors; the model shape comes from it)")
     hardware: str | None = option(None, section="planning", help="hardware profile from modelpar calibrate, or a GPU "
                                                                   "name (a100-80gb, h100-sxm, ...): the prediction "
-                                                                  "(and --plan auto) price the run on it (none: a "
-                                                                  "nominal CPU; docs/calibrate.md)")
+                                                                  "(and --plan auto) price the run on it (none: on "
+                                                                  "a GPU its preset, else this machine calibrated "
+                                                                  "once, briefly, and cached; docs/calibrate.md)")
+    calibrate: bool = option(True, section="planning", help="without --hardware, calibrate this machine briefly the "
+                                                            "first time (cached after) for the run's prediction "
+                                                            "(--no-calibrate: no step time predicted, memory still)")
     plan: str = option("none", section="planning", help="auto: the planner picks t, cp, p, d, schedule, chunks, "
                                                         "micro-batches, recomputation, SP, ZeRO and ep for "
                                                         "--plan-ranks ranks, keeping those of them given as flags "

@@ -95,7 +95,7 @@ class TrainResult:
     offloaded_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes moved to host per microbatch
     offload_peak_bytes: int | None = None  # most bytes in host memory at once during the steps (offload; None: off)
     offload_seconds: float | None = None  # seconds this rank spent copying, both ways, all steps (a CPU; a GPU: 0)
-    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
+    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or W)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
     compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)

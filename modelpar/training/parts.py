@@ -9,12 +9,13 @@ torchtitan applies each parallelism as a function over the model; these are mode
     apply_compile       --compile: each transformer block's forward compiled
     stage_loss          the last stage's loss (the head and cross entropy in chunks of tokens)
     apply_pipeline      p: the schedule's runner over the stages (bf16: each stage under autocast)
-    apply_data_parallel d × cp: the gradient buckets, their reduction, ZeRO 0-3, clipping
+    apply_data_parallel d × cp: the gradient buckets, their reduction, ZeRO 0-3, clipping; then
+                        check_inventory: what the rank holds is the model inventory the cost model prices
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from modelpar.recompute.offload import HostOffload
 from modelpar.recompute.offload import apply_offload as offload_stage
 from modelpar.schedules import Schedule
 from modelpar.tensor_parallel.context_parallel import ContextParallel
-from modelpar.training.buckets import BufferMeter
+from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.clipping import GradClip
 from modelpar.training.compile import compile_blocks
 from modelpar.training.config import TrainConfig
@@ -41,7 +42,7 @@ from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
 __all__ = ["DataParallel", "apply_compile", "apply_data_parallel", "apply_float8", "apply_offload", "apply_pipeline",
-           "build_stages", "stage_loss"]
+           "build_stages", "check_inventory", "stage_loss"]
 
 
 def build_stages(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, context: ContextParallel) -> dict[int, Transformer]:
@@ -116,6 +117,21 @@ class DataParallel:
             self.gather.close()
 
 
+def check_inventory(cfg: TrainConfig, modules: Mapping[int, nn.Module], buckets: Sequence[Bucket]) -> None:
+    """The parameters and gradient buckets this rank holds are the model inventory's (``costmodel.inventory``, what
+    the cost model prices), stage by stage: a RuntimeError naming the first stage that differs. Sizes only: cheap."""
+    from modelpar.costmodel.inventory import stage_bucket_list, stage_tensors
+    from modelpar.training.prediction import local_run
+
+    run = local_run(cfg)
+    for s, module in modules.items():
+        held = ([p.numel() for p in module.parameters()], [(b.numel, b.ready) for b in buckets if b.stage == s])
+        listed = ([x.numel for x in stage_tensors(run, s)], [(n, ready) for n, _, ready in stage_bucket_list(run, s)])
+        if held != listed:
+            raise RuntimeError(f"stage {s}: the model holds parameters {held[0]} in buckets {held[1]}, the model "
+                               f"inventory (costmodel.inventory) lists {listed[0]} in {listed[1]}")
+
+
 def apply_data_parallel(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, modules: Mapping[int, nn.Module],
                         runner: PipelineRunner) -> DataParallel:
     """d × cp: the gradient buckets over the d·cp ranks (cp joins data parallelism for gradients: every cp rank's
@@ -141,4 +157,5 @@ def apply_data_parallel(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, mod
         sync = GradSync(**args)
     if sync.overlap or cfg.zero >= 2:
         runner.register_action_hook(sync.action_hook)
+    check_inventory(cfg, modules, sync.buckets)
     return DataParallel(comm, sync, gather, meter, GradClip(sync))
