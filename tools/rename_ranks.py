@@ -50,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TREES = ("modelpar", "tests", "examples", "benchmarks", "docs")
-SKIP = {"docs/notation.md", "tests/test_renamed_names.py"}  # hand-written: old names on purpose
+SKIP = {"docs/notation.md", "tests/unit/test_renamed_names.py"}  # hand-written: old names on purpose
 KEEP = "rename: keep"
 
 EVERYWHERE = {
@@ -82,20 +82,20 @@ SCOPED = {  # (file, function): {old: new} for a parameter or local variable and
     ("modelpar/pipeline/stages.py", "split_stages"): {"device": "rank"},
     ("modelpar/pipeline/shapes.py", "dry_run"): {"device": "rank"},
 }
-SIMULATE_CLI = {"modelpar/commands/simulate.py", "tests/test_cli_simulate.py"}
+SIMULATE_CLI = {"modelpar/commands/simulate.py", "tests/cli/test_cli_simulate.py"}
 EXTRA = {  # one-off uses the rules above cannot see: an Event's rank read outside the pure layers; the flag's value
-    "tests/test_pipeline_runtime_units.py": [(re.compile(r"\be\.device\b"), "e.rank")],
-    "tests/test_train_config.py": [(re.compile(r"two stages per device"), "two stages per rank")],  # check_chunks
-    "tests/test_train_cli.py": [(re.compile(r'"device \(the least any schedule'), '"rank (the least any schedule')],  # synthesize
-    "tests/test_pipeline_runtime.py": [(re.compile(r"\b(but |hang: )device (\d)"), r"\1rank \2"),  # lower's hang message
+    "tests/cluster/test_pipeline_runtime_units.py": [(re.compile(r"\be\.device\b"), "e.rank")],
+    "tests/unit/test_train_config.py": [(re.compile(r"two stages per device"), "two stages per rank")],  # check_chunks
+    "tests/cli/test_train_cli.py": [(re.compile(r'"device \(the least any schedule'), '"rank (the least any schedule')],  # synthesize
+    "tests/cluster/test_pipeline_runtime.py": [(re.compile(r"\b(but |hang: )device (\d)"), r"\1rank \2"),  # lower's hang message
                                        (re.compile(r"; device (\d) waits at"), r"; rank \1 waits at")],
     "modelpar/commands/simulate.py": [(re.compile(r"\bargs\.stages\b"), "args.ranks"),
                                       (re.compile(r'f"device \{d\}: '), 'f"rank {d}: ')],  # --comm's programs
     "modelpar/schedules/zero_bubble.py": [(re.compile(r"2 x stages"), "2 x ranks")],
     "modelpar/simulate/timeline.py": [(re.compile(r"Device ``device``"), "Rank ``rank``"),
                                       (re.compile(r"event device must"), "event rank must")],
-    "tests/test_simulator.py": [(re.compile(r"event device must"), "event rank must")],
-    "tests/test_schedules.py": [(re.compile(r"2 x stages"), "2 x ranks"),
+    "tests/unit/test_simulator.py": [(re.compile(r"event device must"), "event rank must")],
+    "tests/unit/test_schedules.py": [(re.compile(r"2 x stages"), "2 x ranks"),
                                 (re.compile(r'r"stages must be'), 'r"ranks must be'),
                                 (re.compile(r"divisible by stages"), "divisible by ranks")],
 }

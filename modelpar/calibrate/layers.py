@@ -29,8 +29,9 @@ interpolates between grid points (``costmodel.local_compute``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "LAYER_HEADS",
     "LAYER_SEQ",
     "TP_MEASURED",
+    "Grid",
     "layer_grid",
     "measure_blockwise",
     "measure_ends",
@@ -51,6 +53,7 @@ __all__ = [
     "measure_optimizer",
     "measure_runtime",
     "measure_tp_layers",
+    "only_grid",
     "timed_pair",
 ]
 
@@ -92,9 +95,25 @@ def timed_pair(forward: Any, backward: Any, device: torch.device, budget_s: floa
     return steady_mean([r[0] for r in runs]), steady_mean([r[1] for r in runs])
 
 
-def layer_grid(device: str, budget_s: float = QUICK_S) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+Grid = tuple[tuple[int, ...], tuple[int, ...], int]  # (hiddens, tokens per micro-batch, tokens per sequence)
+_ONLY: list[Grid] = []  # ``only_grid``'s: one run's own shapes (the short calibration of ``calibrate.cache``)
+
+
+@contextlib.contextmanager
+def only_grid(grid: Grid | None) -> Iterator[None]:
+    """Measure the whole-work tables at ``grid`` alone (None: ``layer_grid``'s own) while inside."""
+    _ONLY[:] = [grid] if grid is not None else []
+    try:
+        yield
+    finally:
+        _ONLY.clear()
+
+
+def layer_grid(device: str, budget_s: float = QUICK_S) -> Grid:
     """(hiddens, tokens per micro-batch, tokens per sequence) of the measured layers; larger on a GPU, 2 × 2
-    below ``QUICK_S``."""
+    below ``QUICK_S``; inside ``only_grid`` its grid."""
+    if _ONLY:
+        return _ONLY[0]
     if budget_s < QUICK_S:
         return (64, 128), (64, 128), LAYER_SEQ
     if device == "cpu":

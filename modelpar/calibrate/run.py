@@ -30,6 +30,7 @@ from modelpar.calibrate.compute import (
 )
 from modelpar.calibrate.layers import (
     QUICK_S,
+    Grid,
     fit_optimizer,
     measure_blockwise,
     measure_ends,
@@ -37,6 +38,7 @@ from modelpar.calibrate.layers import (
     measure_optimizer,
     measure_runtime,
     measure_tp_layers,
+    only_grid,
 )
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 
@@ -72,10 +74,16 @@ def check_ranks(flag: str, ranks: list[int], cores: int | None = None) -> list[i
 
 
 def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
-                 budget_s: float = 0.05, whole: bool = True, passes: int = 0) -> dict[str, Any]:
+                 budget_s: float = 0.05, whole: bool = True, passes: int = 0, grid: Grid | None = None) -> dict[str, Any]:
     """Everything one rank measures (called on every rank of the group at once); ``whole``: the trainer's own
     work too (``layers.py``; locally only up to one process per core, the cost model shares cores beyond), in
-    ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``)."""
+    ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``), at ``grid`` alone if given (``layers.only_grid``)."""
+    with only_grid(grid):
+        return _measure_rank(dtypes, threads, local_size, collectives, budget_s, whole, passes)
+
+
+def _measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
+                  budget_s: float, whole: bool, passes: int) -> dict[str, Any]:
     if threads is not None:
         torch.set_num_threads(threads)
     device = _device()
@@ -150,13 +158,14 @@ def _host_memory() -> int:
         return 8 << 30
 
 
-def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float) -> dict[str, Any]:
-    """One more pass over the trainer's own work on this rank (``_whole_work``), at ``threads``."""
+def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float, grid: Grid | None = None) -> dict[str, Any]:
+    """One more pass over the trainer's own work on this rank (``_whole_work``), at ``threads`` (and ``grid``)."""
     torch.set_num_threads(threads)
-    return _whole_work(dtypes, _device(), budget_s)
+    with only_grid(grid):
+        return _whole_work(dtypes, _device(), budget_s)
 
 
-def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[int, dict[str, Any]]:
+def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float, grid: Grid | None = None) -> dict[int, dict[str, Any]]:
     """Per process count: the measurements of a local gloo cluster of that many processes (``slowest``). The
     whole-work tables' passes go round the process counts in turn (1, 2, 4, then 1, 2 again): a VM drifts over
     minutes, and one process count's tables taken in one stretch priced its runs 19-47% too slow in one
@@ -171,15 +180,15 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float) -> dict[i
         clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks if n > 1}
         for n in ranks:
             if n == 1:
-                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1)
+                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1, grid=grid)
             else:
                 found[n] = slowest(clusters[n].run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks),
-                                                   budget_s, n in whole, 1))
+                                                   budget_s, n in whole, 1, grid))
         tables = {n: [{k: found[n][k] for k in WHOLE_TABLES if k in found[n]}] for n in whole}
         for _ in range(passes - 1):
             for n in whole:
-                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s) if n == 1 else
-                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s)))
+                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s, grid) if n == 1 else
+                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s, grid)))
     for n in whole:
         found[n].update(mean_passes(tables[n]))
     return found
@@ -208,8 +217,9 @@ def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = None, budget_s: float = 0.05,
-              name: str | None = None) -> HardwareProfile:
-    """Measure this machine and return its profile (see the module docstring for which processes measure)."""
+              name: str | None = None, grid: Grid | None = None) -> HardwareProfile:
+    """Measure this machine and return its profile (see the module docstring for which processes measure); the
+    whole-work tables at ``grid`` alone if given (one run's shapes: ``calibrate.cache``)."""
     from modelpar.distributed import init_from_env, is_torchrun
 
     if is_torchrun():
@@ -217,15 +227,15 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         cuda = dist.get_backend() == "nccl"
         dtypes = dtypes or (("bf16", "fp32") if cuda else ("fp32",))
-        mine = measure_rank(dtypes, None, local, True, budget_s)
+        mine = measure_rank(dtypes, None, local, True, budget_s, grid=grid)
         found = {local: mine}
         backend = str(dist.get_backend())
     elif torch.cuda.is_available():
         dtypes = dtypes or ("bf16", "fp32")
-        found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s)}, "nccl"
+        found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid)}, "nccl"
     else:
         dtypes = dtypes or ("fp32",)
-        found, backend = _local(ranks or default_ranks(), dtypes, budget_s), "gloo"
+        found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid), "gloo"
     return build_profile(found, backend, name)
 
 

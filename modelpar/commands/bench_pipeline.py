@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelpar._validate import check_output_path
 from modelpar.schedules.registry import schedule_names
+
+if TYPE_CHECKING:  # the type only: importing it loads torch
+    from modelpar.bench.pipeline import MLPBench
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -101,7 +104,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _under_torchrun(cfg: Any, backend: str | None) -> Any:
+def _under_torchrun(cfg: MLPBench, backend: str | None) -> dict[str, Any] | None:
     """Run ``bench_rank`` as one of torchrun's ranks; rank 0's result, None elsewhere."""
     import torch.distributed as dist
 
@@ -117,7 +120,7 @@ def _under_torchrun(cfg: Any, backend: str | None) -> Any:
         dist.destroy_process_group()
 
 
-def report(cfg: Any, s: dict[str, Any]) -> str:
+def report(cfg: MLPBench, s: dict[str, Any]) -> str:
     """The side-by-side table and the measured chart, as text."""
     from modelpar.simulate.ascii import ascii_chart
 

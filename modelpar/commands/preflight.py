@@ -13,7 +13,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the type only: importing it loads torch
+    from modelpar.training import TrainConfig
 
 __all__ = ["OUT_LOCK", "check_memory", "check_paths", "check_writable", "out_lock", "state_bytes_per_rank"]
 
@@ -47,7 +50,7 @@ def _why(path: Path) -> str:
     return "permission denied"
 
 
-def state_bytes_per_rank(cfg: Any) -> float:
+def state_bytes_per_rank(cfg: TrainConfig) -> float:
     """Bytes of weights, gradients and AdamW state on the most loaded rank of ``cfg`` (a ``TrainConfig``):
     the cost model's ``memory_breakdown`` state at the trainer's element sizes. Activations come on top."""
     from modelpar.costmodel import DEFAULT
@@ -69,7 +72,7 @@ def _host_memory() -> int | None:
         return None
 
 
-def check_memory(cfg: Any, ranks_here: int, device_bytes: int | None = None) -> None:
+def check_memory(cfg: TrainConfig, ranks_here: int, device_bytes: int | None = None) -> None:
     """ValueError in one line if ``ranks_here`` ranks of ``cfg`` cannot hold their training state in this
     machine's memory (``device_bytes``: one GPU's, for a rank on a GPU; else the host's, shared by them)."""
     per_rank = state_bytes_per_rank(cfg)
@@ -88,7 +91,7 @@ def check_memory(cfg: Any, ranks_here: int, device_bytes: int | None = None) -> 
                          "smaller model or more machines")
 
 
-def check_paths(cfg: Any, out: str) -> None:
+def check_paths(cfg: TrainConfig, out: str) -> None:
     """Every folder the run will write: ``--out``, ``--checkpoint-dir`` and the token cache."""
     from modelpar.text.prepare import cache_root
 

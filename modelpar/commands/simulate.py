@@ -23,27 +23,25 @@ from pathlib import Path
 
 from modelpar._validate import check_int, check_number
 from modelpar.commands.outputs import add_outputs, check_outputs
+from modelpar.schedules.registry import COMPARED, any_chunks, schedule_names
 
-DEFAULT_COMPARE = ("gpipe", "1f1b", "interleaved", "zb-h1")
 MAX_CHART_CELLS = 160  # wider charts are skipped in the terminal (use --png/--svg)
 MAX_ACTIONS = 10_000_000  # K·M·v bound: beyond it a run would take minutes and gigabytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from modelpar.schedules.registry import schedule_names
-
     p = subparsers.add_parser(
         "simulate", help="simulate, draw and compare pipeline schedules",
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--schedule", action="append", metavar="NAME",
                    help=f"one of {{{', '.join(schedule_names())}}}, or auto (the fastest within --memory-limit); "
-                        f"repeat to compare (default: {', '.join(DEFAULT_COMPARE)})")
+                        f"repeat to compare (default: {', '.join(COMPARED)})")
     p.add_argument("--ranks", metavar="K", help="pipeline ranks: processes along the pipeline (default 4; with --from, "
                                                 "the file's, and a --ranks given must agree)")
     p.add_argument("--microbatches", metavar="M", help="microbatches per step (default 8; 1 for naive)")
     p.add_argument("--chunks", default="2", metavar="V",
-                   help="chunks per device for interleaved and looped-bfs (default 2; the V shapes always have 2)")
+                   help=f"chunks per device for {' and '.join(any_chunks())} (default 2; the others have a fixed v)")
     p.add_argument("--transfer", default="0", metavar="T",
                    help="time of one cross-device transfer, in forward units (default 0)")
     p.add_argument("--backward-ratio", default="2", metavar="R", help="backward time / forward time (default 2)")
@@ -113,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--ranks x --microbatches x --chunks must be <= {MAX_ACTIONS:,}, got {k}x{m}x{v} = {k * m * v:,}"
         )
-    names = args.schedule or ([] if args.from_file else list(DEFAULT_COMPARE))
+    names = args.schedule or ([] if args.from_file else list(COMPARED))
     for name in names:
         if name not in schedule_names() and name != "auto":
             raise ValueError(f"--schedule must be one of {{{', '.join(schedule_names())}}} or auto, got {name!r}")
@@ -122,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep is not None:
         if "auto" in names:
             raise ValueError("--sweep compares named schedules: drop --schedule auto")
-        return _sweep(args, names or list(DEFAULT_COMPARE), k, v, costs)
+        return _sweep(args, names or list(COMPARED), k, v, costs)
     if args.pareto or "auto" in names:  # the synthesis: bounded by its cost, refused before minutes of silence
         from modelpar.simulate.synthesis import check_synthesis_size
 
@@ -144,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         m_here = entry.default_microbatches if entry.default_microbatches and args.microbatches is None else m
         v_here = check_chunks(name, v if entry.chunks is None else None)
         entry.microbatches.check(name, m_here, k, v_here, "--microbatches", "--ranks")
-        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here))
+        schedules.append(get_schedule(name, ranks=k, microbatches=m_here, chunks=v_here, costs=stage_costs.per_kind()))
     if args.export_csv and len(schedules) != 1:
         raise ValueError(f"--export-csv writes one schedule: give one --schedule or --from, got {len(schedules)}")
     timelines = [synthesised.get(id(s)) or (stage_costs.timeline(s) if args.costs else simulate(s, costs))
@@ -307,7 +305,7 @@ def _print(args, timelines) -> None:
                 print(f"rank {d}: {' '.join(map(str, ops))}")
         print()
     print(metrics_table(timelines))
-    print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or I); "
+    print("bubble = idle / total; peak held = microbatch x whole-stage activations (F until B or W); "
           "time unit = " + ("one microbatch's forward through one whole stage" if not timelines
                             or timelines[0].unit == "forward" else timelines[0].unit_name))
 

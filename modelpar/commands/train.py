@@ -14,7 +14,12 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the types only: importing them loads torch, which other commands start without
+    from modelpar.commands.train_options import RunOptions
+    from modelpar.training import TrainConfig
+    from modelpar.training.loop import TrainResult
 
 
 class _TrainParser(argparse.ArgumentParser):
@@ -64,12 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the ``--config`` file and the flags describe (flags win; the rest keep the defaults)."""
     return build(args)[0]
 
 
-def build(args: argparse.Namespace) -> tuple[Any, Any]:
+def build(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions]:
     """(TrainConfig, RunOptions) from the dataclass defaults, the ``--config`` file and the flags, in that order."""
     from dataclasses import replace
 
@@ -113,7 +118,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     return cfg, run_options
 
 
-def _blame(cfg: Any, path: str, from_file: dict[str, dict[str, Any]], final: dict[str, dict[str, Any]]) -> None:
+def _blame(cfg: TrainConfig, path: str, from_file: dict[str, dict[str, Any]], final: dict[str, dict[str, Any]]) -> None:
     """If ``cfg.check()`` names a setting that came from the file (and no flag replaced), name the file too."""
     try:
         cfg.check()
@@ -125,11 +130,12 @@ def _blame(cfg: Any, path: str, from_file: dict[str, dict[str, Any]], final: dic
         raise
 
 
-def _continued(cfg: Any, given: set[str]) -> Any:
+def _continued(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     """With --resume: the model, data and optimisation settings not on the command line come from the checkpoint."""
     from modelpar.checkpoint import latest_checkpoint, read_meta
     from modelpar.training.state import resumed_config
 
+    assert cfg.checkpoint_dir is not None  # the caller's condition
     path = latest_checkpoint(cfg.checkpoint_dir, checksums=False)  # the ranks verify the checksums
     return cfg if path is None else resumed_config(cfg, read_meta(path), given)
 
@@ -159,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(cfg, options)
 
 
-def _planned(cfg: Any, args: argparse.Namespace) -> Any:
+def _planned(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
     """The run's hardware profile checked and, with ``--plan auto``, the planner's layout (keeping the layout
     settings ``args`` gave), with ``--schedule auto`` the synthesised schedule, before any process starts."""
     import os
@@ -178,6 +184,19 @@ def _planned(cfg: Any, args: argparse.Namespace) -> Any:
         cfg, _, line = auto_plan(cfg, world, explicit_settings(args))  # the same plan on every rank; rank 0 prints it
         if os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+    if not cfg.hardware and cfg.calibrate:  # every run predicted with its own device (calibrate.cache)
+        import dataclasses
+
+        from modelpar.calibrate.cache import machine_profile
+
+        def log(line: str) -> None:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"modelpar train: {line}", file=sys.stderr, flush=True)
+
+        found = machine_profile(cfg.check(int(os.environ["WORLD_SIZE"]) if is_torchrun() else None), log)
+        cfg = dataclasses.replace(cfg, hardware=found.hardware)
+        if found.hardware is not None and found.how != "given":
+            log(f"prediction from {found.hardware} ({found.how})")
     if cfg.schedule == "auto":  # the schedule built here, and a memory limit none meets refused, before any process
         from modelpar.training.prediction import resolve_schedule
 
@@ -187,7 +206,7 @@ def _planned(cfg: Any, args: argparse.Namespace) -> Any:
     return cfg
 
 
-def _ranks_here(cfg: Any) -> tuple[int, int | None]:
+def _ranks_here(cfg: TrainConfig) -> tuple[int, int | None]:
     """(ranks on this machine, one GPU's bytes if they run on GPUs): local runs start all t·p·d ranks here
     on the CPU; under torchrun, ``LOCAL_WORLD_SIZE`` ranks, each on its GPU when there is one."""
     import os
@@ -203,7 +222,7 @@ def _ranks_here(cfg: Any) -> tuple[int, int | None]:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None
 
 
-def _run(cfg: Any, options: Any) -> int:
+def _run(cfg: TrainConfig, options: RunOptions) -> int:
     import os
 
     from rich.console import Console
@@ -231,7 +250,7 @@ def _run(cfg: Any, options: Any) -> int:
     return _report(cfg, options, result, report, first)
 
 
-def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> int:
+def _report(cfg: TrainConfig, options: RunOptions, result: TrainResult, report: Any, first: bool) -> int:
     """The stop's line and exit code, or the summary and 0 (priced with the config the ranks trained: a BPE
     vocabulary is known only once the data is prepared)."""
     cfg = result.config or cfg
@@ -245,7 +264,7 @@ def _report(cfg: Any, options: Any, result: Any, report: Any, first: bool) -> in
     return 0
 
 
-def _saves(cfg: Any, result: Any) -> str:
+def _saves(cfg: TrainConfig, result: TrainResult) -> str:
     """The checkpoint saves in words: how many, how long each held training, how long each took to write."""
     from statistics import median
 
@@ -255,7 +274,7 @@ def _saves(cfg: Any, result: Any) -> str:
             f"(median){written}")
 
 
-def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> None:
+def _summary(cfg: TrainConfig, result: TrainResult, out: Path, peak_tflops: float | None) -> None:
     from rich.console import Console
 
     from modelpar._outputs import write_file
@@ -324,7 +343,7 @@ def _summary(cfg: Any, result: Any, out: Path, peak_tflops: float | None) -> Non
     Console().print(summary_table(rows))  # the summary on stdout, the progress on stderr
 
 
-def _split_bubble(cfg: Any) -> float:
+def _split_bubble(cfg: TrainConfig) -> float:
     """The simulator's bubble for this run's schedule with each stage's times proportional to its layers."""
     from modelpar.simulate import Costs, simulate
     from modelpar.training.prediction import run_schedule
@@ -335,7 +354,7 @@ def _split_bubble(cfg: Any) -> float:
     return simulate(schedule, Costs(stage_multipliers=tuple(n / mean for n in split))).bubble
 
 
-def _schedule_name(cfg: Any) -> str:
+def _schedule_name(cfg: TrainConfig) -> str:
     """The schedule's name; with schedule auto, also the one it built."""
     if cfg.schedule != "auto":
         return str(cfg.schedule)
@@ -344,7 +363,7 @@ def _schedule_name(cfg: Any) -> str:
     return f"auto ({run_schedule(cfg).name}, v={cfg.chunks}, memory limit {cfg.memory_limit or 'none'})"
 
 
-def _why_microbatches(cfg: Any) -> str:
+def _why_microbatches(cfg: TrainConfig) -> str:
     from modelpar.training.config import default_microbatches
 
     chosen, why = default_microbatches(cfg)
@@ -359,7 +378,7 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f} MiB"
 
 
-def _describe_data(cfg: Any) -> str:
+def _describe_data(cfg: TrainConfig) -> str:
     data = cfg.data
     more = f" and {len(data.paths) - 1} more" if len(data.paths) > 1 else ""
     source = data.paths[0] + more if data.paths else "shipped corpus"

@@ -6,7 +6,7 @@ calibrate measured them, inside the measured grid; else composed from the GEMM, 
 and per-op fits), the tensor-parallel collectives (2 forward, 2 backward per layer; sequence
 parallelism: all-gather + reduce-scatter; the embedding's and the head's, and the vocabulary-parallel
 cross entropy's 3 small all-reduces: what the runtime issues, counted with ``tensor_parallel.accounting``
-in tests/test_local_costs.py) — and the schedule is timed by the simulator
+in tests/unit/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
+from modelpar.costmodel.inventory import bucket_shards, stage_bucket_list, stage_buckets, stage_layers, stage_tensors
 from modelpar.costmodel.local_compute import (
     LayerCost,
     attention_seconds,
@@ -59,11 +60,8 @@ from modelpar.costmodel.local_memory import (
     COMPUTE_BYTES,
     LocalLayout,
     activation_bytes,
-    bucket_shards,
     moe_layers_of,
-    stage_bucket_list,
-    stage_buckets,
-    stage_tensors,
+    offloaded_bytes,
     state_bytes,
 )
 from modelpar.costmodel.measured import layer_gemms
@@ -89,6 +87,7 @@ __all__ = [
     "dp_traffic",
     "layout_schedule",
     "moe_stage_seconds",
+    "offload_seconds",
     "predict_local",
     "predicted_timeline",
     "stage_costs",
@@ -107,8 +106,9 @@ class LocalPrediction:
     bubble: float  # idle share of the pipeline (the simulator's, with these costs)
     time: dict[str, float]  # pipeline, dp (exposed), optimizer
     memory: dict[str, float] = field(default_factory=dict)  # rank 0: parameters, gradients, optimizer, activations
-    peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or I)
+    peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or W)
     busiest: tuple[int, float] = (0, 0.0)  # (pipeline rank, bytes) of the rank holding the most
+    host_bytes: float = 0.0  # rank 0's activations in host memory at its peak (activation offload)
 
     @property
     def memory_bytes(self) -> float:
@@ -118,7 +118,7 @@ class LocalPrediction:
     def as_dict(self) -> dict[str, object]:
         return {"step_time_s": self.step_time_s, "bubble": self.bubble, "time_s": dict(self.time),
                 "memory_bytes": dict(self.memory), "peak_held": self.peak_held,
-                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1]}
+                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1], "host_bytes": self.host_bytes}
 
 
 def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
@@ -323,7 +323,7 @@ def moe_stage_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> tupl
 def _stage_costs(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[float, float, float]:
     """(forward, full backward, weight-gradient part) seconds of one microbatch through ``stage``: its layers'
     and ends' compute (``local_compute``), the runtime's cost per action, and the communication beside them."""
-    layers = run.model.layers // run.stages
+    layers = len(stage_layers(run, stage))
     f_layer, b_layer, layer = tp_layer_seconds(run, hw)  # compute and its tensor-parallel collectives; compute
     blocks = blockwise_seconds(run, hw)
     attention = (attention_seconds(run, hw) if blocks is None else blocks[0]) * core_share(run, hw)
@@ -351,7 +351,18 @@ def _stage_costs(run: LocalLayout, hw: HardwareProfile, stage: int) -> tuple[flo
             forward += _tp_time(run, hw, op, nbytes)
         else:
             backward += _tp_time(run, hw, op, nbytes)
-    return forward, backward, weight
+    copy = offload_seconds(run, hw, stage)
+    if hw.device == "cpu":  # the copies are memcpys on the compute's own cores: on the step
+        return forward + copy, backward + copy, weight
+    # a GPU copies on a side stream while the stage computes: only what outlasts the compute shows
+    return forward + max(0.0, copy - forward), backward + max(0.0, copy - backward), weight
+
+
+def offload_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> float:
+    """Seconds of one microbatch's activation-offload copy of ``stage`` one way (to host in the forward, the same
+    back for the backward): ``offloaded_bytes`` over the host link (``HardwareProfile.host_bytes_per_s``)."""
+    nbytes = offloaded_bytes(run, stage)
+    return nbytes / hw.host_bytes_per_s(min(run.world, hw.devices_per_node)) if nbytes else 0.0
 
 
 def _hop(run: LocalLayout, hw: HardwareProfile) -> float:
@@ -375,7 +386,8 @@ def layout_schedule(run: LocalLayout, hw: HardwareProfile) -> Schedule:
     """The schedule ``run`` executes: its generator's, or for ``auto`` the fastest ``simulate.synthesis`` builds
     from these stage costs with v = ``run.v`` and at most ``run.memory_limit`` held (0: any; ValueError if none fits)."""
     if run.schedule != "auto":
-        return get_schedule(run.schedule, ranks=run.p, microbatches=run.microbatches, chunks=run.v)
+        return get_schedule(run.schedule, ranks=run.p, microbatches=run.microbatches, chunks=run.v,
+                            costs=stage_costs(run, hw).per_kind())
     return auto_schedule(run, hw, (run.v,))[0]
 
 
@@ -417,7 +429,14 @@ def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tup
     hop = _hop(run, hw)
     transfer = [0.0] + [hop if schedule.stage_to_rank[s] != schedule.stage_to_rank[s - 1] else 0.0
                         for s in range(1, schedule.num_stages)]
-    starts, ends = replay_times(schedule, durations, transfer)
+    comm = {kind: [0.0] * run.stages for kind in KINDS}  # the expert all-to-alls an overlapped F&B pair hides
+    for s in range(run.stages if hw.device != "cpu" else 0):  # a CPU runs a pair's halves one after the other
+        n, sec = moe_stage_seconds(run, hw, s)
+        if sec is not None:
+            redo = sec.a2a_forward if run.recompute == "full" else 0.0  # the recomputed forward's, in the backward
+            comm[Kind.F][s] = n * sec.a2a_forward
+            comm[Kind.B][s] = comm[Kind.I][s] = n * (sec.a2a_backward + redo)
+    starts, ends = replay_times(schedule, durations, transfer, comm)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
 
 
@@ -425,7 +444,6 @@ def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
     """The pipeline ``predict_local`` times, in ms, with each MoE layer's expert all-to-alls inside its F and
     B (I) boxes (``Timeline.inner``, placed by ``costmodel.moe.moe_spans`` at the lengths priced here)."""
     schedule, _, _, tl = _timeline(run, hw)
-    per = run.model.layers // run.stages
     moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
     inner: list[list[tuple[str, float, float]]] = [[] for _ in tl.actions]
     for d, actions in enumerate(tl.actions):
@@ -433,7 +451,7 @@ def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
             _, sec = moe_stage_seconds(run, hw, a.stage)
             if sec is None or a.kind is Kind.W:
                 continue
-            flags = [i in moe for i in range(a.stage * per, (a.stage + 1) * per)]
+            flags = [i in moe for i in stage_layers(run, a.stage)]
             inner[d] += [("all-to-all", 1e3 * x, 1e3 * y) for x, y in
                          moe_spans(s, e, flags, sec, "F" if a.kind is Kind.F else "B", run.recompute == "full")]
     ms = [[1e3 * x for x in row] for row in tl.starts], [[1e3 * x for x in row] for row in tl.ends]
@@ -471,6 +489,7 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
                                                                         allgather_bytes(48.0 * run.world, run.world))
     held = round(timeline.peak_held[0] * schedule.chunks)
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
+    host = held * sum(offloaded_bytes(run, s) for s in stages) / len(stages)
     step = pipeline + dp + optimizer
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
-                           memory, held, (busiest, per_rank[busiest]))
+                           memory, held, (busiest, per_rank[busiest]), host)

@@ -1,14 +1,11 @@
 """Per-rank bytes of ``modelpar train``'s own layout, exactly: parameters, gradient buffers, AdamW state, activations.
 
 The planner's ``memory.py`` follows Megatron's accounting (everything ÷ t, 16-bit); the trainer's
-ranks hold what its modules hold: replicated norms and row-parallel biases, key/value heads
-replicated when t > kv_heads, the final norm, a separate copy of a tied embedding on the last
-stage, and gradient buffers in buckets padded to a multiple of d under ZeRO. A mixture-of-experts
-layer (``moe``) holds ``costmodel.moe.moe_layer_tensors`` in place of the MLP: the router and the
-routed experts replicated over t, E/ep experts each; under ep > 1 each expert tensor is a bucket of
-its own, reduced after the step (``GradSync``), as a tied copy is, and over the d/ep replicas holding
-the same experts only: under ZeRO its state, gradient and parameters are cut into d/ep ranges
-(``bucket_shards``, the one place that rule lives here); it keeps ``costmodel.moe.moe_activation_bytes``
+ranks hold what its modules hold, as ``costmodel.inventory`` lists it (the tensors and the gradient
+buckets the trainer itself checks it holds at start), and gradient buffers padded to a multiple of
+d under ZeRO; an expert tensor under ep > 1, a bucket of its own, is reduced over the d/ep replicas
+holding the same experts only: under ZeRO its state, gradient and parameters are cut into d/ep ranges
+(``inventory.bucket_shards``). A mixture-of-experts layer keeps ``costmodel.moe.moe_activation_bytes``
 in place of the SwiGLU's 4·ffn/t per token (uniform routing). ``LocalLayout`` states
 a run in plain numbers (``modelpar.training.prediction.local_run`` builds it from a TrainConfig)
 and these functions give the bytes its ranks measure (tests assert equality, and activations
@@ -39,6 +36,9 @@ The first stage also keeps the token ids (8 bytes each), the last the final norm
 input, the targets and one fp32 log-sum-exp per token (the chunked head and loss, ``loss_chunk_mb``;
 with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
 recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
+
+Activation offload (``offload``, ``recompute.offload_plan``) moves the chosen layers' own bytes to host
+memory: ``offloaded_bytes``, taken off ``activation_bytes`` (the rotary cos/sin every layer shares stay).
 """
 
 from __future__ import annotations
@@ -46,12 +46,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from modelpar.costmodel.moe import MoESpec, moe_activation_bytes, moe_layer_tensors
+from modelpar.costmodel.inventory import bucket_shards, stage_layers, stage_tensors
+from modelpar.costmodel.moe import MoESpec, moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
+from modelpar.recompute.offload_plan import offload_layers
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "bucket_shards",
-           "moe_layers_of", "stage_bucket_list", "stage_buckets", "stage_tensors", "state_bytes"]
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "moe_layers_of",
+           "offloaded_bytes", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its activations (fp8: bf16 between the products)
@@ -84,6 +86,8 @@ class LocalLayout(RankGrid):
     moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
     ep: int = 1  # expert-parallel ranks (folded into d)
     chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
+    offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``recompute.offload_plan``)
+    stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v stages (``--stage-layers``); None: the default split
 
     @property
     def stages(self) -> int:
@@ -107,106 +111,6 @@ class LocalLayout(RankGrid):
     @property
     def param_bytes(self) -> int:
         return PARAM_BYTES[self.precision]
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    numel: int
-    partial: bool  # its gradient is summed over the tensor-parallel group first (own bucket group)
-    tied: bool = False  # a copy of a tied embedding split across stages, or expert weights under ep > 1 (a bucket of its own)
-    expert: bool = False  # routed expert weights under ep > 1: reduced and sharded over the d/ep replicas holding them
-
-
-def _norm(run: LocalLayout, partial: bool) -> list[_Tensor]:
-    h = run.model.hidden
-    return [_Tensor(h, partial)] * (2 if run.model.bias else 1)
-
-
-def _layer(run: LocalLayout, index: int) -> list[_Tensor]:
-    """Layer ``index``'s parameters on one rank, in the module's order."""
-    m, t = run.model, run.t
-    h, f, a = m.hidden, m.ffn_size, m.heads
-    kv = m.kv_heads or a
-    d = h // a
-    sp = run.sequence_parallel and t > 1  # replicated parameters see a sequence shard: partial gradients
-    bias = m.bias
-    out = list(_norm(run, sp))
-    if not m.gated_mlp:  # GPT: fused qkv
-        out += [_Tensor(3 * h // t * h, False)] + ([_Tensor(3 * h // t, False)] if bias else [])
-    else:
-        kv_replicated = t > kv
-        out += [_Tensor(h // t * h, False), _Tensor(2 * max(1, kv // t) * d * h, t > 1 and kv_replicated)]
-    out += [_Tensor(h * h // t, False)] + ([_Tensor(h, sp)] if bias else [])
-    out += _norm(run, sp)
-    if run.moe is not None and index in run.moe.layers(m.layers):
-        e = run.moe
-        split = run.ep > 1
-        return out + [_Tensor(n, False, kind == "expert" and split, kind == "expert" and split)
-                      for kind, n in moe_layer_tensors(h, e.experts, e.ffn, e.shared, t, run.ep)]
-    up = (2 if m.gated_mlp else 1) * f // t
-    out += [_Tensor(up * h, False)] + ([_Tensor(up, False)] if bias else [])
-    out += [_Tensor(h * f // t, False)] + ([_Tensor(h, sp)] if bias else [])
-    return out
-
-
-def stage_tensors(run: LocalLayout, stage: int) -> list[_Tensor]:
-    """The parameters of (virtual) stage ``stage`` on one rank, in ``module.parameters()`` order."""
-    m, t, last = run.model, run.t, run.stages - 1
-    split = m.tied_embeddings and run.stages > 1
-    sp = run.sequence_parallel and t > 1
-    out: list[_Tensor] = []
-    if stage == 0:
-        out.append(_Tensor(m.vocab // t * m.hidden, False, split))
-        if m.learned_positions:
-            out.append(_Tensor(m.seq * m.hidden, sp))
-    per = m.layers // run.stages
-    for i in range(stage * per, (stage + 1) * per):
-        out += _layer(run, i)
-    if stage == last:
-        out += _norm(run, sp)
-        if not (m.tied_embeddings and run.stages == 1):  # one stage: the head shares the embedding
-            out.append(_Tensor(m.vocab // t * m.hidden, False, split))
-    return out
-
-
-def _groups(sizes: list[int], elements: int) -> list[int]:
-    """Consecutive groups of at most ``elements`` (a larger tensor alone), as the trainer's buckets group them."""
-    groups: list[int] = []
-    fill = 0
-    for n in sizes:
-        if not groups or (fill + n > elements and groups[-1]):
-            groups.append(0)
-            fill = 0
-        groups[-1] += n
-        fill += n
-    return groups
-
-
-def stage_buckets(run: LocalLayout, stage: int) -> list[int]:
-    """Elements of each gradient bucket of ``stage`` (before padding): the parameters in reverse, the
-    ones reduced at once first, then the partial ones, then each tied copy (and expert tensor under ep > 1) alone."""
-    return [n for n, _ in bucket_shards(run, stage)]
-
-
-def bucket_shards(run: LocalLayout, stage: int) -> list[tuple[int, int]]:
-    """(elements, ranks sharing it) of each gradient bucket of ``stage``, in ``stage_buckets``' order: a bucket is
-    reduced, and under ZeRO sharded, over the d·cp ranks holding the same parameters; an expert tensor under
-    ep > 1 over the d/ep replicas holding the same experts (``GradSync.shard_of``). Under ZeRO every buffer is
-    padded to a multiple of d·cp (a multiple of d/ep too)."""
-    return [(n, ranks) for n, ranks, _ in stage_bucket_list(run, stage)]
-
-
-def stage_bucket_list(run: LocalLayout, stage: int) -> list[tuple[int, int, str]]:
-    """(elements, ranks sharing it, ready) of each gradient bucket of ``stage`` in ``bucket_shards``' order, with
-    when the trainer may reduce it (``training.buckets.READY``): "backward" as its gradients are final in the
-    stage's last backward, "stage" after that backward's tensor-parallel sum, "step" after the pipeline step."""
-    tensors = list(reversed(stage_tensors(run, stage)))
-    plain = [x.numel for x in tensors if not x.tied and not x.partial]
-    partial = [x.numel for x in tensors if not x.tied and x.partial]
-    ranks = run.grad_ranks
-    return ([(n, ranks, "backward") for n in _groups(plain, run.bucket_elements)]
-            + [(n, ranks, "stage") for n in _groups(partial, run.bucket_elements)]
-            + [(x.numel, ranks // run.ep if x.expert else ranks, "step") for x in stage_tensors(run, stage) if x.tied])
 
 
 def state_bytes(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
@@ -266,8 +170,8 @@ def moe_layers_of(run: LocalLayout, stage: int) -> int:
     """How many of ``stage``'s layers are mixtures of experts."""
     if run.moe is None:
         return 0
-    per = run.model.layers // run.stages
-    return sum(1 for i in run.moe.layers(run.model.layers) if stage * per <= i < (stage + 1) * per)
+    here = stage_layers(run, stage)
+    return sum(1 for i in run.moe.layers(run.model.layers) if i in here)
 
 
 def _moe_bytes(run: LocalLayout, stage: int) -> float:
@@ -305,7 +209,7 @@ def activation_parts(run: LocalLayout, stage: int) -> tuple[float, float, float]
 def activation_bytes(run: LocalLayout, stage: int) -> float:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank (module docstring)."""
     layer, first, last = activation_parts(run, stage)
-    layers = run.model.layers // run.stages
+    layers = len(stage_layers(run, stage))
     if run.recompute == "full":
         sp = run.sequence_parallel and run.t > 1
         body = run.tokens * run.model.hidden / (run.t if sp else 1) * COMPUTE_BYTES[run.precision] if layers else 0.0
@@ -313,4 +217,18 @@ def activation_bytes(run: LocalLayout, stage: int) -> float:
         body = layers * layer + _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
         if layers and run.model.gated_mlp:  # one rotary cos/sin for all of the stage's layers
             body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
-    return body + first + last
+    return body + first + last - offloaded_bytes(run, stage)
+
+
+def offloaded_bytes(run: LocalLayout, stage: int) -> float:
+    """Bytes of one microbatch of ``stage`` that activation offload moves to host memory: the chosen layers' own
+    (a MoE layer's with its experts' terms); none under full recomputation (the layers save nothing then)."""
+    if run.offload == "none" or run.recompute == "full":
+        return 0.0
+    layer = activation_parts(run, stage)[0]
+    per = run.model.layers // run.stages
+    chosen = [stage * per + i for i in offload_layers(per, run.offload)]
+    n_moe = moe_layers_of(run, stage)
+    extra = _moe_bytes(run, stage) / n_moe if n_moe else 0.0
+    moe = set(run.moe.layers(run.model.layers)) if run.moe is not None else set()
+    return sum(layer + (extra if i in moe else 0.0) for i in chosen)

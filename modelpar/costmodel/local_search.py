@@ -2,6 +2,7 @@
 predicted step time, those whose most loaded rank does not fit the memory limit set aside.
 
 What the trainer can run is one list, ``Capabilities`` (schedules, ZeRO stages, recomputations,
+activation offload (tried only on a layout that does not fit without it, the fewest layers that make it fit),
 sequence parallelism, interleaving, microbatch counts, context parallelism's modes); context-parallel
 layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rule: a sequence in 2·cp
 chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
@@ -21,12 +22,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, stage_tensors, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
-from modelpar.schedules.registry import schedule_entry
+from modelpar.schedules.registry import BASELINE, COMPARED, schedule_entry
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
 
 __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "why_ep", "why_schedule"]
@@ -36,13 +38,14 @@ __all__ = ["Capabilities", "LocalPlan", "held_limit", "pinned", "plan_local", "w
 class Capabilities:
     """What the trainer runs today; extend an entry when it learns more (uneven stages, ...)."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+    schedules: tuple[str, ...] = COMPARED
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = PLANNED_RECOMPUTE
     sequence_parallel: bool = True
     chunks: tuple[int, ...] = (2, 4)  # v tried with the interleaved schedule
     max_microbatches: int = 16
     cp_comms: tuple[str, ...] = CP_COMMS  # context parallelism's modes tried at cp > 1 (none: cp = 1 only)
+    offload: bool = True  # activation offload: tried on a layout only when it does not fit without it
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
         if batch % d:
             continue
         for schedule in caps.schedules:
-            if p == 1 and schedule != "1f1b":
+            if p == 1 and schedule != BASELINE:
                 continue  # one stage: every schedule is the same loop
             for v in _chunk_choices(schedule, caps):
                 if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
@@ -172,6 +175,22 @@ def _auto(run: LocalLayout, hw: HardwareProfile, limit_bytes: float, accept: Cal
     return replace(run, v=schedule.chunks)
 
 
+def _offloaded(run: LocalLayout, pred: LocalPrediction, hw: HardwareProfile, limit_bytes: float,
+               accept: Callable[[LocalLayout], bool]) -> tuple[LocalLayout, LocalPrediction]:
+    """``run`` with the least activation offload that fits ``limit_bytes`` (the first n layers of each stage, n
+    from 1, then all: the fewest bytes copied), or ``run`` as it was when none does. Full recomputation keeps
+    nothing in the layers to move."""
+    per = run.model.layers // run.stages
+    if run.recompute == "full" or not per:
+        return run, pred
+    for choice in [str(n) for n in range(1, per)] + ["all"]:
+        trial = replace(run, offload=choice)
+        got = predict_local(trial, hw)
+        if got.memory_bytes <= limit_bytes and accept(trial):
+            return trial, got
+    return run, pred
+
+
 def pinned(run: LocalLayout, pins: Mapping[str, Any], later: tuple[str, ...] = ()) -> bool:
     """Whether ``run`` keeps every pinned field's value (``LocalLayout`` names; as ``modelpar plan``'s pins fix a
     dimension of its search, the user's layout flags fix this one's); ``later``: fields not chosen yet."""
@@ -197,6 +216,8 @@ def plan_local(base: LocalLayout, world: int, hw: HardwareProfile, limit_bytes: 
             continue
         tried += 1
         pred = predict_local(run, hw)
+        if pred.memory_bytes > limit_bytes and caps.offload and "offload" not in pins:
+            run, pred = _offloaded(run, pred, hw, limit_bytes, lambda r: pinned(r, pins) and accept(r))
         if pred.memory_bytes <= limit_bytes:
             ranked.append((run, pred))
         elif leanest is None or pred.memory_bytes < leanest[1].memory_bytes:
@@ -211,15 +232,15 @@ def why_schedule(plan: LocalPlan, run: LocalLayout, pred: LocalPrediction) -> st
     name += f", v={run.v}" if run.v > 1 else ""
     if run.p == 1:
         return "one pipeline stage: no schedule to choose"
-    same = [(r, p) for r, p in plan.ranked if r.schedule == "1f1b" and
+    same = [(r, p) for r, p in plan.ranked if r.schedule == BASELINE and
             replace(r, schedule=run.schedule, v=run.v, memory_limit=run.memory_limit) == run]
     mib = lambda x: f"{x / 2**20:,.2f}"  # noqa: E731
-    if run.schedule == "1f1b":
-        return "1f1b: no schedule of the family, nor auto, is faster at this layout within the limit"
+    if run.schedule == BASELINE:
+        return f"{BASELINE}: no schedule of the family, nor auto, is faster at this layout within the limit"
     if not same:
-        return f"{name}: {100 * pred.bubble:.1f}% bubble; 1f1b does not fit the limit at this layout"
+        return f"{name}: {100 * pred.bubble:.1f}% bubble; {BASELINE} does not fit the limit at this layout"
     base = same[0][1]
-    return (f"{name}: {100 * pred.bubble:.1f}% bubble vs 1f1b {100 * base.bubble:.1f}%, step "
+    return (f"{name}: {100 * pred.bubble:.1f}% bubble vs {BASELINE} {100 * base.bubble:.1f}%, step "
             f"{1e3 * pred.step_time_s:,.2f} vs {1e3 * base.step_time_s:,.2f} ms, busiest rank "
             f"{mib(pred.memory_bytes)} vs {mib(base.memory_bytes)} MiB")
 

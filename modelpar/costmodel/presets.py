@@ -12,7 +12,7 @@ and one 200 Gb/s (A100) or 400 Gb/s (H100/H200/H800) InfiniBand NIC per GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from modelpar.costmodel.moe import MoESpec
@@ -69,6 +69,10 @@ PROFILES: dict[str, HardwareProfile] = {
     # bidirectional (200 per direction), 400 Gb/s InfiniBand per GPU (DeepSeek-V3 §3.1: 8 NICs per node).
     "h800": node_profile("h800", 989.0, 80.0, 3.35, 0.72, 8, 200.0, 50.0),
 }
+# Host links (activation offload): PCIe 4.0 x16 on A100 nodes, 5.0 x16 on H100/H200/H800, ~80% of the 32 / 64 GB/s
+# per direction a copy from pinned memory reaches.
+_HOST_GBPS = {"a100-80gb": 25.0, "a100-40gb": 25.0, "h100-sxm": 50.0, "h200": 50.0, "h800": 50.0}
+PROFILES = {name: replace(profile, host_gbps=_HOST_GBPS[name]) for name, profile in PROFILES.items()}
 
 
 def profile_node(profile: HardwareProfile) -> NodePreset:

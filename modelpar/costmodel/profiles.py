@@ -31,7 +31,8 @@ from typing import Any
 from modelpar._validate import check_choice, check_int, check_number
 
 __all__ = ["BUSY_OPS", "COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
-           "HardwareProfile", "check_torch", "load_profile", "node_profile", "save_profile"]
+           "HardwareProfile", "check_torch", "load_profile", "node_profile", "profile_cache_dir", "profile_source",
+           "save_profile"]
 
 PROFILE_FORMAT = "modelpar-hardware-profile"
 PROFILE_VERSION = 2  # 2: the trainer's own work measured whole (layer, ends, blockwise, runtime_s, optimizer)
@@ -86,6 +87,7 @@ class HardwareProfile:
     inter_node_gbps: float
     hbm_tb_s: float  # element-wise (memory-bound) throughput, TB/s (table: HBM; measured: at one rank)
     matmul_ceiling: float = 0.8  # table entries: the efficiency curve's ceiling (assumptions.py's curve)
+    host_gbps: float = 0.0  # device <-> host copies, GB/s one direction (PCIe, C2C); 0: a CPU's memcpy (element-wise)
     torch: str | None = None  # torch version measured with; None for a table entry
     host: str = "-"
     cores: int = 0  # CPU cores of the host (0: unknown)
@@ -204,6 +206,11 @@ class HardwareProfile:
         if self.elementwise_gbps:
             return self.elementwise_gbps[self.ranks_measured(ranks)] * 1e9
         return self.hbm_tb_s * 1e12
+
+    def host_bytes_per_s(self, ranks: int = 1) -> float:
+        """Bytes per second one rank copies to host memory and back (activation offload): ``host_gbps``, else (a
+        CPU, where the host is the device's own memory) its memory-bound element-wise throughput, the memcpy rate."""
+        return self.host_gbps * 1e9 if self.host_gbps else self.elementwise_bytes_per_s(ranks)
 
     def op_latency(self, ranks: int = 1) -> float | None:
         table = self.op_latency_s
@@ -358,3 +365,19 @@ def node_profile(name: str, peak_tflops: float, memory_gb: float, hbm_tb_s: floa
     return HardwareProfile(name=name, device="gpu", backend="-", memory_gb=memory_gb, devices_per_node=gpus_per_node,
                            peak_tflops={"bf16": peak_tflops}, intra_node_gbps=intra_node_gbps,
                            inter_node_gbps=inter_node_gbps, hbm_tb_s=hbm_tb_s, matmul_ceiling=matmul_ceiling)
+
+
+def profile_cache_dir() -> str:
+    """Where ``modelpar train`` keeps this machine's calibrated profiles (``calibrate.cache``):
+    ``$XDG_CACHE_HOME/modelpar``, else ``~/.cache/modelpar``."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "modelpar")
+
+
+def profile_source(hardware: str, presets: Sequence[str]) -> str:
+    """How the profile a run names (``--hardware``) was obtained, as its summary says it: one of ``presets``
+    (a data sheet), a file in ``profile_cache_dir`` (this machine, calibrated once), or another calibrated file."""
+    if hardware.lower() in presets:
+        return "data-sheet preset"
+    if os.path.dirname(os.path.abspath(hardware)) == os.path.abspath(profile_cache_dir()):
+        return "calibrated for this machine, cached"
+    return f"calibrated, --hardware {hardware}"

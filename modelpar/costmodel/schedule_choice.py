@@ -78,7 +78,7 @@ def choose_schedule(costs: StageCosts, microbatches: int, limit: float, own: tup
     when none fits."""
     k = costs.stages
     mine = costs.timeline(get_schedule(own[0], ranks=k, microbatches=microbatches,
-                                       chunks=own[1] if takes_chunks(own[0]) else None))
+                                       chunks=own[1] if takes_chunks(own[0]) else None, costs=costs.per_kind()))
     own_fits = max(mine.peak_held) <= limit + 1e-9
     if synthesise:
         try:

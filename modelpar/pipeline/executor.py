@@ -14,7 +14,9 @@ and unlike Megatron's hand-written warm-up / steady / cool-down loops::
     W s m : run that closure (absorbed after a fused I: nothing, and no hooks)
 
 Stages on the same device hand tensors over in memory. Action hooks wrap each compute action
-(``PipelineRunner.register_action_hook``) as it runs: a fused I as the B it is.
+(``PipelineRunner.register_action_hook``) as it runs: a fused I as the B it is. The two halves of
+an overlapped F&B pair (DualPipe; the lowered program has them back to back, their sends after
+both) run on two CUDA streams on a GPU and one after the other on a CPU (``pair_streams``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from modelpar.pipeline.bounded_comm import FlightRecorder
 from modelpar.pipeline.p2p import P2P, Posted
+from modelpar.pipeline.pair_streams import PairStreams
 from modelpar.pipeline.program import COMPUTE, SEND, Planned
 from modelpar.pipeline.stage import LocalStage
 from modelpar.pipeline.timing import CudaTimer, HostTimer
@@ -44,17 +47,18 @@ class StepRecord:
 
     events: list[tuple[Action, float, float]] = field(default_factory=list)  # (action, start, end), seconds
     losses: dict[int, torch.Tensor] = field(default_factory=dict)  # microbatch -> loss (last stage only)
-    peak_held: int = 0  # most microbatch-chunks held at once, F until B or I (the simulator's count)
-    peak_held_until_w: int = 0  # the same, counting a split backward as held until its W
+    peak_held: int = 0  # most microbatch-chunks held at once, F until B or W (the simulator's count)
 
 
 class StepContext:
     """What a step runs with: this device's stages, its messenger, its timer and the hooks."""
 
     def __init__(self, stages: dict[int, LocalStage], p2p: P2P | None, timer: HostTimer | CudaTimer,
-                 recorder: FlightRecorder, hooks: Sequence[ActionHook], timeout: float) -> None:
+                 recorder: FlightRecorder, hooks: Sequence[ActionHook], timeout: float,
+                 streams: PairStreams | None = None) -> None:
         self.stages, self.p2p, self.timer, self.recorder = stages, p2p, timer, recorder
         self.hooks, self.timeout = hooks, timeout
+        self.streams = streams if streams is not None else PairStreams(torch.device("cpu"))
 
 
 def run_plan(ctx: StepContext, plan: Sequence[Planned], inputs: Sequence[torch.Tensor] | None,
@@ -107,24 +111,31 @@ class _Step:
         """Take the action's input, run it inside the hooks, put its output where it goes."""
         a, ctx = p.op, self.ctx
         assert isinstance(a, Action)
-        x: Any = None
-        if p.source == "input":
-            x = self.inputs[a.microbatch]  # type: ignore[index]
-        elif p.source == "local":
-            x = self.local.pop(p.source_key)
-        elif p.source == "recv":
-            x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
         stage = ctx.stages[a.stage]
-        if ctx.hooks and not p.absorbed:
-            seen = Action(a.stage, Kind.B, a.microbatch) if p.fused else a  # a fused I is a whole backward
-            with ExitStack() as around:
-                for hook in ctx.hooks:
-                    cm = hook(seen, p.final)
-                    if cm is not None:
-                        around.enter_context(cm)
+        with ctx.streams.half(a, p.pair, p.partner):  # a pair's half on its stream: its receive waits there too
+            x: Any = None
+            if p.source == "input":
+                x = self.inputs[a.microbatch]  # type: ignore[index]
+            elif p.source == "local":
+                x = self.local.pop(p.source_key)
+            elif p.source == "recv":
+                x = ctx.p2p.wait(self.inbox.pop(p.source_key))  # type: ignore[union-attr]
+            if p.pair:
+                ctx.streams.used(x)
+            if ctx.hooks and not p.absorbed:
+                seen = Action(a.stage, Kind.B, a.microbatch) if p.fused else a  # a fused I is a whole backward
+                with ExitStack() as around:
+                    for hook in ctx.hooks:
+                        cm = hook(seen, p.final)
+                        if cm is not None:
+                            around.enter_context(cm)
+                    start, y, end = self.timed(stage, a, x, p)
+            else:
                 start, y, end = self.timed(stage, a, x, p)
-        else:
-            start, y, end = self.timed(stage, a, x, p)
+        if p.pair:
+            ctx.streams.produced(y)
+        if a.kind in (Kind.B, Kind.I):
+            ctx.streams.forget(a.stage, a.microbatch)
         self.marks.append((a, start, end))
         if p.sink == "loss":
             self.rec.losses[a.microbatch] = y
@@ -134,7 +145,6 @@ class _Step:
             self.outbox[p.key] = y
         held = ctx.stages.values()
         self.rec.peak_held = max(self.rec.peak_held, sum(st.held for st in held))
-        self.rec.peak_held_until_w = max(self.rec.peak_held_until_w, sum(st.held_until_w for st in held))
 
     def timed(self, stage: LocalStage, a: Action, x: Any, p: Planned) -> tuple[Any, Any, Any]:
         """(start mark, result, end mark) of one action."""

@@ -44,6 +44,8 @@ class Planned:
     final: bool = False  # COMPUTE: the stage's last weight-gradient action of the step
     fused: bool = False  # COMPUTE, an I: runs the whole backward (its W comes right after and is absorbed)
     absorbed: bool = False  # COMPUTE, a W: its work was done by the fused I just before it
+    pair: int = 0  # COMPUTE: 1 the forward of an overlapped F&B pair, 2 its backward (run together), 0 alone
+    partner: tuple[int, int] | None = None  # COMPUTE, a pair's forward: (stage, microbatch) of its backward
 
 
 def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[tuple[int, int], TensorSpec],
@@ -64,6 +66,9 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
     for i, op in enumerate(program):
         if isinstance(op, Action) and SPECS[op.kind].weight_grads:
             final[op.stage] = i
+    acts = schedule.actions[me]
+    pairs = {acts[i]: acts[i + 1] for i in schedule.overlapped[me]}
+    seconds = set(pairs.values())
     plan: list[Planned] = []
     for i, op in enumerate(program):
         if isinstance(op, Transfer):
@@ -80,6 +85,10 @@ def build_plan(program: Sequence[Op], schedule: Schedule, me: int, specs: dict[t
             continue
         s, m = op.stage, op.microbatch
         p = Planned(op, COMPUTE, str(op), final=final.get(s) == i)
+        if op in pairs:
+            p.pair, p.partner = 1, (pairs[op].stage, pairs[op].microbatch)
+        elif op in seconds:
+            p.pair = 2
         if merge_backward and op.kind is Kind.I and i + 1 < len(program) and program[i + 1] == Action(s, Kind.W, m):
             p.fused, p.final = True, final.get(s) == i + 1  # it makes the weight gradients: the W's place
         elif plan and plan[-1].fused and op.kind is Kind.W:

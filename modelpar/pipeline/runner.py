@@ -38,6 +38,7 @@ from modelpar.pipeline.bounded_comm import FlightRecorder, comm_device
 from modelpar.pipeline.clock import clock_offset
 from modelpar.pipeline.executor import ActionHook, StepContext, StepRecord, run_plan
 from modelpar.pipeline.p2p import P2P
+from modelpar.pipeline.pair_streams import PairStreams
 from modelpar.pipeline.program import Planned, build_plan
 from modelpar.pipeline.shapes import BatchSpec, TensorSpec, dry_run, exchange_batch, microbatch_sizes
 from modelpar.pipeline.stage import LocalStage, LossFn
@@ -91,6 +92,7 @@ class PipelineRunner:
         self.p2p = (P2P(self.group, self.timeout, compute_device, self.recorder, check_messages)
                     if schedule.num_ranks > 1 else None)
         self.timer = timer_for(compute_device)
+        self.streams = PairStreams(compute_device)  # the overlapped F&B pairs' (DualPipe-V)
         self._owners = (schedule.rank_of(0), schedule.rank_of(last))  # group ranks
         self._hooks: OrderedDict[int, ActionHook] = OrderedDict()  # a dict RemovableHandle can refer to weakly
         self._batch: BatchSpec | None = None
@@ -212,7 +214,7 @@ class PipelineRunner:
             xs = list(torch.tensor_split(inputs, m)) if first else None
             ys = list(torch.tensor_split(targets, m)) if last else None
             ctx = StepContext(self.stages, self.p2p, self.timer, self.recorder, list(self._hooks.values()),
-                              self.timeout)
+                              self.timeout, self.streams)
             scale = [n / in_shape[0] for n in rows]
             record = run_plan(ctx, self._plan(mode), xs, ys, scale, for_backward=mode == "train")
         except BaseException as err:

@@ -38,12 +38,8 @@ class LocalStage:
 
     @property
     def held(self) -> int:
-        """Microbatches whose forward graph (activations) this stage keeps: F done, B or I not yet."""
-        return len(self._saved)
-
-    @property
-    def held_until_w(self) -> int:
-        """As ``held``, but a split backward keeps its microbatch until W (the deferred weight gradient)."""
+        """Microbatches whose activations this stage keeps: F done, B or W not yet (a pending W restarts
+        from the retained graph: ``schedules.memory``'s count)."""
         return len(self._saved) + len(self._weight)
 
     def forward(self, microbatch: int, x: torch.Tensor, target: torch.Tensor | None = None,

@@ -7,14 +7,17 @@ given costs; a rank that comes free picks, among the actions whose inputs have a
 1. an input-gradient backward I (on the critical path), the oldest microbatch first;
 2. a forward F, the oldest microbatch first — but a microbatch enters the rank's lowest stage
    (its first visit there) only while the rank holds at most ``limit`` − 1 microbatches'
-   activations (a chunk counting 1/v, from F until I): room for all of the new one's chunks;
-3. a deferred weight-gradient backward W (oldest first), to fill what would be a bubble.
+   activations (a chunk counting 1/v, from F until its W: ``memory``'s rule): room for all of the
+   new one's chunks;
+3. a deferred weight-gradient backward W (oldest first), to fill what would be a bubble — and,
+   since W is what frees a microbatch, the work a rank full of held microbatches turns to, so
+   W's interleave with the steady state instead of piling up at the end.
 
 Forwards and backwards of a stage go in microbatch order. Later chunks of microbatches already
 in never wait, so the peak can pass ``limit`` by a few chunks: callers that promise a memory
 bound measure the result (``search``). Only first visits wait, so nothing deadlocks: the
 microbatches a full rank holds have passed its first stage and never wait for memory again
-before their backward (by induction from the last rank of the first chunk). Any placement
+before their backward, and a pending W is always ready (by induction from the last rank of the first chunk). Any placement
 whose first chunk is stages 0..K−1 on ranks 0..K−1 works: contiguous, loop or V.
 """
 
@@ -26,6 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
+from modelpar.schedules.memory import W_KEEPS
 from modelpar.schedules.schedule import Schedule
 
 __all__ = ["greedy"]
@@ -61,7 +65,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     clock = [0.0] * D
     asleep: dict[int, float] = {}  # rank -> the time it found nothing to do
     heap = [(0.0, d) for d in range(D) if left[d]]
-    held = [0.0] * D  # activations held (F until I), a chunk counting 1/v
+    held = [0.0] * D  # activations held (F until W: ``memory``), a chunk counting 1/v
     w = D / S
     while heap:
         t, d = heapq.heappop(heap)
@@ -87,9 +91,10 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
         elif kind is _I:
             end_i[s][m] = stop
             next_i[s] += 1
-            held[d] -= w
+            held[d] -= w * (1 - W_KEEPS)
             pending_w[d].append((s, m))
         else:
+            held[d] -= w * W_KEEPS
             pending_w[d].popleft()
         clock[d] = stop
         if left[d]:

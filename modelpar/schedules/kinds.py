@@ -6,11 +6,14 @@ s + 1 and the input gradient by stage s − 1 (a message when that stage sits on
 a hand-over in memory otherwise); the saved graph and the deferred weight gradient by s itself.
 Beyond the ends of the model a value comes from the batch or the loss, or is dropped::
 
-    kind  consumes                       produces                    meaning
-    F     ACT(s − 1)   [s = 0: batch]    ACT(s) [last: loss], GRAPH  forward
-    B     GRAPH(s), GRAD(s + 1) [last: loss]  GRAD(s) [s = 0: none]  full backward
-    I     GRAPH(s), GRAD(s + 1)          GRAD(s), DEFERRED           input-gradient backward
-    W     DEFERRED(s)                    —                           weight-gradient backward
+    kind  consumes                       produces                    meaning                   pair half
+    F     ACT(s − 1)   [s = 0: batch]    ACT(s) [last: loss], GRAPH  forward                   1
+    B     GRAPH(s), GRAD(s + 1) [last: loss]  GRAD(s) [s = 0: none]  full backward             2
+    I     GRAPH(s), GRAD(s + 1)          GRAD(s), DEFERRED           input-gradient backward   2
+    W     DEFERRED(s)                    —                           weight-gradient backward  —
+
+The last column says which half of an overlapped pair (DualPipe's F&B, ``schedules.overlap``)
+a kind may be: a forward first, a backward through the input (B or I) second; W is never paired.
 
 Validation, timing (``replay``), lowering, the rendezvous model and the runtime's plan read
 this table; adding a kind means adding a ``Kind`` member and its ``SPECS`` row. A schedule uses
@@ -63,12 +66,13 @@ class KindSpec(NamedTuple):
     produces: tuple[Value, ...]
     describe: str  # "a forward F", for error messages
     weight_grads: bool  # accumulates weight gradients (the last action touching a stage's weights)
+    half: int = 0  # in an overlapped pair: 1 the first half (a forward), 2 the second (a backward), 0 never
 
 
 SPECS: dict[Kind, KindSpec] = {
-    Kind.F: KindSpec((ACT,), (ACT, GRAPH), "a forward F", False),
-    Kind.B: KindSpec((GRAPH, GRAD), (GRAD,), "a full backward B", True),
-    Kind.I: KindSpec((GRAPH, GRAD), (GRAD, DEFERRED), "an input-gradient backward I", False),
+    Kind.F: KindSpec((ACT,), (ACT, GRAPH), "a forward F", False, 1),
+    Kind.B: KindSpec((GRAPH, GRAD), (GRAD,), "a full backward B", True, 2),
+    Kind.I: KindSpec((GRAPH, GRAD), (GRAD, DEFERRED), "an input-gradient backward I", False, 2),
     Kind.W: KindSpec((DEFERRED,), (), "a weight-gradient backward W", True),
 }
 KINDS = tuple(SPECS)

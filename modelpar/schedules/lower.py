@@ -19,7 +19,9 @@ action runs it is appended to its rank's program, followed by a SEND per rank th
 its output, and that rank gets the RECV at the same moment: both ends see each pair's messages
 in one global order. Each RECV then moves up past compute actions to just after the previous
 send: receives are posted as early as the order of the messages allows, so transfers overlap
-compute, and that order — per pair and per rank — is left as it was.
+compute, and that order — per pair and per rank — is left as it was. An overlapped F&B pair
+(``Schedule.overlapped``) is lowered as a unit: its two actions, then the forward's sends, then
+the backward's (both halves compute before either output leaves, as they run together).
 
 ``rendezvous`` is the check that the result cannot hang on NCCL: zero buffering (a send
 completes only when its receive is reached and vice versa), posted operations progressing in
@@ -131,12 +133,18 @@ def _programs(schedule: Schedule) -> list[list[Op]]:
     the receivers at the same moment."""
     programs: list[list[Op]] = [[] for _ in range(schedule.num_ranks)]
     dev = schedule.stage_to_rank
-    for a in replay_traced(schedule).order:
+    firsts = {acts[i] for acts, pairs in zip(schedule.actions, schedule.overlapped) for i in pairs}
+    held: list[tuple[int, Transfer, Transfer]] = []  # a pair's forward's messages, sent after its backward
+    for a in replay_traced(schedule).order:  # a pair's two actions come one right after the other
         d = dev[a.stage]
         programs[d].append(a)
-        for peer, send, recv in _consumers(schedule, a):
+        if a in firsts:
+            held = _consumers(schedule, a)
+            continue
+        for peer, send, recv in held + _consumers(schedule, a):
             programs[d].append(send)
             programs[peer].append(recv)
+        held = []
     return programs
 
 

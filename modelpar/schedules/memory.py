@@ -1,9 +1,13 @@
 """Held activations: how many microbatches' activations a rank keeps at once (pure Python).
 
-A forward leaves its saved graph on the stage until the action that consumes it (``kinds``:
-B, or I when split) — the zero-bubble papers' in-flight count; ``until_w`` keeps it until the
-stage's last weight-gradient action instead (W when split). Counted in whole-stage microbatches:
-a chunk of a rank holding v of them counts 1/v.
+The one rule every count reads (simulator, synthesis and ``--memory-limit``, ``auto``, the cost
+model, the runtime's ``LocalStage.held``): a forward's activations stay on its stage until the
+last action that reads them, from the action table (``kinds.SPECS``): the action that
+accumulates the stage's weight gradients (``weight_grads``) — B, or W when the backward is split,
+since W's weight GEMMs read the layer inputs the forward saved. What a pending W keeps is
+``W_KEEPS`` of the microbatch (whole microbatches here: the runtime's W restarts from the retained
+graph, so the whole graph stays until W). Counted in whole-stage microbatches: a chunk of a rank
+holding v of them counts 1/v.
 """
 
 from __future__ import annotations
@@ -11,27 +15,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.kinds import GRAPH, SPECS
+from modelpar.schedules.kinds import SPECS
 
-__all__ = ["peak_held"]
+__all__ = ["RELEASES", "W_KEEPS", "peak_held"]
 
-_FREES = tuple(k for k, spec in SPECS.items() if GRAPH in spec.consumes)
-_FREES_AFTER_W = tuple(k for k, spec in SPECS.items() if spec.weight_grads)
+# the kinds after which a stage no longer holds a microbatch's activations: the last to read them
+RELEASES = frozenset(k for k, spec in SPECS.items() if spec.weight_grads)
+# the share of a microbatch's activations a pending W keeps (I done, W not yet), in the pure count
+W_KEEPS = 1.0
 
 
-def peak_held(actions: Sequence[Sequence[Action]], chunks: int, until_w: bool = False) -> list[float]:
-    """Per rank: the most activations held at once, walking its actions in order."""
+def peak_held(actions: Sequence[Sequence[Action]], chunks: int) -> list[float]:
+    """Per rank: the most activations held at once (F until B or W), walking its actions in order."""
     w = 1 / chunks
-    f, released = Kind.F, frozenset(_FREES_AFTER_W if until_w else _FREES)
+    f, i = Kind.F, Kind.I
+    keep = 1.0 - W_KEEPS  # what I frees of a microbatch
     peaks = []
     for acts in actions:
-        held = peak = 0
+        held = peak = 0.0
         for _, k, _ in acts:  # Action is a (stage, kind, microbatch) named tuple
             if k is f:
                 held += 1
                 if held > peak:
                     peak = held
-            elif k in released:
-                held -= 1
+            elif k is i:
+                held -= keep
+            elif k in RELEASES:
+                held -= W_KEEPS if k is Kind.W else 1
         peaks.append(peak * w)
     return peaks

@@ -2,7 +2,8 @@
 
 Generators produce it, the simulator times it, the runtime executes it and the renderers draw
 it. Communication is not written into it: it follows from dependencies that cross ranks, and
-``modelpar.schedules.lower`` makes it explicit.
+``modelpar.schedules.lower`` makes it explicit. ``overlapped`` marks DualPipe's F&B pairs
+(``modelpar.schedules.overlap``): two consecutive actions of a rank run together.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from functools import cached_property
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.kinds import STYLES, inputs_of, producers, style_of
+from modelpar.schedules.overlap import can_pair, format_pair, parse_pair
 
 
 def contiguous_map(num_ranks: int) -> tuple[int, ...]:
@@ -39,12 +41,14 @@ class Schedule:
     """Ordered actions per pipeline rank, with virtual stage ``s`` living on rank ``stage_to_rank[s]``.
 
     A rank is a position along the pipeline (0..K−1), a stage a virtual stage of the model (0..S−1,
-    S = K·v); docs/notation.md lists the names and the old ones they replaced.
+    S = K·v); docs/notation.md lists the names and the old ones they replaced. ``overlapped[d]``
+    holds the positions i on rank d where actions i and i + 1 are an overlapped F&B pair (empty: none).
     """
 
     stage_to_rank: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     name: str = ""
+    overlapped: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
@@ -56,6 +60,22 @@ class Schedule:
                 raise ValueError(
                     f"stage {s} is mapped to rank {d}, but ranks are 0..{len(self.actions) - 1}"
                 )
+        pairs = tuple(tuple(sorted(p)) for p in self.overlapped) or tuple(() for _ in self.actions)
+        if len(pairs) != len(self.actions):
+            raise ValueError(f"overlapped must hold one tuple per rank ({len(self.actions)}), got {len(pairs)}")
+        object.__setattr__(self, "overlapped", pairs)
+        for d, (acts, starts) in enumerate(zip(self.actions, pairs)):
+            for i, j in zip(starts, starts[1:]):
+                if j < i + 2:
+                    raise ValueError(f"overlapped pairs on rank {d} share an action (positions {i} and {j})")
+            for i in starts:
+                if not 0 <= i < len(acts) - 1 or not can_pair(acts[i], acts[i + 1]):
+                    what = f"{acts[i]} and {acts[i + 1]}" if 0 <= i < len(acts) - 1 else "no two actions"
+                    raise ValueError(f"overlapped pair at position {i} on rank {d}: {what}; a pair is a forward F "
+                                     "followed by a backward (B or I)")
+                if acts[i] in self.dependencies(acts[i + 1]):
+                    raise ValueError(f"overlapped pair {format_pair(acts[i], acts[i + 1])} on rank {d}: its backward "
+                                     "needs its forward's output, so the two cannot run together")
 
     # --- shape -----------------------------------------------------------------------------
     @property
@@ -99,6 +119,11 @@ class Schedule:
     def _producer(self) -> dict:
         return producers(self.style)
 
+    @property
+    def has_overlap(self) -> bool:
+        """True when some rank runs an overlapped F&B pair."""
+        return any(self.overlapped)
+
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds virtual stage ``stage``."""
         return self.stage_to_rank[stage]
@@ -123,8 +148,15 @@ class Schedule:
 
     # --- text form ---------------------------------------------------------------------------
     def to_text(self) -> str:
-        """One line per rank, actions separated by spaces: ``0F0 0F1 0B0 ...``."""
-        return "\n".join(" ".join(str(a) for a in acts) for acts in self.actions)
+        """One line per rank, actions separated by spaces: ``0F0 0F1 0B0 ...``; a pair ``(0F3;7I1)OVERLAP_F_B``."""
+        return "\n".join(" ".join(self._tokens(d)) for d in range(self.num_ranks))
+
+    def _tokens(self, rank: int) -> list[str]:
+        acts, pairs, out, i = self.actions[rank], set(self.overlapped[rank]), [], 0
+        while i < len(acts):
+            out.append(format_pair(acts[i], acts[i + 1]) if i in pairs else str(acts[i]))
+            i += 2 if i in pairs else 1
+        return out
 
     def __str__(self) -> str:
         return self.to_text()
@@ -136,18 +168,29 @@ class Schedule:
         Blank lines and ``#`` comments are skipped; a line may start with ``rank N:``.
         """
         lines: list[list[Action]] = []
+        pairs: list[list[int]] = []
         for raw in text.splitlines():
             line = raw.split("#", 1)[0].strip()
             if not line:
                 continue
             if ":" in line:
                 line = line.split(":", 1)[1]
-            lines.append([Action.parse(tok) for tok in line.replace(",", " ").split()])
-        return cls.from_actions(lines, name=name)
+            acts: list[Action] = []
+            starts: list[int] = []
+            for tok in line.replace(",", " ").split():
+                pair = parse_pair(tok)
+                if pair is not None:
+                    starts.append(len(acts))
+                acts.extend(pair or (Action.parse(tok),))
+            lines.append(acts)
+            pairs.append(starts)
+        return cls.from_actions(lines, name=name, overlapped=pairs)
 
     @classmethod
-    def from_actions(cls, per_rank: Sequence[Iterable[Action]], name: str = "") -> Schedule:
-        """Build a schedule from action lists, inferring the stage -> rank map from them."""
+    def from_actions(cls, per_rank: Sequence[Iterable[Action]], name: str = "",
+                     overlapped: Sequence[Iterable[int]] = ()) -> Schedule:
+        """Build a schedule from action lists, inferring the stage -> rank map from them (``overlapped``:
+        per rank, the positions of its F&B pairs' forwards)."""
         per_rank = [list(acts) for acts in per_rank]
         owner: dict[int, int] = {}
         for d, acts in enumerate(per_rank):
@@ -161,7 +204,8 @@ class Schedule:
         missing = [s for s in range(num_stages) if s not in owner]
         if missing:
             raise ValueError(f"stages {missing} have no actions; stages must be 0..{num_stages - 1}")
-        return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_rank)), name)
+        return cls(tuple(owner[s] for s in range(num_stages)), tuple(map(tuple, per_rank)), name,
+                   tuple(tuple(p) for p in overlapped))
 
     def validate(self) -> Schedule:
         """Check completeness, per-rank order and freedom from deadlock; return self."""

@@ -2,15 +2,15 @@
 
 All split the backward into I (input gradient) and W (weight gradient). ZB-V and DualPipe-V
 follow torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
-action for action (DualPipe-V's overlapped F+B pairs run one after the other, as torch's runtime
-runs them; its full backwards B are written I then W, which the runtime merges back into one
-backward). The others are built for equal F, I and W times:
+action for action (DualPipe-V's full backwards B are written I then W; its overlapped F+B pairs
+are marked where torch writes ``OVERLAP_F_B``, each a forward and the I of a full backward, and
+run and priced together: ``schedules.overlap``). The others are planned with the given F, I, W
+times (``costs=``, default equal); held counts a microbatch from F until W (``memory``):
 
-    schedule    placement            how                           held per rank (1F1B: K on rank 0)
-    zb-h2       one stage a rank   list scheduler (``greedy``)   2(K − d) − 1 on rank d  (2024a §3.1)
-    v-min       V: d and 2K − 1 − d  compact repeated block        about K/3                 (2024b §3–4)
-    v-half      V                    the fastest of v-min and the  ≤ ⌈(K + 2)/2⌉, about half (2024b §4)
-                                     list scheduler under that limit
+    schedule    placement            how                             held per rank (1F1B: K on rank 0)
+    zb-h2       one stage a rank     list scheduler (``greedy``)     ≤ 2K − 1                (2024a §3.1)
+    v-min       V: d and 2K − 1 − d  repeated block (``periodic``)   ≤ ⌈(K + 2)/3⌉           (2024b §3–4)
+    v-half      V                    the same, a looser bound        ≤ ⌈(K + 2)/2⌉           (2024b §4)
 
 Qi et al. 2024a: "Zero Bubble Pipeline Parallelism" (ICLR 2024); 2024b: "Pipeline Parallelism
 with Controllable Memory" (NeurIPS 2024); DualPipe: DeepSeek-V3 technical report §3.2.1.
@@ -19,14 +19,17 @@ with Controllable Memory" (NeurIPS 2024); DualPipe: DeepSeek-V3 technical report
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 
 from modelpar._validate import check_int
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.greedy import greedy
+from modelpar.schedules.kinds import kind_times
 from modelpar.schedules.periodic import periodic
+from modelpar.schedules.replay import replay_times
 from modelpar.schedules.rules import MicrobatchRule
 from modelpar.schedules.schedule import Schedule, contiguous_map, v_map
-from modelpar.schedules.search import fastest_within
+from modelpar.schedules.search import peak
 
 __all__ = ["DUALPIPE_MICROBATCHES", "dualpipe_v", "v_half", "v_min", "zb_h2", "zb_v"]
 
@@ -38,35 +41,92 @@ def _counts(ranks: int, microbatches: int) -> tuple[int, int]:
     return check_int("ranks", ranks, minimum=1), check_int("microbatches", microbatches, minimum=1)
 
 
-def zb_h2(*, ranks: int, microbatches: int) -> Schedule:
-    """ZB-H2: more warm-up forwards (rank d holds up to 2(K − d) − 1) so W's fill the whole drain.
+Costs = Mapping[Kind, float]  # T_F, T_I, T_W of one whole stage (a chunk's action: 1/v of it)
 
-    Step (K − 1)T_F + M(T_F + T_B + T_W) with equal times and M ≥ 2K: only the unavoidable fill
-    before the last rank's first forward is idle.
+
+def _times(costs: Costs | None) -> dict[Kind, float]:
+    """F, I, W times of a whole stage from ``costs`` (default 1 each); ValueError unless each is >= 0, one > 0."""
+    t = {k: float((costs or {}).get(k, 1.0)) for k in (_F, _I, _W)}
+    if not (all(x >= 0 for x in t.values()) and sum(t.values()) > 0):
+        raise ValueError(f"costs must give F, I and W times >= 0, not all 0, got {dict(costs or {})}")
+    return t
+
+
+def _durations(times: Mapping[Kind, float], stages: int, chunks: int) -> dict[Kind, list[float]]:
+    """Each kind's time on each of ``stages`` virtual stages, v = ``chunks`` a rank (B = I + W)."""
+    whole = kind_times(times[_F], times[_I] + times[_W], times[_W])
+    return {k: [x / chunks] * stages for k, x in whole.items()}
+
+
+def _timer(times: Mapping[Kind, float]) -> Callable[[Schedule], float]:
+    """A schedule's step time under ``times`` (free transfers), to choose among candidates."""
+    def step(schedule: Schedule) -> float:
+        _, ends = replay_times(schedule, _durations(times, schedule.num_stages, schedule.chunks))
+        return max((max(e) for e in ends if e), default=0.0)
+    return step
+
+
+def zb_h2(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Schedule:
+    """ZB-H2: more warm-up forwards so W's fill the whole drain, each rank holding at most 2K − 1
+    microbatches counted until W (``memory``): a full rank turns to its pending W's, so they
+    interleave with the steady state (2024a §3.1, figure 4).
+
+    Planned with ``costs`` (default equal). Step (K − 1)T_F + M(T_F + T_I + T_W) at equal times:
+    only the unavoidable fill before the last rank's first forward is idle.
     """
     k, m = _counts(ranks, microbatches)
-    return greedy(contiguous_map(k), m, [2 * (k - d) - 1 for d in range(k)], name="zb-h2")
+    t = _times(costs)
+    return greedy(contiguous_map(k), m, 2 * k - 1, durations=_durations(t, k, 1), name="zb-h2")
 
 
-def v_half(*, ranks: int, microbatches: int) -> Schedule:
-    """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any rank.
+# the V blocks' shapes tried (``periodic``): the period's slack, and the offsets between one stage's
+# F (I) and the next one's, in 1/60 of the period: a longer offset or period trades lifespan for speed
+_SLACKS = (0.0, 0.05, 0.1)
+_GAPS = tuple(range(11))
 
-    The fastest (equal F, I, W) of V-Min's order and the list scheduler at admission limits
-    1, 1.5, ... that stays within that bound; where none of the latter does better, V-Min's order.
+
+def _v_shapes(t: Mapping[Kind, float]) -> list[dict]:
+    """``periodic``'s arguments for each block shape tried: the equal-times block, then the given times'."""
+    unit = sum(t.values()) / 60
+    return [{}, *({"costs": t, "slack": x, "gap": (f * unit, i * unit)} for x in _SLACKS for f in _GAPS for i in _GAPS)]
+
+
+def _fastest_v(k: int, m: int, costs: Costs | None, limit: float, name: str) -> Schedule:
+    """The fastest V block shape under ``costs`` within ``limit`` held; the shapes are told apart on
+    min(M, 2K) microbatches (past the warm-up every shape repeats), the one chosen built for M."""
+    t = _times(costs)
+    trial, timer = min(m, 2 * k), _timer(t)
+    seen: set[tuple] = set()
+    best: tuple[float, dict] | None = None
+    for shape in _v_shapes(t):
+        s = periodic(v_map(k), trial, **shape)
+        if s.actions in seen or peak(s) > limit + 1e-9:
+            continue
+        seen.add(s.actions)
+        step = timer(s)
+        if best is None or step < best[0] - 1e-12:
+            best = (step, shape)
+    chosen = periodic(v_map(k), m, **best[1]) if best is not None else None
+    if chosen is None or peak(chosen) > limit + 1e-9:
+        chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
+    return Schedule(chosen.stage_to_rank, chosen.actions, name)
+
+
+def v_half(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Schedule:
+    """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any rank (until W).
+
+    The fastest under ``costs`` (default equal) of the building blocks laid out in those times
+    (``periodic``) that stays within that bound.
     """
     k, m = _counts(ranks, microbatches)
-    limit = math.ceil((k + 2) / 2)
-    candidates = [periodic(v_map(k), m)] + [greedy(v_map(k), m, x / 2) for x in range(2, 2 * limit + 1)]
-    best = fastest_within(candidates, limit)
-    assert best is not None  # V-Min's order holds about K/3 <= the limit
-    return Schedule(best[0].stage_to_rank, best[0].actions, "v-half")
+    return _fastest_v(k, m, costs, math.ceil((k + 2) / 2), "v-half")
 
 
-def v_min(*, ranks: int, microbatches: int) -> Schedule:
-    """V-Min: V placement, the compact repeated building block (``periodic``): about K/3
-    microbatches' activations held per rank, a step no longer than 1F1B's."""
+def v_min(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Schedule:
+    """V-Min: V placement, the compact repeated building block (``periodic``): at most ⌈(K + 2)/3⌉
+    microbatches' activations held per rank (until W), the fastest such block under ``costs``."""
     k, m = _counts(ranks, microbatches)
-    return periodic(v_map(k), m, name="v-min")
+    return _fastest_v(k, m, costs, math.ceil((k + 2) / 3), "v-min")
 
 
 def zb_v(*, ranks: int, microbatches: int) -> Schedule:
@@ -108,22 +168,29 @@ def zb_v(*, ranks: int, microbatches: int) -> Schedule:
     return Schedule(v_map(k), tuple(per_rank), "zb-v")
 
 
-def dualpipe_v(*, ranks: int, microbatches: int) -> Schedule:
+def dualpipe_v(*, ranks: int, microbatches: int, overlap: bool = True) -> Schedule:
     """DualPipe-V (DeepSeek's DualPipe folded onto a V), as torch's ``ScheduleDualPipeV``.
 
-    Needs M ≥ 2K. The main phase pairs a chunk-0 forward with a chunk-1 backward and vice versa
-    (DualPipe overlaps each pair's compute and communication; here they run back to back); the
-    last microbatches' backwards are split into I and W, the W's filling the drain.
+    Needs M ≥ 2K. The main phase pairs a chunk-0 forward with a chunk-1 backward and vice versa,
+    each pair overlapped (``Schedule.overlapped``: one half's communication behind the other's
+    compute); ``overlap=False`` keeps the order but runs each pair back to back (registered as
+    "dualpipe-v-serial", to compare). The last microbatches' backwards are split into I and W,
+    the W's filling the drain.
     """
     k, m = _counts(ranks, microbatches)
-    DUALPIPE_MICROBATCHES.check("dualpipe-v", m, k, 2)
-    return Schedule(v_map(k), tuple(_dualpipe_rank(k, m, d) for d in range(k)), "dualpipe-v")
+    name = "dualpipe-v" if overlap else "dualpipe-v-serial"
+    DUALPIPE_MICROBATCHES.check(name, m, k, 2)
+    ranks_ = [_dualpipe_rank(k, m, d) for d in range(k)]
+    pairs = tuple(p if overlap else () for _, p in ranks_)
+    return Schedule(v_map(k), tuple(a for a, _ in ranks_), name, pairs)
 
 
-def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
-    """Device d's actions, step by step as torch's ``ScheduleDualPipeV`` writes them."""
+def _dualpipe_rank(k: int, m: int, d: int) -> tuple[tuple[Action, ...], tuple[int, ...]]:
+    """Device d's actions, step by step as torch's ``ScheduleDualPipeV`` writes them, and the positions
+    of its overlapped pairs' forwards."""
     s0, s1 = d, 2 * k - 1 - d
     acts: list[Action] = []
+    pairs: list[int] = []
     count: dict[tuple[int, Kind], int] = {}
     weights: list[tuple[int, int]] = []
 
@@ -142,6 +209,11 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         if weights:
             acts.append(Action(weights[0][0], _W, weights.pop(0)[1]))
 
+    def pair(forward: int, backward: int) -> None:  # torch's OVERLAP_F_B: F with a full backward
+        pairs.append(len(acts))
+        add(forward, _F)
+        add(backward, _B)
+
     for _ in range(2 * (k - d - 1)):  # 1: F0
         add(s0, _F)
     for _ in range(d + 1):  # 2: F0 F1
@@ -151,15 +223,16 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         add(s1, _I)
         weight()
         add(s1, _F)
-    for _ in range(m - 2 * k + d + 1):  # 4: (F0 B1) (F1 B0)
-        add(s0, _F)
-        add(s1, _B)
-        add(s1, _F)
-        add(s0, _B)
+    for i in range(m - 2 * k + d + 1):  # 4: (F0 B1) (F1 B0)
+        if i == 0 and d == k - 1:  # torch: not overlapped, "to further reduce bubble size"
+            add(s0, _F)
+            add(s1, _B)
+        else:
+            pair(s0, s1)
+        pair(s1, s0)
     for _ in range(k - d - 1):  # 5: B1 (F1 B0)
         add(s1, _B)
-        add(s1, _F)
-        add(s0, _B)
+        pair(s1, s0)
     split = False
     for i in range(d + 1):  # 6: B1 B0, the second half split
         if i == (d + 1) // 2 and d % 2 == 1:
@@ -173,4 +246,4 @@ def _dualpipe_rank(k: int, m: int, d: int) -> tuple[Action, ...]:
         add(s0, _I if split else _B)
     for _ in range(d + 1):  # 8: W
         weight()
-    return tuple(acts)
+    return tuple(acts), tuple(pairs)

@@ -2,6 +2,10 @@
 
 A virtual stage of an interleaved schedule is 1/v of a whole stage, so its actions cost 1/v as
 much; ``stage_multipliers`` make stages unbalanced (e.g. the embedding on the first stage).
+``forward_comm`` and ``backward_comm`` are the parts of an F's and of a backward's (B, or I: the
+backward through the input) time that are communication inside the action, e.g. a MoE layer's
+expert all-to-alls: an overlapped F&B pair hides each behind the other half's compute
+(``schedules.overlap.pair_time``); actions run alone take their whole time either way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class Costs:
     weight: float | None = None  # T_W, the W part of a split backward; None: half the backward
     transfer: float = 0.0  # one activation or gradient crossing ranks (every cross-rank dependency)
     stage_multipliers: tuple[float, ...] | None = None  # per virtual stage; None: balanced
+    forward_comm: float = 0.0  # the part of T_F that is communication inside the forward (MoE all-to-all)
+    backward_comm: float = 0.0  # the part of the backward through the input (B, I) that is communication
 
     def __post_init__(self) -> None:
         check_number("forward", self.forward)
@@ -40,6 +46,10 @@ class Costs:
                     f"got {self.weight}"
                 )
         check_number("transfer", self.transfer)
+        for name, x, most in (("forward_comm", self.forward_comm, self.forward),
+                              ("backward_comm", self.backward_comm, self.full_backward - self.weight_grad)):
+            if check_number(name, x) > most:
+                raise ValueError(f"{name} must be <= the action's time ({most}), got {x}")
         if self.stage_multipliers is not None:
             object.__setattr__(self, "stage_multipliers", tuple(self.stage_multipliers))
             for s, x in enumerate(self.stage_multipliers):
@@ -66,6 +76,13 @@ class Costs:
         base = kind_times(self.forward, self.full_backward, self.weight_grad)
         scale = [x / schedule.chunks for x in mult]
         return {k: [t * x for x in scale] for k, t in base.items()}
+
+    def comm(self, schedule: Schedule) -> dict[Kind, list[float]]:
+        """Communication inside each kind of action on each virtual stage, scaled as ``durations``."""
+        n = schedule.num_stages
+        mult = self.stage_multipliers or (1.0,) * n
+        base = {Kind.F: self.forward_comm, Kind.B: self.backward_comm, Kind.I: self.backward_comm, Kind.W: 0.0}
+        return {k: [t * x / schedule.chunks for x in mult] for k, t in base.items()}
 
     def transfer_in(self, schedule: Schedule) -> list[float]:
         """``transfer_in[s]``: time to cross from stage s - 1 to stage s (0 on the same rank)."""

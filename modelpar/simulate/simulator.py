@@ -17,5 +17,5 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     schedule raises ValueError naming the first offending action. Linear in the number of actions.
     """
     costs = costs or Costs()
-    starts, ends = replay_times(schedule, costs.durations(schedule), costs.transfer_in(schedule))
+    starts, ends = replay_times(schedule, costs.durations(schedule), costs.transfer_in(schedule), costs.comm(schedule))
     return Timeline(schedule.actions, starts, ends, schedule)

@@ -67,6 +67,12 @@ class StageCosts:
     def stages(self) -> int:
         return len(self.forward)
 
+    def per_kind(self) -> dict[Kind, float]:
+        """T_F, T_I, T_W of a whole stage, the mean over the stages: the ``costs=`` a cost-aware
+        generator (``registry.get_schedule``) plans with."""
+        k = self.stages
+        return {Kind.F: sum(self.forward) / k, Kind.I: sum(self.input_grad) / k, Kind.W: sum(self.weight_grad) / k}
+
     def durations(self, schedule: Schedule) -> dict[Kind, list[float]]:
         """Time of each kind on each virtual stage of ``schedule`` (B = I + W)."""
         n, k = schedule.num_stages, self.stages
@@ -96,7 +102,7 @@ def candidates(ranks: int, microbatches: int, costs: StageCosts, chunks: Collect
         entry = schedule_entry(name)
         v = entry.default_chunks
         if v in chunks and entry.microbatches.allows(m, k, v):
-            yield get_schedule(name, ranks=k, microbatches=m, chunks=v)
+            yield get_schedule(name, ranks=k, microbatches=m, chunks=v, costs=costs.per_kind())
     for placement in (contiguous_map(k), v_map(k), loop_map(k, 2)):
         if len(placement) // k not in chunks:
             continue

@@ -4,8 +4,8 @@ Metrics (all derived, nothing stored twice):
 - step time: from the first start to the last end;
 - bubble: idle / total, overall (sum over ranks) and per rank;
 - peak held activations per rank, in microbatch × whole-stage units (an interleaved chunk is
-  1/v of a stage): a microbatch is held from its F until its B (or, split, its I) — the
-  zero-bubble paper's in-flight count; ``peak_held_until_w`` also keeps it until W;
+  1/v of a stage): a microbatch is held from its F until its B (or, split, its W: the pending
+  W's weight GEMMs read what the forward saved) — ``schedules.memory``'s rule;
 - transfers: cross-rank dependencies (one activation forward, one gradient back per boundary);
 - speed-up: the same work done back to back on one rank, divided by the step time;
 - exposed communication: per rank, how long its data-parallel collectives (``comm`` spans:
@@ -231,13 +231,8 @@ class Timeline:
 
     @cached_property
     def peak_held(self) -> list[float]:
-        """Per rank: the most microbatch × whole-stage activations held (F until B or I)."""
+        """Per rank: the most microbatch × whole-stage activations held (F until B or W)."""
         return peak_held(self.actions, self.chunks)
-
-    @cached_property
-    def peak_held_until_w(self) -> list[float]:
-        """As ``peak_held`` but a split backward frees the activations only after W."""
-        return peak_held(self.actions, self.chunks, until_w=True)
 
     @cached_property
     def transfers(self) -> int:

@@ -37,7 +37,7 @@ CAPABILITIES = Capabilities(schedules=(*SCHEDULE_CHOICES, "auto"),
 # The TrainConfig fields the planner chooses, by their LocalLayout names: a flag given for one of them is a pin.
 PLANNED = {"tp": "t", "pp": "p", "dp": "d", "cp": "cp", "cp_comm": "cp_comm", "schedule": "schedule", "chunks": "v",
            "microbatches": "microbatches", "recompute": "recompute", "sequence_parallel": "sequence_parallel",
-           "zero": "zero", "ep": "ep"}
+           "zero": "zero", "ep": "ep", "offload_activations": "offload"}
 
 
 def _config(cfg: TrainConfig, run: LocalLayout) -> TrainConfig:
@@ -78,8 +78,9 @@ def describe(run: LocalLayout) -> str:
     v = f", v={run.v}" if run.v > 1 else ""
     cp = f" cp={run.cp} ({run.cp_comm})" if run.cp > 1 else ""
     ep = f" ep={run.ep}" if run.ep > 1 else ""
+    offload = f", offload activations {run.offload}" if run.offload != "none" else ""
     return (f"t={run.t}{cp} p={run.p} d={run.d}{ep}, {run.schedule}{limit}{v}, M={run.microbatches}, "
-            f"recompute {run.recompute}{sp}, ZeRO-{run.zero}")
+            f"recompute {run.recompute}{sp}{offload}, ZeRO-{run.zero}")
 
 
 def plan_world(cfg: TrainConfig, launched: int | None) -> int:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from modelpar.costmodel.inventory import bucket_groups
+
 __all__ = ["READY", "Bucket", "BufferMeter", "build_buckets"]
 
 READY = ("backward", "stage", "step")
@@ -107,16 +109,8 @@ class BufferMeter:
 
 
 def _split(params: Sequence[nn.Parameter], elements: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of at most ``elements`` elements (a larger parameter alone)."""
-    groups: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        if not groups or (size + p.numel() > elements and groups[-1]):
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += p.numel()
-    return groups
+    """Consecutive groups of at most ``elements`` elements (a larger parameter alone): ``inventory.bucket_groups``."""
+    return [[params[i] for i in g] for g in bucket_groups([p.numel() for p in params], elements)]
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
+from modelpar.recompute.offload_plan import parse_offload
 from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.registry import check_chunks, schedule_entry, schedule_names
 from modelpar.schedules.rules import ANY_MICROBATCHES
@@ -93,6 +94,10 @@ class TrainConfig:
     recompute: str = option("none", section="schedule", parse=str.lower,
                             help="activation recomputation: none, selective (attention core), full (stage input), "
                                  "sqrt, recompute-all or k (every k layers)")
+    offload_activations: str = option("none", section="schedule", parse=parse_offload,
+                                      help="saved activations moved to host memory in the forward and back for the "
+                                           "backward: none, all, n (the first n layers of each stage) or every-k "
+                                           "(every k-th layer); docs/recompute.md")
     sequence_parallel: bool = option(False, section="parallelism", help="shard LayerNorm and residual activations "
                                                                          "along the sequence (§5.6)")
     pipeline_gloo: bool = option(False, section="parallelism", help="under NCCL: pipeline messages over gloo, "
@@ -167,8 +172,12 @@ class TrainConfig:
                                                                     "model.safetensors; the model shape comes from it)")
     hardware: str | None = option(None, section="planning", help="hardware profile from modelpar calibrate, or a GPU "
                                                                   "name (a100-80gb, h100-sxm, ...): the prediction "
-                                                                  "(and --plan auto) price the run on it (none: a "
-                                                                  "nominal CPU; docs/calibrate.md)")
+                                                                  "(and --plan auto) price the run on it (none: on "
+                                                                  "a GPU its preset, else this machine calibrated "
+                                                                  "once, briefly, and cached; docs/calibrate.md)")
+    calibrate: bool = option(True, section="planning", help="without --hardware, calibrate this machine briefly the "
+                                                            "first time (cached after) for the run's prediction "
+                                                            "(--no-calibrate: no step time predicted, memory still)")
     plan: str = option("none", section="planning", help="auto: the planner picks t, cp, p, d, schedule, chunks, "
                                                         "micro-batches, recomputation, SP, ZeRO and ep for "
                                                         "--plan-ranks ranks, keeping those of them given as flags "
@@ -271,6 +280,9 @@ class TrainConfig:
             check_int("recompute", recompute, minimum=1, maximum=fewest)
         elif recompute != "selective":
             plan_recompute(fewest, recompute)
+        if parse_offload(self.offload_activations) != "none" and self.compile:
+            raise ValueError(f"offload_activations {self.offload_activations} with compile: the offload hooks wrap "
+                             "each layer's forward, which compile replaces; choose one")
         check_divisible("batch_size", self.batch_size, "dp", self.dp)
         check_divisible("batch_size per replica", self.batch_size // self.dp, "microbatches", self.microbatches)
         if self.schedule != "auto":

@@ -39,6 +39,7 @@ from modelpar.training.parts import (
     apply_compile,
     apply_data_parallel,
     apply_float8,
+    apply_offload,
     apply_pipeline,
     build_stages,
     computed_stages,
@@ -91,7 +92,10 @@ class TrainResult:
     tokens_per_byte: float = 1.0  # of the validation text: nats/token × tokens_per_byte / ln 2 = bits/byte
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite value (skip_nonfinite)
     saved_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes autograd keeps per microbatch here
-    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or I)
+    offloaded_bytes: dict[int, int] = field(default_factory=dict)  # stage -> bytes moved to host per microbatch
+    offload_peak_bytes: int | None = None  # most bytes in host memory at once during the steps (offload; None: off)
+    offload_seconds: float | None = None  # seconds this rank spent copying, both ways, all steps (a CPU; a GPU: 0)
+    peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or W)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
     compile_seconds: float | None = None  # --compile: seconds this rank spent compiling (None: not compiled)
@@ -140,6 +144,13 @@ class TrainResult:
         return self.peak_held * sum(self.saved_bytes.values()) / len(self.saved_bytes)
 
     @property
+    def offloaded_activation_bytes(self) -> float | None:
+        """Activations in host memory at this rank's peak (``--offload-activations``; None: off)."""
+        if not self.offloaded_bytes or not self.peak_held:
+            return None
+        return self.peak_held * sum(self.offloaded_bytes.values()) / len(self.offloaded_bytes)
+
+    @property
     def tokens_per_s(self) -> float:
         """Median throughput over this run's steps (the first, warm-up step excluded if possible)."""
         times = self.step_times[1:] or self.step_times
@@ -155,7 +166,8 @@ class TrainResult:
 SUMMARY_FIELDS = ("losses", "val", "tokens_per_s", "unigram_baseline", "bubble_measured", "bubble_simulated",
                   "bubble_ideal", "start_step", "tokens_per_byte", "num_parameters", "flops_per_token",
                   "skipped_steps", "compile_seconds", *STEP_FIELDS, "exposed_reduction", "peak_buffer_bytes", "gathers_per_step",
-                  "exposed_gather", "message_bytes", "expert_imbalance", "save_stalls", "save_writes")
+                  "exposed_gather", "message_bytes", "expert_imbalance", "offload_peak_bytes", "offload_seconds",
+                  "save_stalls", "save_writes")
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -193,6 +205,7 @@ class _Run:
         self.corpus = open_corpus(cfg.data)
         self.context = ContextParallel(rs.cp_group, cfg.cp_comm)
         self.modules = build_stages(cfg, rs, schedule, self.context)
+        self.offload = apply_offload(cfg, self.modules)
         apply_float8(cfg, self.modules, rs.device)  # before compiling: the float8 products are part of the graphs
         self.compile_clock = apply_compile(cfg, self.modules, schedule)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
@@ -213,6 +226,8 @@ class _Run:
         start, losses = _resume(cfg, checkpoints, self.state)
         torch.set_rng_state(self.rng)
         self.result = self._result(start, losses)
+        if self.offload is not None:  # the peak in host memory from here on is the training steps'
+            self.offload.reset_peak()
         self.first = rs.pp_rank == schedule.rank_of(0)
         self.last = rs.pp_rank == schedule.rank_of(schedule.num_stages - 1)
         # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
@@ -232,7 +247,7 @@ class _Run:
                              parameter_bytes=sync.parameter_bytes(), unigram_baseline=self.corpus.unigram_baseline(),
                              tokens_per_byte=self.corpus.tokens_per_byte)
         result.saved_bytes = saved_bytes(cfg, computed_stages(cfg, self.modules, self.schedule), self.loss_fn, cfg.tp,
-                                         rs.device)
+                                         rs.device, self.offload, result.offloaded_bytes)
         return result
 
     def batch(self, split: str, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -399,6 +414,8 @@ def _train(cfg: TrainConfig, schedule: Schedule, report: Reporter | None, stop: 
     if run.telemetry.gather_waits:
         run.result.exposed_gather = statistics.median(run.telemetry.gather_waits[-MEASURED_STEPS:])
     run.result.peak_held = run.runner.record.peak_held
+    if run.offload is not None:
+        run.result.offload_peak_bytes, run.result.offload_seconds = run.offload.reading.peak_bytes, run.offload.reading.seconds
     _measured(run.result, run.schedule, run.telemetry.timelines)
     if run.emit:
         run.emit({"event": "done"})

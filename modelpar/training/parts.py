@@ -4,16 +4,18 @@ torchtitan applies each parallelism as a function over the model; these are mode
 ``loop._Run`` applies them:
 
     build_stages        the model: t (and sequence parallelism), cp and ep live in its layers (build_stage)
+    apply_offload       --offload-activations: the chosen layers' saved activations to host memory
     apply_float8        --precision fp8: torchao's float8 products in the linear layers
     apply_compile       --compile: each transformer block's forward compiled
     stage_loss          the last stage's loss (the head and cross entropy in chunks of tokens)
     apply_pipeline      p: the schedule's runner over the stages (bf16: each stage under autocast)
-    apply_data_parallel d × cp: the gradient buckets, their reduction, ZeRO 0-3, clipping
+    apply_data_parallel d × cp: the gradient buckets, their reduction, ZeRO 0-3, clipping; then
+                        check_inventory: what the rank holds is the model inventory the cost model prices
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +25,11 @@ from torch import nn
 from modelpar._compat import CompileClock
 from modelpar.model import LMLoss, Transformer, build_stage
 from modelpar.pipeline.runner import PipelineRunner
+from modelpar.recompute.offload import HostOffload
+from modelpar.recompute.offload import apply_offload as offload_stage
 from modelpar.schedules import Schedule
 from modelpar.tensor_parallel.context_parallel import ContextParallel
-from modelpar.training.buckets import BufferMeter
+from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.clipping import GradClip
 from modelpar.training.compile import compile_blocks
 from modelpar.training.config import TrainConfig
@@ -37,8 +41,8 @@ from modelpar.training.setup import RankSetup
 from modelpar.training.zero_grads import ShardedGradSync, check_bucket_size
 from modelpar.training.zero_params import ParamGather
 
-__all__ = ["DataParallel", "apply_compile", "apply_data_parallel", "apply_float8", "apply_pipeline", "build_stages",
-           "stage_loss"]
+__all__ = ["DataParallel", "apply_compile", "apply_data_parallel", "apply_float8", "apply_offload", "apply_pipeline",
+           "build_stages", "check_inventory", "stage_loss"]
 
 
 def build_stages(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, context: ContextParallel) -> dict[int, Transformer]:
@@ -48,6 +52,16 @@ def build_stages(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, context: C
                            device=rs.device, split=cfg.layer_split, context=context, ep_group=rs.ep_group,
                            head_in_loss=cfg.loss_chunk > 0)
             for s in schedule.stages_on(rs.pp_rank)}
+
+
+def apply_offload(cfg: TrainConfig, modules: Mapping[int, Transformer]) -> HostOffload | None:
+    """``--offload-activations``: the chosen layers of every stage here save into one host store (None: off)."""
+    if cfg.offload_activations == "none":
+        return None
+    store = HostOffload()
+    for module in modules.values():
+        offload_stage(module, cfg.offload_activations, store)
+    return store
 
 
 def apply_float8(cfg: TrainConfig, modules: Mapping[int, nn.Module], device: torch.device) -> None:
@@ -103,6 +117,21 @@ class DataParallel:
             self.gather.close()
 
 
+def check_inventory(cfg: TrainConfig, modules: Mapping[int, nn.Module], buckets: Sequence[Bucket]) -> None:
+    """The parameters and gradient buckets this rank holds are the model inventory's (``costmodel.inventory``, what
+    the cost model prices), stage by stage: a RuntimeError naming the first stage that differs. Sizes only: cheap."""
+    from modelpar.costmodel.inventory import stage_bucket_list, stage_tensors
+    from modelpar.training.prediction import local_run
+
+    run = local_run(cfg)
+    for s, module in modules.items():
+        held = ([p.numel() for p in module.parameters()], [(b.numel, b.ready) for b in buckets if b.stage == s])
+        listed = ([x.numel for x in stage_tensors(run, s)], [(n, ready) for n, _, ready in stage_bucket_list(run, s)])
+        if held != listed:
+            raise RuntimeError(f"stage {s}: the model holds parameters {held[0]} in buckets {held[1]}, the model "
+                               f"inventory (costmodel.inventory) lists {listed[0]} in {listed[1]}")
+
+
 def apply_data_parallel(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, modules: Mapping[int, nn.Module],
                         runner: PipelineRunner) -> DataParallel:
     """d × cp: the gradient buckets over the d·cp ranks (cp joins data parallelism for gradients: every cp rank's
@@ -128,4 +157,5 @@ def apply_data_parallel(cfg: TrainConfig, rs: RankSetup, schedule: Schedule, mod
         sync = GradSync(**args)
     if sync.overlap or cfg.zero >= 2:
         runner.register_action_hook(sync.action_hook)
+    check_inventory(cfg, modules, sync.buckets)
     return DataParallel(comm, sync, gather, meter, GradClip(sync))

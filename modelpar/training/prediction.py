@@ -1,7 +1,8 @@
 """Predicted vs measured for every run: the cost model's figures for the run's own layout, and the bytes it holds.
 
 ``local_run`` states a TrainConfig as the cost model's ``LocalLayout``; ``predict_run`` prices it on a
-hardware profile (``--hardware``, else the nominal ``CPU_DEFAULT``); the ranks measure what autograd
+hardware profile (``--hardware``, which ``modelpar train`` fills from ``calibrate.cache``; else the nominal
+``CPU_DEFAULT``, whose step time the summary never shows); the ranks measure what autograd
 keeps (``modelpar.training.saved.saved_bytes``); ``compare`` lays the two side by side with the error;
 ``summary_rows`` writes them into the summary and ``metrics.jsonl``. ``run_schedule`` is the schedule a
 run executes: with ``schedule auto`` the one ``simulate.synthesis`` builds from this cost model's stage
@@ -19,7 +20,7 @@ from typing import Any
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
-from modelpar.costmodel.profiles import HardwareProfile, load_profile
+from modelpar.costmodel.profiles import HardwareProfile, load_profile, profile_source
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.schedules import Schedule
 from modelpar.training.config import TrainConfig
@@ -34,7 +35,8 @@ def local_run(cfg: TrainConfig) -> LocalLayout:
     return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
-                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0)
+                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
+                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers)
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:
@@ -106,6 +108,8 @@ def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> di
     measured − 1, for the bubble (itself a fraction of the step, often near 0) predicted − measured."""
     pairs = {"step_time_s": predicted.step_time_s, "bubble": predicted.bubble,
              **{f"{k}_bytes": v for k, v in predicted.memory.items()}}
+    if predicted.host_bytes or measured.get("offloaded_bytes"):  # --offload-activations: what went to host memory
+        pairs["offloaded_bytes"] = predicted.host_bytes
     rows: dict[str, dict[str, float | None]] = {}
     for name, value in pairs.items():
         got = measured.get(name)
@@ -125,9 +129,12 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
     times = result.step_times[1:] or result.step_times
     measured = {"step_time_s": statistics.median(times) if times else None, "bubble": result.bubble_measured,
                 "parameters_bytes": held_parameter_bytes(cfg, result), "gradients_bytes": result.gradient_bytes,
-                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes}
+                "optimizer_bytes": result.optimizer_state_bytes, "activations_bytes": result.activation_bytes,
+                "offloaded_bytes": result.offloaded_activation_bytes}
     rows = compare(predict_run(cfg, profile), measured)
-    record = {"event": "prediction", "step": len(result.losses), "hardware": profile.name,
+    if not cfg.hardware:  # a nominal guess is never shown as a prediction: memory only (it needs no device)
+        rows = {k: v for k, v in rows.items() if k.endswith("_bytes")}
+    record = {"event": "prediction", "step": len(result.losses), "hardware": profile.name if cfg.hardware else None,
               **{f"{k}_{part}": v for k, row in rows.items() for part, v in row.items()}}
     append_record(out, record)
 
@@ -145,5 +152,7 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
         error = "-" if row["error"] is None else f"{100 * row['error']:+.1f}{' points' if name == 'bubble' else '%'}"
         lines.append((f"predicted / measured {name.removesuffix('_bytes').removesuffix('_s').replace('_', ' ')}",
                       f"{show(name, row['predicted'])} / {show(name, row['measured'])} ({error})"))
-    lines.insert(0, ("prediction from", f"{profile.name} ({profile.device}, {'measured' if profile.torch else 'nominal'})"))
-    return lines, {"hardware": profile.name, **rows}
+    source = (f"{profile.name} ({profile_source(cfg.hardware, list(PROFILES))})" if cfg.hardware else
+              "no profile: memory only, no step time (--no-calibrate; modelpar calibrate, then --hardware)")
+    lines.insert(0, ("prediction from", source))
+    return lines, {"hardware": profile.name if cfg.hardware else None, "source": source, **rows}

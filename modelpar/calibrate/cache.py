@@ -1,0 +1,125 @@
+"""Every run predicted with its own device: the profile ``modelpar train`` prices a run on when none is given.
+
+In order: ``--hardware`` (a calibrated file or a GPU preset), as given; on a GPU the preset of the detected GPU
+by name (``costmodel.presets.PROFILES``); else this machine's profile from the user's cache
+(``costmodel.profiles.profile_cache_dir``), measured once by a short calibration — the process counts and
+the run's own layer shape only (``calibrate(..., grid=...)``: seconds, not the full grid of ``modelpar
+calibrate``) — and reused after, as autotuners keep their results. The cache file is keyed by what identifies
+the machine and the measurement: CPU model and cores, torch version, the run's process count, dtype and layer
+shape. ``--no-calibrate`` (or ``MODELPAR_NO_CALIBRATE=1``, which the test suite sets once in conftest)
+measures nothing: no step time is predicted, memory still is. A nominal profile is never printed as a
+prediction.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modelpar.costmodel.profiles import profile_cache_dir
+
+__all__ = ["NO_CALIBRATE_ENV", "SHORT_BUDGET_S", "MachineProfile", "cache_path", "machine_profile"]
+
+NO_CALIBRATE_ENV = "MODELPAR_NO_CALIBRATE"  # "1": never calibrate (the test suite: no run pays a calibration)
+SHORT_BUDGET_S = 0.009  # seconds per timed cell of the short calibration: below ``layers.QUICK_S``, one pass
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Where a run's prediction comes from: ``hardware`` (a ``--hardware`` value: a file or a preset name; None:
+    no step-time prediction) and how it was obtained, as the summary says it."""
+
+    hardware: str | None
+    how: str
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")[:60]
+
+
+def cache_path(cfg: Any) -> Path:
+    """The cache file of this machine's profile for ``cfg`` (checked): keyed by the machine (CPU model and cores),
+    the torch version, the run's local process count, dtype and layer shape (``_run_grid``)."""
+    import torch
+
+    (hidden,), (tokens,), seq = _run_grid(cfg)
+    machine = f"{_slug(_cpu_model())}-{os.cpu_count() or 1}c"
+    name = (f"{machine}-torch{_slug(torch.__version__)}-r{cfg.dims.world_size}-{_dtype(cfg)}-h{hidden}-n{tokens}"
+            f"-s{seq}.json")
+    return Path(profile_cache_dir()) / name
+
+
+def _dtype(cfg: Any) -> str:
+    """The matmul dtype the run's layers compute in (bf16 and fp8 runs: bf16)."""
+    return cfg.precision if cfg.precision in ("fp32", "fp64") else "bf16"
+
+
+def _run_grid(cfg: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The run's own layer shape, as ``calibrate.layers`` measures one: (hidden,), (tokens per micro-batch,), seq."""
+    from modelpar.training.prediction import local_run
+
+    run = local_run(cfg)
+    seq = max(1, run.model.seq // run.cp)
+    return (run.model.hidden,), (max(seq, run.tokens),), seq
+
+
+def _ranks(world: int) -> list[int]:
+    """The process counts the run's prediction reads: the most up to the cores (compute tables) and ``world``
+    (collectives, the cores shared)."""
+    return sorted({min(world, os.cpu_count() or 1), world})
+
+
+def machine_profile(cfg: Any, log: Any = None) -> MachineProfile:
+    """The profile ``cfg``'s prediction is priced on (module docstring); ``log(line)`` hears of a calibration."""
+    if cfg.hardware:
+        return MachineProfile(cfg.hardware, "given")
+    if os.environ.get(NO_CALIBRATE_ENV, "") not in ("", "0") or not cfg.calibrate:
+        return MachineProfile(None, "not calibrated")
+    import torch
+
+    if torch.cuda.is_available():
+        from modelpar.costmodel.presets import PROFILES
+
+        gpu = torch.cuda.get_device_name()
+        found = next((name for name in PROFILES if _slug(name.split("-")[0]) in _slug(gpu)), None)
+        if found is not None:
+            return MachineProfile(found, f"preset of the detected GPU, {gpu}")
+    from modelpar.distributed import is_torchrun
+
+    if is_torchrun():  # every launched process would measure at once: modelpar calibrate under torchrun does it
+        return MachineProfile(None, "not calibrated under torchrun (modelpar calibrate there, then --hardware)")
+    from modelpar.costmodel.profiles import load_profile, save_profile
+
+    path = cache_path(cfg)
+    if path.exists():
+        try:
+            load_profile(path)
+            return MachineProfile(str(path), "calibrated once for this machine, cached")
+        except ValueError:
+            pass  # another torch or a torn file: measured again below
+    from modelpar.calibrate.run import calibrate
+
+    start = time.perf_counter()
+    if log is not None:
+        log(f"calibrating this machine for the prediction, once (cached in {path.parent})")
+    profile = calibrate(_ranks(cfg.dims.world_size), (_dtype(cfg),), SHORT_BUDGET_S,
+                        f"this-machine-{platform.node() or 'host'}", _run_grid(cfg))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, path)
+    return MachineProfile(str(path), f"calibrated for this machine just now, {time.perf_counter() - start:.0f} s, cached")

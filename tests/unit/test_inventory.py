@@ -1,0 +1,76 @@
+"""The model inventory (``costmodel.inventory``) is what the trainer's modules hold: uneven and ``--stage-layers``
+splits included (issue 38: the cost model priced ⌊L/p⌋ layers a stage), and the trainer refuses to start when
+its modules and the inventory differ. One process, t = 1; the multi-rank layouts (t, cp, ep, ZeRO) run the same
+check inside every ``train`` of test_prediction."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from modelpar.costmodel.inventory import bucket_groups, stage_layers, stage_tensors
+from modelpar.model import ModelConfig, build_stage
+from modelpar.training import TrainConfig
+from modelpar.training.buckets import build_buckets
+from modelpar.training.parts import check_inventory
+from modelpar.training.prediction import local_run
+
+GPT5 = ModelConfig(hidden=32, heads=4, layers=5, seq_len=16)
+LLAMA5 = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=1, layers=5, seq_len=16, tie_embeddings=True)
+
+
+def _cfg(model, pp, split=None, chunks=1):
+    schedule = "interleaved" if chunks > 1 else "1f1b"
+    return TrainConfig(model=model, pp=pp, tp=1, dp=1, chunks=chunks, schedule=schedule, stage_layers=split,
+                       batch_size=8, microbatches=2, precision="fp64").check(pp)
+
+
+def _held(cfg, stage):
+    module = build_stage(cfg.model, stage, cfg.pp * cfg.chunks, split=cfg.layer_split, dtype=torch.float64)
+    return module, [p.numel() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("model", [GPT5, LLAMA5], ids=["gpt", "llama-tied"])
+@pytest.mark.parametrize("pp, split, chunks", [(2, None, 1), (2, (3, 2), 1), (2, (4, 1), 1), (3, (0, 5, 0), 1),
+                                               (2, (1, 2, 1, 1), 2)])
+def test_every_stage_holds_the_inventory(model, pp, split, chunks):
+    cfg = _cfg(model, pp, split, chunks)
+    run = local_run(cfg)
+    total = 0
+    for s in range(pp * chunks):
+        module, held = _held(cfg, s)
+        assert held == [x.numel for x in stage_tensors(run, s)], s
+        assert len(stage_layers(run, s)) == cfg.layer_split[s] == len(module.layers)
+        total += sum(held)
+    assert sum(cfg.layer_split) == 5 and total > 0
+
+
+def test_five_layers_over_two_stages_hand_checked():
+    """GPT, h = 32: a layer holds 2·64 (norms) + 3·32·32 + 96 + 32·32 + 32 + 32·128 + 128 + 128·32 + 32 = 12,704;
+    the first stage the embedding and positions besides, the last the final norm and the tied copy of the head."""
+    vocab = GPT5.spec().vocab
+    first, last = vocab * 32 + 16 * 32, 64 + vocab * 32
+    for split, (a, b) in {None: (2, 3), (3, 2): (3, 2), (4, 1): (4, 1)}.items():
+        run = local_run(_cfg(GPT5, 2, split))
+        assert [sum(x.numel for x in stage_tensors(run, s)) for s in range(2)] == [first + a * 12_704, last + b * 12_704]
+    # the old rule, ⌊5/2⌋ = 2 layers a stage, missed a layer: 12,704 elements of the trainer's 80,480
+
+
+def test_the_trainer_refuses_a_model_that_is_not_the_inventory():
+    cfg = _cfg(GPT5, 2, (3, 2))
+    module, _ = _held(cfg, 0)
+    buckets = build_buckets([(0, module)], 1 << 22)
+    check_inventory(cfg, {0: module}, buckets)  # as built: the inventory's
+    with pytest.raises(RuntimeError, match="stage 0: the model holds parameters .* inventory"):
+        check_inventory(dataclasses.replace(cfg, stage_layers=(2, 3)), {0: module}, buckets)
+
+
+def test_bucket_groups_is_the_trainers_grouping():
+    assert bucket_groups([], 4) == []
+    assert bucket_groups([3, 1, 2, 9, 1], 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in (3, 1, 2, 9, 1)]
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    got = [b.numel for b in build_buckets([(0, module)], 4)]
+    assert got == [1, 9, 3, 3]  # reversed 1, 9, 2, 1, 3: 1 | 9 | 2 + 1 | 3 (the 3 does not fit with 2 + 1)
