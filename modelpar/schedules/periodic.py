@@ -14,6 +14,7 @@ activations per rank (V-Min); the offsets and the period's slack trade lifespan 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from modelpar._validate import check_int
@@ -43,6 +44,23 @@ def periodic(stage_to_rank: Sequence[int], microbatches: int, name: str = "perio
     if not (all(x >= 0 for x in took.values()) and sum(took.values()) > 0):
         raise ValueError(f"costs must be >= 0 for F, I and W, not all 0, got {dict(costs or {})}")
     period = v * sum(took.values()) * (1 + slack)  # one microbatch's work on one rank, and the slack
+    start = _block(dev, ranks, tuple(took.items()), period, (float(gap[0]), float(gap[1])))
+    per_rank: list[list[tuple[float, Action]]] = [[] for _ in range(ranks)]
+    for a, t0 in start:
+        for j in range(m):
+            per_rank[dev[a.stage]].append((t0 + j * period, Action(a.stage, a.kind, j)))
+    return Schedule(dev, tuple(tuple(a for _, a in sorted(p)) for p in per_rank), name)
+
+
+_EPS = 1e-9
+
+
+@functools.lru_cache(maxsize=4096)
+def _block(dev: tuple[int, ...], ranks: int, took_items: tuple[tuple[Kind, float], ...], period: float,
+           gap: tuple[float, float]) -> tuple[tuple[Action, float], ...]:
+    """Microbatch 0's actions and their start times in the block (independent of M, so kept: the V
+    shapes' search lays out the same blocks for V-Min and V-Half and for every M)."""
+    took = dict(took_items)
     used: list[list[tuple[float, float]]] = [[] for _ in range(ranks)]  # (start mod period, length)
     start: dict[Action, float] = {}
 
@@ -61,14 +79,7 @@ def periodic(stage_to_rank: Sequence[int], microbatches: int, name: str = "perio
         t = place(Action(s, Kind.I, 0), max(after, start[Action(s, Kind.F, 0)] + took[Kind.F]))
     for s in reversed(range(len(dev))):
         place(Action(s, Kind.W, 0), start[Action(s, Kind.I, 0)] + took[Kind.I])
-    per_rank: list[list[tuple[float, Action]]] = [[] for _ in range(ranks)]
-    for a, t0 in start.items():
-        for j in range(m):
-            per_rank[dev[a.stage]].append((t0 + j * period, Action(a.stage, a.kind, j)))
-    return Schedule(dev, tuple(tuple(a for _, a in sorted(p)) for p in per_rank), name)
-
-
-_EPS = 1e-9
+    return tuple(start.items())
 
 
 def _starts(used: list[tuple[float, float]], ready: float, period: float) -> list[float]:

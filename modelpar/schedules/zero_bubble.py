@@ -18,6 +18,7 @@ with Controllable Memory" (NeurIPS 2024); DualPipe: DeepSeek-V3 technical report
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -95,21 +96,29 @@ def _fastest_v(k: int, m: int, costs: Costs | None, limit: float, name: str) -> 
     """The fastest V block shape under ``costs`` within ``limit`` held; the shapes are told apart on
     min(M, 2K) microbatches (past the warm-up every shape repeats), the one chosen built for M."""
     t = _times(costs)
-    trial, timer = min(m, 2 * k), _timer(t)
+    chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), tuple(t.items()), limit))
+    if peak(chosen) > limit + 1e-9:
+        chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
+    return Schedule(chosen.stage_to_rank, chosen.actions, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _fastest_shape(k: int, trial: int, times: tuple[tuple[Kind, float], ...], limit: float) -> dict:
+    """``periodic``'s arguments of the fastest shape on ``trial`` microbatches within ``limit`` (kept: the
+    search lays out a few hundred blocks, and every M past 2K, V-Min and V-Half ask it again)."""
+    t = dict(times)
+    timer = _timer(t)
     seen: set[tuple] = set()
-    best: tuple[float, dict] | None = None
+    best: tuple[float, dict] = (math.inf, {})
     for shape in _v_shapes(t):
         s = periodic(v_map(k), trial, **shape)
         if s.actions in seen or peak(s) > limit + 1e-9:
             continue
         seen.add(s.actions)
         step = timer(s)
-        if best is None or step < best[0] - 1e-12:
+        if step < best[0] - 1e-12:
             best = (step, shape)
-    chosen = periodic(v_map(k), m, **best[1]) if best is not None else None
-    if chosen is None or peak(chosen) > limit + 1e-9:
-        chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
-    return Schedule(chosen.stage_to_rank, chosen.actions, name)
+    return best[1]
 
 
 def v_half(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Schedule:
