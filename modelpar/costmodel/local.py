@@ -71,8 +71,9 @@ from modelpar.formulas import allgather_bytes, allreduce_bytes
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Kind
 from modelpar.schedules.kinds import KINDS, kind_times
+from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.replay import replay_times
-from modelpar.schedules.schedule import Schedule
+from modelpar.schedules.schedule import Schedule, loop_map, v_map
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
@@ -372,10 +373,20 @@ def _hop(run: LocalLayout, hw: HardwareProfile) -> float:
     return _comm(run, hw, "p2p", 2, act) if run.p > 1 else 0.0
 
 
+def _rank_layers(run: LocalLayout) -> tuple[int, ...] | None:
+    """``run.stage_layers`` (p·v entries) as p whole stages: the layers of each rank's chunks added up (a V
+    schedule's rank d holds stages d and 2p − 1 − d; the others' the loop placement d, d + p, ...)."""
+    if run.stage_layers is None or run.v == 1:
+        return run.stage_layers
+    v_shaped = run.schedule != "auto" and schedule_entry(run.schedule).chunks == 2
+    placement = v_map(run.p) if v_shaped and run.v == 2 else loop_map(run.p, run.v)
+    return tuple(sum(n for n, rank in zip(run.stage_layers, placement) if rank == r) for r in range(run.p))
+
+
 def stage_costs(run: LocalLayout, hw: HardwareProfile) -> StageCosts:
     """Forward, input- and weight-gradient seconds of each of the p whole stages (v = 1) and one transfer's:
     what ``simulate.synthesis`` builds ``schedule auto`` from (a schedule with v chunks cuts each into v)."""
-    whole = replace(run, v=1)
+    whole = replace(run, v=1, stage_layers=_rank_layers(run))
     costs = [_stage_costs(whole, hw, s) for s in range(run.p)]
     per_stage = [kind_times(*c) for c in costs]
     forward, input_grad, weight_grad = (tuple(times[kind] for times in per_stage) for kind in (Kind.F, Kind.I, Kind.W))

@@ -37,7 +37,7 @@ input, the targets and one fp32 log-sum-exp per token (the chunked head and loss
 with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
 recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
 
-Activation offload (``offload``, ``recompute.offload_plan``) moves the chosen layers' own bytes to host
+Activation offload (``offload``, ``offload_plan``) moves the chosen layers' own bytes to host
 memory: ``offloaded_bytes``, taken off ``activation_bytes`` (the rotary cos/sin every layer shares stay).
 """
 
@@ -50,7 +50,7 @@ from modelpar.costmodel.inventory import bucket_shards, stage_layers, stage_tens
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
-from modelpar.recompute.offload_plan import offload_layers
+from modelpar.offload_plan import offload_layers
 
 __all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "moe_layers_of",
            "offloaded_bytes", "state_bytes"]
@@ -86,7 +86,7 @@ class LocalLayout(RankGrid):
     moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
     ep: int = 1  # expert-parallel ranks (folded into d)
     chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
-    offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``recompute.offload_plan``)
+    offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``offload_plan``)
     stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v stages (``--stage-layers``); None: the default split
 
     @property

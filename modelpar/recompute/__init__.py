@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from modelpar.recompute.offload_plan import OFFLOAD_NAMES, offload_layers, parse_offload
+from modelpar.offload_plan import OFFLOAD_NAMES, offload_layers, parse_offload
 from modelpar.recompute.strategies import (
     RECOMPUTE_NAMES,
     ChainCost,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from modelpar._compat import in_backward
-from modelpar.recompute.offload_plan import offload_layers
+from modelpar.offload_plan import offload_layers
 
 __all__ = ["HostOffload", "OffloadReading", "apply_offload"]
 

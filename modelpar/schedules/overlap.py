@@ -8,7 +8,7 @@ behind the other half's compute; on a CPU one after the other) and the simulator
     pair time = max(c_F + c_B, x_F + x_B, c_F + x_F, c_B + x_B)
 
 where c is a half's compute and x its communication inside the action (a MoE layer's all-to-alls):
-the compute of both halves shares the device, the communication of both shares the links, and
+the compute of both halves shares the rank, the communication of both shares the links, and
 each half's communication waits on its own compute — but not on the other half's (DeepSeek-V3
 technical report, 2024, §3.2.1 and Figure 4: "overlap the computation and communication within
 a pair of individual forward and backward chunks"). Without communication it is c_F + c_B, the

@@ -26,7 +26,7 @@ from modelpar.distributed import ParallelDims
 from modelpar.formulas import bubble_over_ideal_compute
 from modelpar.layer_split import parse_split, resolve_split
 from modelpar.model import ModelConfig
-from modelpar.recompute.offload_plan import parse_offload
+from modelpar.offload_plan import parse_offload
 from modelpar.recompute.strategies import Strategy, parse_strategy, plan_recompute
 from modelpar.schedules.registry import check_chunks, schedule_entry, schedule_names
 from modelpar.schedules.rules import ANY_MICROBATCHES

@@ -15,6 +15,7 @@ from modelpar.costmodel.local import (
     dp_bytes_step,
     dp_traffic,
     predict_local,
+    stage_costs,
 )
 from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
@@ -216,3 +217,13 @@ def test_moe_rank_bytes_by_hand():
     whole = dataclasses.replace(run, ep=1)  # all 4 experts here, in the ordinary buckets
     assert sum(x.numel for x in stage_tensors(whole, 0)) == 2568 + 384 == 512 + 656 + 272 + 992 + 8 + 512
     assert moe_layer_params(8, 4, 8, shared=1) == 992
+
+
+@pytest.mark.parametrize("schedule,split,ranks", [("interleaved", (0, 2, 1, 1), (1, 3)), ("interleaved", (3, 0, 0, 1), (3, 1)),
+                                                  ("zb-v", (3, 0, 0, 1), (4, 0)), ("auto", (3, 0, 0, 1), (3, 1))])
+def test_whole_stage_costs_of_an_uneven_chunked_split_add_up_each_ranks_chunks(schedule, split, ranks):
+    """``schedule auto`` and the V shapes are built from p whole stages: a p·v ``--stage-layers`` split is each
+    rank's chunks added up (the loop placement, or the V's d and 2p − 1 − d), priced as that many layers."""
+    run = LocalLayout(TINY, p=2, v=2, microbatches=4, batch=8, precision="fp64", schedule=schedule, stage_layers=split)
+    even = dataclasses.replace(run, v=1, stage_layers=ranks)
+    assert stage_costs(run, CPU_DEFAULT) == stage_costs(even, CPU_DEFAULT)

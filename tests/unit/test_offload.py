@@ -16,10 +16,10 @@ from modelpar.costmodel.local_memory import activation_bytes, offloaded_bytes
 from modelpar.costmodel.local_search import Capabilities, plan_local
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.model import ModelConfig, build_stage
+from modelpar.offload_plan import offload_layers, parse_offload
 from modelpar.pipeline.split_backward import backward_input
 from modelpar.recompute.meter import ActivationMeter
 from modelpar.recompute.offload import HostOffload, apply_offload
-from modelpar.recompute.offload_plan import offload_layers, parse_offload
 from modelpar.training import TrainConfig
 from modelpar.training.autoplan import auto_plan
 from modelpar.training.prediction import local_run
