@@ -66,7 +66,8 @@ def _block(dev: tuple[int, ...], ranks: int, took_items: tuple[tuple[Kind, float
 
     def place(a: Action, ready: float) -> float:
         d, length = dev[a.stage], took[a.kind]
-        t = min(_starts(used[d], ready, period), key=lambda x: (_overlap(used[d], x, length, period) > _EPS, x))
+        starts = sorted(_starts(used[d], ready, period))  # the earliest start that fits; none fits: the earliest
+        t = next((x for x in starts if _fits(used[d], x, length, period)), starts[0])
         used[d].append((t % period, length))
         start[a] = t
         return t + length
@@ -89,8 +90,11 @@ def _starts(used: list[tuple[float, float]], ready: float, period: float) -> lis
     return [ready] + [e for e in ends if ready - _EPS <= e <= ready + 2 * period]
 
 
-def _overlap(used: list[tuple[float, float]], t: float, length: float, period: float) -> float:
-    """How much of [t, t + length) overlaps used intervals, the period repeating (0: it fits)."""
+def _fits(used: list[tuple[float, float]], t: float, length: float, period: float) -> bool:
+    """Whether [t, t + length) overlaps no used interval, the period repeating."""
     x = t % period
-    return sum(max(0.0, min(x + length, u + n + k * period) - max(x, u + k * period))
-               for u, n in used for k in (-1, 0, 1))
+    for u, n in used:
+        for k in (-1, 0, 1):
+            if min(x + length, u + n + k * period) - max(x, u + k * period) > _EPS:
+                return False
+    return True

@@ -84,6 +84,10 @@ def zb_h2(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Sched
 # F (I) and the next one's, in 1/60 of the period: a longer offset or period trades lifespan for speed
 _SLACKS = (0.0, 0.05, 0.1)
 _GAPS = tuple(range(11))
+# the times' ratios to F are rounded to this many digits before the search: `--plan auto` prices hundreds of
+# layouts whose ratios differ in the second digit, one search serves them all (a search lays out 364 blocks), and
+# the shapes tried step by 1/60 of the period, coarser than the rounding's effect
+_RATIO_DIGITS = 1
 
 
 def _v_shapes(t: Mapping[Kind, float]) -> list[dict]:
@@ -96,7 +100,9 @@ def _fastest_v(k: int, m: int, costs: Costs | None, limit: float, name: str) -> 
     """The fastest V block shape under ``costs`` within ``limit`` held; the shapes are told apart on
     min(M, 2K) microbatches (past the warm-up every shape repeats), the one chosen built for M."""
     t = _times(costs)
-    chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), tuple(t.items()), limit))
+    unit = t[_F] or sum(t.values())  # a block's shape depends on the times' ratios only: one search for all scales
+    ratios = tuple((kind, round(x / unit, _RATIO_DIGITS)) for kind, x in t.items())
+    chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), ratios, limit))
     if peak(chosen) > limit + 1e-9:
         chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
     return Schedule(chosen.stage_to_rank, chosen.actions, name)

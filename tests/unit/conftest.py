@@ -5,6 +5,7 @@ interpreters). Keeps this folder fast to run alone (`python -m pytest tests/unit
 import multiprocessing.process
 import subprocess
 
+import matplotlib.font_manager  # noqa: F401  (its first import may run fc-list to build the font cache: here, not in a test)
 import pytest
 
 
