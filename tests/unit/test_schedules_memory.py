@@ -7,7 +7,7 @@ import pytest
 
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.memory import W_KEEPS, peak_held
+from modelpar.schedules.memory import W_KEEPS, peak_held, peak_held_bytes
 from modelpar.schedules.registry import schedule_entry, schedule_names
 from modelpar.schedules.validate import validate_schedule
 from modelpar.simulate import simulate
@@ -34,6 +34,15 @@ def test_held_until_w_hand_checked():
     assert peak_held([_acts("0F0 0I0 0W0 0F1 0I1 0W1")], 1) == [1.0]
     assert peak_held([_acts("0F0 0F1 0B0 0B1")], 1) == [2.0]
     assert peak_held([_acts("0F0 1F0 1I0 1W0 0I0 0W0")], 2) == [1.0]  # two chunks of one microbatch: 1/2 each
+
+
+def test_held_bytes_weigh_each_stage_hand_checked():
+    """The same walk in bytes: stage 0 weighs 10, stage 1 weighs 3 (a V's two chunks on one rank)."""
+    assert peak_held_bytes([_acts("0F0 1F0 1I0 0F1 1W0 0I0 0W0 1F1 1B1 0B1")], [10, 3]) == [23]  # 0F1: 10 + 3 + 10
+    assert peak_held_bytes([_acts("0F0 0F1 0B0 0B1")], [10]) == [20]
+    for name in ("1f1b", "zb-h2", "v-min"):  # equal weights: the count times the weight
+        s = get_schedule(name, ranks=4, microbatches=8)
+        assert peak_held_bytes(s.actions, [5.0] * s.num_stages) == [5 * s.chunks * x for x in peak_held(s.actions, s.chunks)]
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"])
