@@ -222,9 +222,9 @@ class _Run:
         self.loss_fn = stage_loss(cfg, rs, self.modules)
         self.runner = apply_pipeline(cfg, rs, schedule, self.modules, self.loss_fn)
         # what autograd holds, measured around every action (compiled graphs save inside their own functions)
-        self.held = None if cfg.compile else ActivationMeter()
-        if self.held is not None:
-            self.runner.register_action_hook(lambda action, final: self.held)
+        self.held = held = None if cfg.compile else ActivationMeter()
+        if held is not None:  # the meter, not self: no cycle keeping the run (and its groups) alive
+            self.runner.register_action_hook(lambda action, final: held)
         self.dp = apply_data_parallel(cfg, rs, schedule, self.modules, self.runner)
         self.optimizer = build_optimizer(cfg.zero, self.dp.sync, self.dp.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
