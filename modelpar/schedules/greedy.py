@@ -17,7 +17,8 @@ With ``windows`` (one count per stage) a forward of stage s also waits while s h
 ``windows[s]`` microbatches (F until W), and a W of such a stage goes before the others: per-stage
 lag limits, as a repeated block has them; a rank's peak is then at most the sum of its stages'
 windows (chunks). Nothing deadlocks: the oldest unfinished microbatch finds every stage empty of
-older ones.
+older ones. With windows bounding the memory, ``forward_first`` may put ready F's before ready I's
+(a V's second chunk starts its microbatch's way back sooner).
 
 Forwards and backwards of a stage go in microbatch order. Later chunks of microbatches already
 in never wait, so the peak can pass ``limit`` by a few chunks: callers that promise a memory
@@ -45,12 +46,12 @@ _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
            durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
-           windows: Sequence[int] | None = None, name: str = "greedy") -> Schedule:
+           windows: Sequence[int] | None = None, forward_first: bool = False, name: str = "greedy") -> Schedule:
     """The schedule the list scheduler above builds for ``stage_to_rank`` and M microbatches.
 
     ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
     the costs it plans with, as in ``replay_times``; ``windows[s]`` (default none) the most
-    microbatches stage s holds at once.
+    microbatches stage s holds at once; ``forward_first``: ready F's before ready I's.
     """
     dev = tuple(stage_to_rank)
     S, M = len(dev), check_int("microbatches", microbatches, minimum=1)
@@ -85,7 +86,8 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
         asleep.pop(d, None)
         room = held[d] == 0 or held[d] + 1 <= caps[d] + 1e-9
         full = [s for s in mine[d] if in_stage[s] >= win[s]] if windows is not None else []
-        choice, later = _pick(t, mine[d], M, last, room, full, end_f, end_i, next_f, next_i, pending_w[d], xin)
+        choice, later = _pick(t, mine[d], M, last, room, full, end_f, end_i, next_f, next_i, pending_w[d], xin,
+                              forward_first)
         if choice is None:
             asleep[d] = t
             clock[d] = later
@@ -125,7 +127,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     return Schedule(dev, tuple(map(tuple, lists)), name)
 
 
-def _pick(t, stages, M, last, room, full, end_f, end_i, next_f, next_i, pending, xin):
+def _pick(t, stages, M, last, room, full, end_f, end_i, next_f, next_i, pending, xin, forward_first=False):
     """(kind, stage, microbatch, start) of what a rank runs at ``t``; else (None, when to look again).
 
     ``stages``: the rank's, highest first; ``room``: whether its lowest may take a new microbatch;
@@ -151,7 +153,8 @@ def _pick(t, stages, M, last, room, full, end_f, end_i, next_f, next_i, pending,
         return None if a is None else a + xin[s]
 
     later = float("inf")
-    for kind, ready_at, following in ((_I, i_ready, next_i), (_F, f_ready, next_f)):  # I first, then F
+    kinds = ((_I, i_ready, next_i), (_F, f_ready, next_f))  # I first, then F
+    for kind, ready_at, following in (kinds[::-1] if forward_first else kinds):
         best = None
         for s in stages:
             ready = ready_at(s)

@@ -103,46 +103,53 @@ def _fastest_v(k: int, m: int, costs: Costs | None, limit: float, name: str) -> 
     chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), items, limit))
     if peak(chosen) > limit + 1e-9:
         chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
-    windows = _fastest_windows(k, min(m, 2 * k), items, limit)
+    windows, forward_first = _fastest_windows(k, min(m, 2 * k), items, limit)
     if windows:
-        other = greedy(v_map(k), m, 2 * k, durations=_durations(t, 2 * k, 2), windows=windows)
+        other = greedy(v_map(k), m, 2 * k, durations=_durations(t, 2 * k, 2), windows=windows,
+                       forward_first=forward_first)
         if peak(other) <= limit + 1e-9 and timer(other) < timer(chosen) - 1e-9:
             chosen = other
     return Schedule(chosen.stage_to_rank, chosen.actions, name)
 
 
 @functools.lru_cache(maxsize=256)
-def _fastest_windows(k: int, trial: int, times: tuple[tuple[Kind, float], ...], limit: float) -> tuple[int, ...]:
-    """Per-stage windows for ``greedy`` on the V, fastest on ``trial`` microbatches found by moving one
-    unit at a time between a rank's two stages; each rank's windows sum to its bound in chunks, so
-    the peak stays within ``limit``. Starts from the split of the lifespans (a stage's microbatch
-    lives from its F down the V and back up to its W: long on the first chunk, short on the second).
-    () when the bound leaves a stage no window."""
+def _fastest_windows(k: int, trial: int, times: tuple[tuple[Kind, float], ...], limit: float,
+                     ) -> tuple[tuple[int, ...], bool]:
+    """Per-stage windows for ``greedy`` on the V and its priority (``forward_first``), fastest on ``trial``
+    microbatches, the windows found by moving one unit at a time between a rank's two stages; each rank's
+    windows sum to its bound in chunks, so the peak stays within ``limit``. Starts from the split of the
+    lifespans (a stage's microbatch lives from its F down the V and back up to its W: long on the first
+    chunk, short on the second). ((), False) when the bound leaves a stage no window."""
     t = dict(times)
     stages, cap = 2 * k, math.floor(2 * limit + 1e-9)
     if cap < 2:
-        return ()
+        return (), False
     life = [(stages - s) * (t[_F] + t[_I]) / 2 + t[_W] / 2 for s in range(stages)]
-    win = [0] * stages
+    seed = [0] * stages
     for d in range(k):
         a = max(1, min(cap - 1, round(cap * life[d] / (life[d] + life[stages - 1 - d]))))
-        win[d], win[stages - 1 - d] = a, cap - a
+        seed[d], seed[stages - 1 - d] = a, cap - a
     durations, timer = _durations(t, stages, 2), _timer(t)
 
-    def step(w: list[int]) -> float:
-        return timer(greedy(v_map(k), trial, 2 * k, durations=durations, windows=w))
+    found: tuple[float, tuple[int, ...], bool] = (math.inf, (), False)
+    for first in (False, True):  # I's first (as ZB-H2), then forwards first: neither is always faster
 
-    best, moved = step(win), True
-    while moved:
-        moved = False
-        for d in range(k):
-            for delta in (1, -1):
-                w = list(win)
-                w[d] += delta
-                w[stages - 1 - d] -= delta
-                if min(w[d], w[stages - 1 - d]) >= 1 and (x := step(w)) < best - 1e-9:
-                    best, win, moved = x, w, True
-    return tuple(win)
+        def step(w: list[int], first: bool = first) -> float:
+            return timer(greedy(v_map(k), trial, 2 * k, durations=durations, windows=w, forward_first=first))
+
+        win, best, moved = seed, step(seed), True
+        while moved:
+            moved = False
+            for d in range(k):
+                for delta in (1, -1):
+                    w = list(win)
+                    w[d] += delta
+                    w[stages - 1 - d] -= delta
+                    if min(w[d], w[stages - 1 - d]) >= 1 and (x := step(w)) < best - 1e-9:
+                        best, win, moved = x, w, True
+        if best < found[0] - 1e-9:
+            found = (best, tuple(win), first)
+    return found[1], found[2]
 
 
 @functools.lru_cache(maxsize=256)
