@@ -13,6 +13,13 @@ given costs; a rank that comes free picks, among the actions whose inputs have a
    since W is what frees a microbatch, the work a rank full of held microbatches turns to, so
    W's interleave with the steady state instead of piling up at the end.
 
+With ``windows`` (one count per stage) a forward of stage s also waits while s holds
+``windows[s]`` microbatches (F until W), and a W of such a stage goes before the others: per-stage
+lag limits, as a repeated block has them; a rank's peak is then at most the sum of its stages'
+windows (chunks). Nothing deadlocks: the oldest unfinished microbatch finds every stage empty of
+older ones. With windows bounding the memory, ``forward_first`` may put ready F's before ready I's
+(a V's second chunk starts its microbatch's way back sooner).
+
 Forwards and backwards of a stage go in microbatch order. Later chunks of microbatches already
 in never wait, so the peak can pass ``limit`` by a few chunks: callers that promise a memory
 bound measure the result (``search``). Only first visits wait, so nothing deadlocks: the
@@ -39,11 +46,12 @@ _F, _I, _W = Kind.F, Kind.I, Kind.W
 
 def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Sequence[float], *,
            durations: Mapping[Kind, Sequence[float]] | None = None, transfer_in: Sequence[float] | None = None,
-           name: str = "greedy") -> Schedule:
+           windows: Sequence[int] | None = None, forward_first: bool = False, name: str = "greedy") -> Schedule:
     """The schedule the list scheduler above builds for ``stage_to_rank`` and M microbatches.
 
     ``durations[kind][stage]`` (F, I, W; default 1 each) and ``transfer_in[s]`` (default 0) are
-    the costs it plans with, as in ``replay_times``.
+    the costs it plans with, as in ``replay_times``; ``windows[s]`` (default none) the most
+    microbatches stage s holds at once; ``forward_first``: ready F's before ready I's.
     """
     dev = tuple(stage_to_rank)
     S, M = len(dev), check_int("microbatches", microbatches, minimum=1)
@@ -51,6 +59,9 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     caps = [float(x) for x in limit] if isinstance(limit, Sequence) else [float(limit)] * D
     if len(caps) != D or not all(x > 0 for x in caps):
         raise ValueError(f"limit must be > 0, one number or one per rank ({D}), got {limit!r}")
+    win = [M] * S if windows is None else list(windows)
+    if len(win) != S or not all(isinstance(x, int) and x >= 1 for x in win):
+        raise ValueError(f"windows must be one int >= 1 per stage ({S}), got {windows!r}")
     ones = [1.0] * S
     took = {k: list((durations or {}).get(k, ones)) for k in (_F, _I, _W)}
     xin = list(transfer_in) if transfer_in is not None else [0.0] * S
@@ -66,6 +77,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     asleep: dict[int, float] = {}  # rank -> the time it found nothing to do
     heap = [(0.0, d) for d in range(D) if left[d]]
     held = [0.0] * D  # activations held (F until W: ``memory``), a chunk counting 1/v
+    in_stage = [0] * S  # microbatches each stage holds (F until W)
     w = D / S
     while heap:
         t, d = heapq.heappop(heap)
@@ -73,7 +85,9 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
             continue  # a stale entry
         asleep.pop(d, None)
         room = held[d] == 0 or held[d] + 1 <= caps[d] + 1e-9
-        choice, later = _pick(t, mine[d], M, last, room, end_f, end_i, next_f, next_i, pending_w[d], xin)
+        full = [s for s in mine[d] if in_stage[s] >= win[s]] if windows is not None else []
+        choice, later = _pick(t, mine[d], M, last, room, full, end_f, end_i, next_f, next_i, pending_w[d], xin,
+                              forward_first)
         if choice is None:
             asleep[d] = t
             clock[d] = later
@@ -88,6 +102,7 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
             end_f[s][m] = stop
             next_f[s] += 1
             held[d] += w
+            in_stage[s] += 1
         elif kind is _I:
             end_i[s][m] = stop
             next_i[s] += 1
@@ -95,7 +110,8 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
             pending_w[d].append((s, m))
         else:
             held[d] -= w * W_KEEPS
-            pending_w[d].popleft()
+            in_stage[s] -= 1
+            pending_w[d].remove((s, m))
         clock[d] = stop
         if left[d]:
             heapq.heappush(heap, (stop, d))
@@ -111,10 +127,11 @@ def greedy(stage_to_rank: Sequence[int], microbatches: int, limit: float | Seque
     return Schedule(dev, tuple(map(tuple, lists)), name)
 
 
-def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
+def _pick(t, stages, M, last, room, full, end_f, end_i, next_f, next_i, pending, xin, forward_first=False):
     """(kind, stage, microbatch, start) of what a rank runs at ``t``; else (None, when to look again).
 
-    ``stages``: the rank's, highest first; ``room``: whether its lowest may take a new microbatch.
+    ``stages``: the rank's, highest first; ``room``: whether its lowest may take a new microbatch;
+    ``full``: its stages at their window (no forward now; their W's first).
     Among ready I's (then F's) the oldest microbatch goes first, the higher stage on a tie."""
 
     def i_ready(s: int) -> float | None:  # its F done here, and the gradient from stage s + 1 arrived
@@ -128,7 +145,7 @@ def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
 
     def f_ready(s: int) -> float | None:  # the activation from stage s - 1 arrived (stage 0: always)
         m = next_f[s]
-        if m >= M or (s == stages[-1] and not room):
+        if m >= M or (s == stages[-1] and not room) or s in full:
             return None
         if s == 0:
             return 0.0
@@ -136,7 +153,8 @@ def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
         return None if a is None else a + xin[s]
 
     later = float("inf")
-    for kind, ready_at, following in ((_I, i_ready, next_i), (_F, f_ready, next_f)):  # I first, then F
+    kinds = ((_I, i_ready, next_i), (_F, f_ready, next_f))  # I first, then F
+    for kind, ready_at, following in (kinds[::-1] if forward_first else kinds):
         best = None
         for s in stages:
             ready = ready_at(s)
@@ -149,6 +167,6 @@ def _pick(t, stages, M, last, room, end_f, end_i, next_f, next_i, pending, xin):
         if best is not None:
             return best, later
     if pending:
-        s, m = pending[0]
+        s, m = next((x for x in pending if x[0] in full), pending[0])
         return (_W, s, m, t), later
     return None, later

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from modelpar.schedules.action import Action, Kind
 from modelpar.schedules.kinds import SPECS
 
-__all__ = ["RELEASES", "W_KEEPS", "peak_held"]
+__all__ = ["RELEASES", "W_KEEPS", "peak_held", "peak_held_bytes"]
 
 # the kinds after which a stage no longer holds a microbatch's activations: the last to read them
 RELEASES = frozenset(k for k, spec in SPECS.items() if spec.weight_grads)
@@ -43,4 +43,23 @@ def peak_held(actions: Sequence[Sequence[Action]], chunks: int) -> list[float]:
             elif k in RELEASES:
                 held -= W_KEEPS if k is Kind.W else 1
         peaks.append(peak * w)
+    return peaks
+
+
+def peak_held_bytes(actions: Sequence[Sequence[Action]], stage_bytes: Sequence[float]) -> list[float]:
+    """Per rank: the most bytes held at once, a microbatch of stage s weighing ``stage_bytes[s]`` (what
+    autograd keeps for it: ``costmodel.local_memory.activation_bytes``), by the same rule as ``peak_held``."""
+    f, i = Kind.F, Kind.I
+    peaks = []
+    for acts in actions:
+        held = peak = 0.0
+        for s, k, _ in acts:
+            if k is f:
+                held += stage_bytes[s]
+                peak = max(peak, held)
+            elif k is i:
+                held -= (1.0 - W_KEEPS) * stage_bytes[s]
+            elif k in RELEASES:
+                held -= (W_KEEPS if k is Kind.W else 1.0) * stage_bytes[s]
+        peaks.append(peak)
     return peaks

@@ -10,6 +10,7 @@ times (``costs=``, default equal); held counts a microbatch from F until W (``me
     schedule    placement            how                             held per rank (1F1B: K on rank 0)
     zb-h2       one stage a rank     list scheduler (``greedy``)     ≤ 2K − 1                (2024a §3.1)
     v-min       V: d and 2K − 1 − d  repeated block (``periodic``)   ≤ ⌈(K + 2)/3⌉           (2024b §3–4)
+                                     or per-stage windows (``greedy``)
     v-half      V                    the same, a looser bound        ≤ ⌈(K + 2)/2⌉           (2024b §4)
 
 Qi et al. 2024a: "Zero Bubble Pipeline Parallelism" (ICLR 2024); 2024b: "Pipeline Parallelism
@@ -97,15 +98,63 @@ def _v_shapes(t: Mapping[Kind, float]) -> list[dict]:
 
 
 def _fastest_v(k: int, m: int, costs: Costs | None, limit: float, name: str) -> Schedule:
-    """The fastest V block shape under ``costs`` within ``limit`` held; the shapes are told apart on
-    min(M, 2K) microbatches (past the warm-up every shape repeats), the one chosen built for M."""
+    """The faster under ``costs`` of two V constructions within ``limit`` held: the fastest repeated
+    block shape (``periodic``) and the list scheduler with per-stage windows (``greedy``); each is
+    chosen on min(M, 2K) microbatches (past the warm-up every shape repeats), then built for M."""
     t = _times(costs)
     unit = t[_F] or sum(t.values())  # a block's shape depends on the times' ratios only: one search for all scales
-    ratios = tuple((kind, round(x / unit, _RATIO_DIGITS)) for kind, x in t.items())
-    chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), ratios, limit))
+    items = tuple((kind, round(x / unit, _RATIO_DIGITS)) for kind, x in t.items())
+    timer = _timer(t)
+    chosen = periodic(v_map(k), m, **_fastest_shape(k, min(m, 2 * k), items, limit))
     if peak(chosen) > limit + 1e-9:
         chosen = periodic(v_map(k), m)  # the equal-times block: about K/3 held, within either bound
+    windows, forward_first = _fastest_windows(k, min(m, 2 * k), items, limit)
+    if windows:
+        other = greedy(v_map(k), m, 2 * k, durations=_durations(t, 2 * k, 2), windows=windows,
+                       forward_first=forward_first)
+        if peak(other) <= limit + 1e-9 and timer(other) < timer(chosen) - 1e-9:
+            chosen = other
     return Schedule(chosen.stage_to_rank, chosen.actions, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _fastest_windows(k: int, trial: int, times: tuple[tuple[Kind, float], ...], limit: float,
+                     ) -> tuple[tuple[int, ...], bool]:
+    """Per-stage windows for ``greedy`` on the V and its priority (``forward_first``), fastest on ``trial``
+    microbatches, the windows found by moving one unit at a time between a rank's two stages; each rank's
+    windows sum to its bound in chunks, so the peak stays within ``limit``. Starts from the split of the
+    lifespans (a stage's microbatch lives from its F down the V and back up to its W: long on the first
+    chunk, short on the second). ((), False) when the bound leaves a stage no window."""
+    t = dict(times)
+    stages, cap = 2 * k, math.floor(2 * limit + 1e-9)
+    if cap < 2:
+        return (), False
+    life = [(stages - s) * (t[_F] + t[_I]) / 2 + t[_W] / 2 for s in range(stages)]
+    seed = [0] * stages
+    for d in range(k):
+        a = max(1, min(cap - 1, round(cap * life[d] / (life[d] + life[stages - 1 - d]))))
+        seed[d], seed[stages - 1 - d] = a, cap - a
+    durations, timer = _durations(t, stages, 2), _timer(t)
+
+    found: tuple[float, tuple[int, ...], bool] = (math.inf, (), False)
+    for first in (False, True):  # I's first (as ZB-H2), then forwards first: neither is always faster
+
+        def step(w: list[int], first: bool = first) -> float:
+            return timer(greedy(v_map(k), trial, 2 * k, durations=durations, windows=w, forward_first=first))
+
+        win, best, moved = seed, step(seed), True
+        while moved:
+            moved = False
+            for d in range(k):
+                for delta in (1, -1):
+                    w = list(win)
+                    w[d] += delta
+                    w[stages - 1 - d] -= delta
+                    if min(w[d], w[stages - 1 - d]) >= 1 and (x := step(w)) < best - 1e-9:
+                        best, win, moved = x, w, True
+        if best < found[0] - 1e-9:
+            found = (best, tuple(win), first)
+    return found[1], found[2]
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,15 +180,16 @@ def v_half(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Sche
     """V-Half: V placement, at most ⌈(K + 2)/2⌉ microbatches' activations held on any rank (until W).
 
     The fastest under ``costs`` (default equal) of the building blocks laid out in those times
-    (``periodic``) that stays within that bound.
+    (``periodic``) and of the windowed list schedules (``greedy``) that stays within that bound.
     """
     k, m = _counts(ranks, microbatches)
     return _fastest_v(k, m, costs, math.ceil((k + 2) / 2), "v-half")
 
 
 def v_min(*, ranks: int, microbatches: int, costs: Costs | None = None) -> Schedule:
-    """V-Min: V placement, the compact repeated building block (``periodic``): at most ⌈(K + 2)/3⌉
-    microbatches' activations held per rank (until W), the fastest such block under ``costs``."""
+    """V-Min: V placement, at most ⌈(K + 2)/3⌉ microbatches' activations held per rank (until W): the
+    fastest under ``costs`` of the compact repeated blocks (``periodic``) and the windowed list
+    schedules (``greedy``) within that bound."""
     k, m = _counts(ranks, microbatches)
     return _fastest_v(k, m, costs, math.ceil((k + 2) / 3), "v-min")
 

@@ -18,15 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalLayout
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile, profile_source
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.schedules import Schedule
+from modelpar.schedules.memory import peak_held_bytes
 from modelpar.training.config import TrainConfig
 
-__all__ = ["compare", "held_parameter_bytes", "local_run", "predict_run", "resolve_schedule", "run_schedule",
-           "summary_rows"]
+__all__ = ["compare", "held_activation_bytes", "held_parameter_bytes", "local_run", "predict_run", "resolve_schedule",
+           "run_schedule", "summary_rows"]
 
 
 def local_run(cfg: TrainConfig) -> LocalLayout:
@@ -37,6 +38,14 @@ def local_run(cfg: TrainConfig) -> LocalLayout:
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
                     cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
                     offload=cfg.offload_activations, stage_layers=cfg.stage_layers)
+
+
+def held_activation_bytes(cfg: TrainConfig, schedule: Schedule) -> list[float]:
+    """Per pipeline rank: the peak bytes of activations ``schedule`` holds (the simulator's count, F until B or W,
+    a microbatch of stage s weighing the cost model's ``activation_bytes``): what ``TrainResult.peak_held_bytes``
+    measures."""
+    run = local_run(cfg)
+    return peak_held_bytes(schedule.actions, [activation_bytes(run, s) for s in range(schedule.num_stages)])
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:

@@ -7,7 +7,7 @@ import pytest
 
 from modelpar.schedules import get_schedule
 from modelpar.schedules.action import Action, Kind
-from modelpar.schedules.memory import W_KEEPS, peak_held
+from modelpar.schedules.memory import W_KEEPS, peak_held, peak_held_bytes
 from modelpar.schedules.registry import schedule_entry, schedule_names
 from modelpar.schedules.validate import validate_schedule
 from modelpar.simulate import simulate
@@ -34,6 +34,15 @@ def test_held_until_w_hand_checked():
     assert peak_held([_acts("0F0 0I0 0W0 0F1 0I1 0W1")], 1) == [1.0]
     assert peak_held([_acts("0F0 0F1 0B0 0B1")], 1) == [2.0]
     assert peak_held([_acts("0F0 1F0 1I0 1W0 0I0 0W0")], 2) == [1.0]  # two chunks of one microbatch: 1/2 each
+
+
+def test_held_bytes_weigh_each_stage_hand_checked():
+    """The same walk in bytes: stage 0 weighs 10, stage 1 weighs 3 (a V's two chunks on one rank)."""
+    assert peak_held_bytes([_acts("0F0 1F0 1I0 0F1 1W0 0I0 0W0 1F1 1B1 0B1")], [10, 3]) == [23]  # 0F1: 10 + 3 + 10
+    assert peak_held_bytes([_acts("0F0 0F1 0B0 0B1")], [10]) == [20]
+    for name in ("1f1b", "zb-h2", "v-min"):  # equal weights: the count times the weight
+        s = get_schedule(name, ranks=4, microbatches=8)
+        assert peak_held_bytes(s.actions, [5.0] * s.num_stages) == [5 * s.chunks * x for x in peak_held(s.actions, s.chunks)]
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"])
@@ -99,12 +108,38 @@ def test_v_min_no_slower_than_1f1b_at_equal_costs():
     assert simulate(get_schedule("v-min", ranks=P, microbatches=M)).step_time <= one.step_time
 
 
-@pytest.mark.xfail(strict=True, reason="no V block shape tried holds <= ⌈(p+2)/3⌉ = 4 within 1F1B's step at "
-                                       "1:1.2:0.8 (best 72 vs 69): see docs/schedules.md, V-Min")
-def test_v_min_no_slower_than_1f1b_at_unequal_costs():
+@pytest.mark.parametrize("p, m, step", [(P, M, 67.4), (6, 12, 50.9)])
+def test_v_min_no_slower_than_1f1b_at_unequal_costs(p, m, step):
+    """1:1.2:0.8: no repeated block within ⌈(p+2)/3⌉ beats 1F1B (p = 8, m = 16: 72 vs 69); the windowed list
+    schedule (``greedy`` with per-stage windows summing to the bound in chunks, forwards first) does."""
     sim, kinds = _costs(COSTS["1:1.2:0.8"])
-    one = simulate(get_schedule("1f1b", ranks=P, microbatches=M), sim)
-    assert simulate(get_schedule("v-min", ranks=P, microbatches=M, costs=kinds), sim).step_time <= one.step_time
+    one = simulate(get_schedule("1f1b", ranks=p, microbatches=m), sim)
+    vmin = simulate(get_schedule("v-min", ranks=p, microbatches=m, costs=kinds), sim)
+    assert vmin.step_time == pytest.approx(step) and vmin.step_time <= one.step_time == 3 * (m + p - 1)
+    assert max(vmin.peak_held) <= math.ceil((p + 2) / 3)
+
+
+def test_windows_bound_each_stage_and_keep_the_defaults():
+    """``greedy``'s per-stage windows: no stage holds more than its window (F until W), so a rank holds
+    at most the sum of its stages'; without windows ZB-H2 is the same schedule as before."""
+    from modelpar.schedules.greedy import greedy
+    from modelpar.schedules.schedule import v_map
+
+    win = [3, 2, 2, 1, 1, 1, 1, 1]
+    s = greedy(v_map(4), 12, 8, windows=win)
+    validate_schedule(s)
+    for acts in s.actions:
+        held: dict[int, int] = {}
+        for a in acts:
+            held[a.stage] = held.get(a.stage, 0) + (a.kind is F) - (a.kind is W)
+            assert held[a.stage] <= win[a.stage]
+    assert peak_held(s.actions, 2) <= [(win[d] + win[7 - d]) / 2 for d in range(4)]
+    assert greedy(v_map(4), 8, 8) == greedy(v_map(4), 8, 8, windows=[9] * 8)  # never reached: no window
+    s = greedy(v_map(4), 12, 8, windows=win, forward_first=True)
+    validate_schedule(s)
+    assert peak_held(s.actions, 2) <= [(win[d] + win[7 - d]) / 2 for d in range(4)]
+    with pytest.raises(ValueError, match="windows must be one int >= 1 per stage"):
+        greedy(v_map(4), 8, 8, windows=[0] * 8)
 
 
 def test_costs_reach_only_the_generators_that_plan_with_them():

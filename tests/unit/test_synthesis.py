@@ -37,13 +37,13 @@ def test_never_worse_than_the_best_named_schedule_within_the_limit(k, m, fiw, tr
 
 def test_the_family_planned_with_the_costs_in_the_synthesis():
     """K = 4, M = 8, I three times W, transfer 0.1, at most 3 microbatches held (until W): V-Half built
-    from these costs (33.6 units; 35.1 built for equal times) beats every list-scheduler candidate, and
+    from these costs (33.6 units; 42.55 built for equal times) beats every list-scheduler candidate, and
     the synthesis, which builds the family with its costs, returns it."""
     costs = StageCosts.uniform(4, 1, 1.5, 0.5, transfer=0.1)
     schedule, tl = synthesize(4, 8, costs, 3)
     named = _best_named(4, 8, costs, 3)
     assert named.name == "v-half" and named.step_time == pytest.approx(33.6)
-    assert costs.timeline(get_schedule("v-half", ranks=4, microbatches=8)).step_time == pytest.approx(35.1)
+    assert costs.timeline(get_schedule("v-half", ranks=4, microbatches=8)).step_time == pytest.approx(42.55)
     assert schedule.name == "v-half" and tl.step_time == pytest.approx(33.6)
     assert max(tl.peak_held) <= 3
 
