@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from modelpar.checkpoint import CheckpointManager
-from modelpar.recompute.meter import ActivationMeter
 from modelpar.schedules import Schedule
 from modelpar.tensor_parallel import set_shape_checks
 from modelpar.tensor_parallel.context_parallel import ContextParallel
@@ -97,7 +96,7 @@ class TrainResult:
     offload_peak_bytes: int | None = None  # most bytes in host memory at once during the steps (offload; None: off)
     offload_seconds: float | None = None  # seconds this rank spent copying, both ways, all steps (a CPU; a GPU: 0)
     peak_held: int = 0  # most microbatch-chunks this rank held at once in the last step (F until B or W)
-    peak_held_bytes: int | None = None  # most bytes autograd held for backward at once in the last step, measured
+    peak_held_bytes: int | None = None  # most bytes autograd held for backward at once in the first step, measured
     #                                     (``ActivationMeter`` around every action; None: --compile)
     expert_imbalance: float | None = None  # MoE: the largest max/mean tokens per expert of any layer and step
     stop: Stop | None = None  # why and where the run stopped early (None: it ran to the end or exit_after)
@@ -221,10 +220,6 @@ class _Run:
                 load_hf_shards(module, cfg.init_from)
         self.loss_fn = stage_loss(cfg, rs, self.modules)
         self.runner = apply_pipeline(cfg, rs, schedule, self.modules, self.loss_fn)
-        # what autograd holds, measured around every action (compiled graphs save inside their own functions)
-        self.held = held = None if cfg.compile else ActivationMeter()
-        if held is not None:  # the meter, not self: no cycle keeping the run (and its groups) alive
-            self.runner.register_action_hook(lambda action, final: held)
         self.dp = apply_data_parallel(cfg, rs, schedule, self.modules, self.runner)
         self.optimizer = build_optimizer(cfg.zero, self.dp.sync, self.dp.comm, rs.grad_rank, cfg.lr, cfg.weight_decay)
         init_optimizer_state(self.optimizer)
@@ -240,7 +235,8 @@ class _Run:
         # one rank per (replica, cp rank): the mean of the cp ranks' means over equally many tokens is the global mean
         self.loss_weight = 1.0 / (cfg.dp * cfg.cp) if (self.last and rs.tp_rank == 0) else 0.0
         self.emit = report if (report is not None and dist.get_rank() == 0) else None
-        self.telemetry = StepTelemetry(self.result, self.dp, self.runner, self.experts, rs.device, self.emit)
+        self.telemetry = StepTelemetry(self.result, self.dp, self.runner, self.experts, rs.device, self.emit,
+                                       held_bytes=not cfg.compile)
 
     def _result(self, start: int, losses: list[float]) -> TrainResult:
         """The result before the first step: what this rank holds, measured from its tensors."""
@@ -273,11 +269,7 @@ class _Run:
         set_lr(self.optimizer, lr)
         sync.zero_grad()
         self.telemetry.begin()
-        if self.held is not None:
-            self.held.reset_peak()
         self.runner.step(xi, yi)
-        if self.held is not None:
-            self.result.peak_held_bytes = self.held.peak_bytes
         moe = self.experts.take_step()  # collective when the model has experts
         if self.fault is not None:  # tests only (modelpar.training.faults)
             self.fault(step, sync.grad_holders)

@@ -1,9 +1,10 @@
 """What a run measures beside its arithmetic: each step's figures, the data-parallel traffic, the events.
 
 ``StepTelemetry`` keeps the training loop's step short (batch → runner → gradient sync → clip → agree →
-optimizer): after each step it takes the step's data-parallel bytes and collective spans, ZeRO-3's
-gathers and the time the compute waited for them, the peak of full buckets, the step's time, loss and
-gradient norm, and hands rank 0's step event to the reporter.
+optimizer): it measures the activation bytes autograd holds in the first step, and after each step takes
+the step's data-parallel bytes and collective spans, ZeRO-3's gathers and the time the compute waited for
+them, the peak of full buckets, the step's time, loss and gradient norm, and hands rank 0's step event to
+the reporter.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from modelpar.pipeline.measure import measured_timeline, message_bytes
 from modelpar.pipeline.runner import PipelineRunner
+from modelpar.recompute.meter import ActivationMeter
 from modelpar.training.expert_stats import ExpertStats
 from modelpar.training.metrics import peak_memory_mb
 from modelpar.training.parts import DataParallel
@@ -34,8 +36,14 @@ class StepTelemetry:
     """One rank's measurements of its steps, kept in ``result``; rank 0's events through ``emit``."""
 
     def __init__(self, result: TrainResult, dp: DataParallel, runner: PipelineRunner, experts: ExpertStats,
-                 device: torch.device, emit: Callable[[dict[str, Any]], None] | None) -> None:
+                 device: torch.device, emit: Callable[[dict[str, Any]], None] | None, held_bytes: bool = True) -> None:
         self.result, self.dp, self.runner, self.experts, self.device, self.emit = result, dp, runner, experts, device, emit
+        # what autograd holds for backward, measured around every action of the first step only: each step holds
+        # alike, and the meter's hooks on every saved tensor would cost each step (``held_bytes`` False under
+        # --compile, whose graphs save inside their own functions)
+        self.held = held = ActivationMeter() if held_bytes else None
+        if held is not None:  # the meter, not self: no cycle keeping the run (and its groups) alive
+            self.held_hook = runner.register_action_hook(lambda action, final: held)
         self.timelines: list[Any] = []  # the last measured steps' Timelines of this rank's pipeline
         self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
         self.gather_waits: list[float] = []  # ZeRO-3: seconds waited for gathers, every step
@@ -49,6 +57,9 @@ class StepTelemetry:
                tokens_per_step: int) -> None:
         """After a step: its figures into the result, and rank 0's step event."""
         r, dp = self.result, self.dp
+        if self.held is not None:  # the first step measured: its hooks go
+            r.peak_held_bytes, self.held = self.held.peak_bytes, None
+            self.held_hook.remove()
         if dp.gather is not None:
             r.gathers_per_step, waited = dp.gather.take_step()
             self.gather_waits.append(waited)
