@@ -241,11 +241,16 @@ def _run(cfg: TrainConfig, options: RunOptions) -> int:
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        result, first = run_local(cfg, report, console, progress=options.progress), True
         from modelpar.training.stopping import LateSignals
 
-        with LateSignals(cfg) as late:  # the ranks are gone: a signal now cuts nothing short (docs/stopping.md)
+        # once the ranks are gone a signal cuts nothing short (docs/stopping.md): recorded from the moment the
+        # launcher's relay lets go of the signals (run_local starts it) to the end of the summary
+        late = LateSignals(cfg)
+        try:
+            result, first = run_local(cfg, report, console, progress=options.progress, late=late), True
             code = _report(cfg, options, result, report, first)
+        finally:
+            late.close()
         return late.exit_code(code, lambda line: print(f"modelpar train: {line}", file=sys.stderr, flush=True))
     return _report(cfg, options, result, report, first)
 

@@ -31,7 +31,7 @@ from modelpar.text import prepare_data
 from modelpar.training.config import TrainConfig
 from modelpar.training.loop import Reporter, TrainResult, train_rank
 from modelpar.training.resume import check_resume
-from modelpar.training.stopping import EXIT_PREEMPTED, Stop, handled
+from modelpar.training.stopping import EXIT_PREEMPTED, LateSignals, Stop, handled
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -175,14 +175,16 @@ class _Relay:
 
 
 def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None = None,
-              console: Console | None = None, progress: bool = False) -> TrainResult:
+              console: Console | None = None, progress: bool = False, late: LateSignals | None = None) -> TrainResult:
     """Train on t·cp·p·d new local processes (gloo); return rank 0's result.
 
     The data is prepared here, once, before any rank starts (``modelpar.text.prepare_data``; on
     ``console`` with ``progress`` bars, which then also gets a line naming the processes), and a
     checkpoint to resume from is checked against the run. Ctrl-C and the preemption signal stop
     every rank at the next step boundary, with ``TrainResult.stop`` saying where; a second Ctrl-C
-    ends them at once (KeyboardInterrupt).
+    ends them at once (KeyboardInterrupt). ``late`` (the caller's, closed by it) records the signals
+    that come once the relay's handlers are gone: a second SIGTERM just after the ranks stopped is recorded,
+    not the default's kill.
     """
     # a checkpoint of another model, data or optimisation, or none valid: refused before starting ranks, and
     # before the tokenizer is written to the checkpoint directory (a refused run writes nothing there)
@@ -200,6 +202,8 @@ def run_local(cfg: TrainConfig, display: Callable[[dict[str, Any]], None] | None
     cluster = LocalCluster(cfg.dims.world_size, timeout=cfg.timeout, run_timeout=None, on_message=events.put)
     relay = _Relay(cluster, cfg)
     try:
+        if late is not None:
+            late.start()  # under the relay's handlers: what they give back when the ranks are gone
         with relay.handlers(), cluster:  # the relay's handlers until the ranks are gone (close waits for them)
 
             def target() -> None:

@@ -103,18 +103,31 @@ def handled(signals: Iterable[int], handler: Callable[[int, Any], None]) -> Iter
 class LateSignals:
     """In the launcher once its ranks have ended: Ctrl-C and the preemption signal only recorded while the run
     writes its summary and exits (short work a signal would cut with a traceback, or a kill leaving the lock
-    and helper processes behind). A context manager; ``exit_code`` says what they change."""
+    and helper processes behind). A context manager, or ``start`` … ``close`` where recording must begin later
+    than the block (``run_local``: as its relay lets go); ``exit_code`` says what they change."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.signals = (signal.SIGINT, signal.Signals[cfg.preempt_signal])
         self.seen: list[int] = []
         self._handlers = contextlib.ExitStack()
+        self._started = False
 
     def __enter__(self) -> LateSignals:
-        self._handlers.enter_context(handled(self.signals, lambda signum, frame: self.seen.append(signum)))
+        self.start()
         return self
 
+    def start(self) -> None:
+        """Record the signals from now on (``run_local`` starts it just outside its relay's handlers, so that when
+        the ranks are gone and the relay's handlers are restored, a signal is recorded, never the default's kill)."""
+        if not self._started:
+            self._started = True
+            self._handlers.enter_context(handled(self.signals, lambda signum, frame: self.seen.append(signum)))
+
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """The handlers from before ``start`` again."""
         self._handlers.close()
 
     def exit_code(self, code: int, say: Callable[[str], None]) -> int:
