@@ -26,29 +26,17 @@ W_KEEPS = 1.0
 
 
 def peak_held(actions: Sequence[Sequence[Action]], chunks: int) -> list[float]:
-    """Per rank: the most activations held at once (F until B or W), walking its actions in order."""
+    """Per rank: the most activations held at once (F until B or W), walking its actions in order; a chunk
+    counts 1/v (``peak_held_bytes`` with every stage weighing 1, scaled)."""
+    stages = 1 + max((a.stage for acts in actions for a in acts), default=0)
     w = 1 / chunks
-    f, i = Kind.F, Kind.I
-    keep = 1.0 - W_KEEPS  # what I frees of a microbatch
-    peaks = []
-    for acts in actions:
-        held = peak = 0.0
-        for _, k, _ in acts:  # Action is a (stage, kind, microbatch) named tuple
-            if k is f:
-                held += 1
-                if held > peak:
-                    peak = held
-            elif k is i:
-                held -= keep
-            elif k in RELEASES:
-                held -= W_KEEPS if k is Kind.W else 1
-        peaks.append(peak * w)
-    return peaks
+    return [peak * w for peak in peak_held_bytes(actions, [1.0] * stages)]
 
 
 def peak_held_bytes(actions: Sequence[Sequence[Action]], stage_bytes: Sequence[float]) -> list[float]:
     """Per rank: the most bytes held at once, a microbatch of stage s weighing ``stage_bytes[s]`` (what
-    autograd keeps for it: ``costmodel.local_memory.activation_bytes``), by the same rule as ``peak_held``."""
+    autograd keeps for it: ``costmodel.local_memory.activation_bytes``): F adds it, I frees all but ``W_KEEPS``
+    of it, B or W (``RELEASES``) the rest."""
     f, i = Kind.F, Kind.I
     peaks = []
     for acts in actions:
