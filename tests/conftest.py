@@ -56,6 +56,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     items[:] = longest_first(items, seconds)
+    if not torch.cuda.is_available():  # one rule for every GPU-only test: marked `cuda`, skipped here
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(skip)
 
 
 class _DurationRecorder:

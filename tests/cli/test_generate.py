@@ -155,7 +155,7 @@ def test_generate_command_bad_input_is_one_line(tmp_path, capsys, flags, message
     assert err.startswith("modelpar generate: error: ") and message in err and "\n" not in err
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_the_same_tokens_on_cuda_and_on_the_cpu():
     model = _model(LLAMA)
     cpu = generate(model, [1, 2, 3], 20, seed=2, top_k=10)

@@ -137,10 +137,7 @@ def test_a_bad_compile_backend_is_one_line():
 
 
 # --- on a GPU (skipped elsewhere): the same paths with CUDA kernels ------------------------------------------
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@needs_cuda
+@pytest.mark.cuda
 def test_on_cuda_compiled_blocks_and_the_chunked_loss_match_eager():
     """fp32 on the GPU, inductor's kernels against eager, the loss in 3 chunks against the whole logits."""
     torch.backends.cuda.matmul.allow_tf32 = False

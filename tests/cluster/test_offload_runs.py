@@ -59,7 +59,7 @@ def test_one_rank_equals_the_plain_run_and_holds_the_predicted_bytes(c1, tmp_pat
     assert held_plain - held == pytest.approx(pred.host_bytes, rel=0.05)  # the peak falls by the offloaded share
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_on_a_gpu_the_copies_overlap_and_the_device_holds_less():
     """The side-stream path: pinned host buffers, copies on their own stream, the reload one layer ahead. The
     gradients are the plain run's bitwise and the device's peak falls by about what went to the host."""

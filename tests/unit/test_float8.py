@@ -51,6 +51,7 @@ def test_float8_linears_keep_the_model_and_approximate_bf16():
         assert cos > 0.95, name
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a GPU with float8 matrix units")
 def test_on_a_float8_gpu_the_products_run_in_float8():

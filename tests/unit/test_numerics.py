@@ -119,7 +119,7 @@ def test_a_range_of_a_tensor_parallel_shard_is_boxes_of_the_full_tensor(dim, blo
         assert torch.equal(piece.tensor, box)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_bf16_and_zero1_train_on_one_gpu_like_fp32():
     """NCCL world of one: autocast on CUDA, fused AdamW (step counts on the GPU), ZeRO-1's ranges."""
     import dataclasses

@@ -15,10 +15,9 @@ from modelpar.pipeline import Pipe, StageWorkers
 pytestmark = pytest.mark.numerics  # float64 against the plain model at 1e-12
 
 CPU = ["cpu"] * 3
-CUDA_2 = pytest.param(["cuda:0", "cuda:1", "cuda:0"], marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices"), id="cuda2")
-MIXED = pytest.param(["cpu", "cuda:0", "cpu"], marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 1, reason="needs a CUDA device"), id="cpu-cuda")
+CUDA_2 = pytest.param(["cuda:0", "cuda:1", "cuda:0"], marks=[pytest.mark.cuda, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices")], id="cuda2")
+MIXED = pytest.param(["cpu", "cuda:0", "cpu"], marks=pytest.mark.cuda, id="cpu-cuda")
 
 
 def make_stages(num_stages: int, width: int = 5, seed: int = 0) -> list[nn.Module]:

@@ -341,10 +341,7 @@ def test_plan_segments():
 
 # -- CUDA: the device generator is replayed too (skipped without a GPU) -------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("recompute", [2, "full", "recompute-all"])
 def test_cuda_dropout_bitwise_and_random_stream_untouched(recompute):
     torch.manual_seed(0)
@@ -361,7 +358,7 @@ def test_cuda_dropout_bitwise_and_random_stream_untouched(recompute):
     assert _equal(run(Recompute(layers, recompute)), run(layers))
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_autocast_is_replayed():
     torch.manual_seed(0)
     layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.1)) for _ in range(4)]).cuda()

@@ -62,7 +62,7 @@ def test_autocast_state_is_carried_to_the_worker():
         assert workers.receive(0).dtype == torch.float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_worker_uses_its_device_and_the_callers_cuda_autocast():
     last = torch.cuda.device_count() - 1
     a = torch.randn(8, 8, device=f"cuda:{last}")
