@@ -4,7 +4,8 @@
 #              side stream, numerics, generation on the GPU)
 #   calibrate  benchmarks/gpu_calibrate.py: `modelpar calibrate` on this GPU, then its configurations predicted
 #              beside measured (step time and peak allocated memory; issue 38)
-#   single355  benchmarks/gpu_single.py at 355M: modelpar (eager, --compile) beside the hand-written anchor,
+#   single355  benchmarks/gpu_single.py at 355M: modelpar (eager, --compile per block and per stage) beside the
+#              hand-written anchor,
 #              with a torch.profiler table of modelpar's compiled step (PROFILE_RUN=modelpar for eager; issue 36)
 #   dualpipe   benchmarks/gpu_dualpipe_overlap.py: DualPipe-V's pairs on two streams against back to back (issue 39)
 #   single1b   benchmarks/gpu_single.py at 1.06B: --compile, fp8 and the compiled anchor
@@ -40,8 +41,8 @@ for s in $STEPS; do
   case $s in
     tests) step tests "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rs -m cuda tests ;;
     calibrate) step calibrate "${CALIBRATE_S:-240}" python3 benchmarks/gpu_calibrate.py --out "$OUT/gpu_profile.json" ;;
-    single355) step single355 "${BENCH_S:-200}" python3 benchmarks/gpu_single.py --sizes 355m \
-      --json "$OUT/gpu_single_355m.json" --runs "${RUNS_355M:-modelpar,anchor,modelpar --compile,anchor compiled}" \
+    single355) step single355 "${BENCH_S:-260}" python3 benchmarks/gpu_single.py --sizes 355m \
+      --json "$OUT/gpu_single_355m.json" --runs "${RUNS_355M:-modelpar,anchor,modelpar --compile,modelpar --compile stage,anchor compiled}" \
       --profile "$OUT/profile.txt" --profile-run "${PROFILE_RUN:-modelpar --compile}" ;;
     dualpipe) step dualpipe "${DUALPIPE_S:-60}" python3 benchmarks/gpu_dualpipe_overlap.py ;;
     single1b) step single1b "${BENCH_1B_S:-220}" python3 benchmarks/gpu_single.py --sizes 1b \

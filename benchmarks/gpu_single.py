@@ -51,6 +51,7 @@ SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=192)
 RUNS = {  # name -> (modelpar's TrainConfig changes, or None for the anchor, compiled?)
     "modelpar": ({}, False),
     "modelpar --compile": ({"compile": True}, True),
+    "modelpar --compile stage": ({"compile": True, "compile_scope": "stage"}, True),  # the stage whole, one graph
     "modelpar --compile fp8": ({"compile": True, "precision": "fp8"}, True),
     "anchor": (None, False),
     "anchor compiled": (None, True),

@@ -1,4 +1,4 @@
-"""``--compile``: ``torch.compile`` each transformer block, torchtitan's granularity.
+"""``--compile``: ``torch.compile`` each transformer block (torchtitan's granularity), or each stage whole.
 
 One block is one graph: every block of a model has the same code and shapes, so torch compiles it
 once and the blocks share it (guards are on the modules' types and tensor metadata, not their
@@ -13,20 +13,30 @@ graph break), so they stay exactly as in eager mode.
 A zero-bubble schedule's split backward (I now, W later) restarts autograd from inside a stage;
 a compiled block is one autograd node, so its W re-runs the block's backward (correct, the
 weight-gradient half's saving lost inside compiled blocks; docs/performance.md).
+
+``--compile-scope stage`` compiles a stage's whole forward instead (the embedding, every block and the final
+norm; the chunked head and loss stay eager), as a hand-written model compiles whole: one graph call per
+microbatch instead of one per block, and fusion across blocks (a block's residual add with the next one's
+norm). It needs a stage whose forward is one autograd node no schedule splits and no hook enters: no ZeRO-3
+(gathers around modules inside the graph), no split backward (W would re-run the whole stage's backward),
+no recomputation or offload (their own autograd functions and saved-tensor hooks around each layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from modelpar._compat import CompileClock, keep_compiled_backward_buffers
 
-__all__ = ["COMPILE_BACKENDS", "check_compile_backend", "compile_blocks", "compiled_blocks", "gather_units"]
+__all__ = ["COMPILE_BACKENDS", "COMPILE_SCOPES", "check_compile_backend", "check_compile_scope", "compile_blocks",
+           "compile_stages", "compiled_blocks", "gather_units"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others check the tracing
+COMPILE_SCOPES = ("block", "stage")  # what one graph covers: a transformer block, or a stage's whole forward
 
 
 def check_compile_backend(backend: str) -> str:
@@ -37,6 +47,21 @@ def check_compile_backend(backend: str) -> str:
     if backend not in known:
         raise ValueError(f"compile_backend must be one of {', '.join(known)}, got {backend!r}")
     return backend
+
+
+def check_compile_scope(scope: str, *, zero: int, split_backward: bool, recompute: str, offload: str) -> None:
+    """A one-line ValueError if ``scope`` is unknown, or is "stage" with what a whole-stage graph cannot hold."""
+    if scope not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {scope!r}")
+    if scope == "block":
+        return
+    clash = ("zero 3 (its gathers wrap modules inside the stage)" if zero >= 3 else
+             "a split-backward schedule (W would re-run the whole stage's backward)" if split_backward else
+             f"recompute {recompute} (its checkpoints wrap layers inside the stage)" if recompute != "none" else
+             f"offload_activations {offload} (its hooks wrap layers inside the stage)" if offload != "none" else "")
+    if clash:
+        raise ValueError(f"compile_scope stage compiles a stage's forward whole and cannot run with {clash}; "
+                         "use compile_scope block")
 
 
 def compiled_blocks(module: nn.Module) -> Iterator[nn.Module]:
@@ -58,6 +83,32 @@ def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",
         for block in compiled_blocks(module):
             block.forward = torch.compile(block.forward, backend=backend)
     return clock
+
+
+def compile_stages(modules: Mapping[int, nn.Module], backend: str = "inductor") -> CompileClock:
+    """Compile the forward of every stage of ``modules`` whole, in place (names, parameters and hooks unchanged);
+    return the clock that counts the seconds spent compiling from now on."""
+    clock = CompileClock()
+    clock.start()
+    for module in modules.values():
+        module.forward = _compiled_after_first_call(module.forward, backend)
+    return clock
+
+
+def _compiled_after_first_call(forward: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """``forward`` eager on its first call (the embedding reads the token ids on the host then, once: traced, that
+    read would split the stage's graph for good), compiled from the second on."""
+    compiled = torch.compile(forward, backend=backend)
+    first = True
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal first
+        if first:
+            first = False
+            return forward(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def gather_units(module: nn.Module, compiled: bool) -> list[nn.Module]:

@@ -33,7 +33,7 @@ from modelpar.schedules.rules import ANY_MICROBATCHES
 from modelpar.tensor_parallel.context_parallel import CP_COMMS
 from modelpar.tensor_parallel.head_loss import chunk_tokens
 from modelpar.text.config import DataConfig
-from modelpar.training.compile import check_compile_backend
+from modelpar.training.compile import COMPILE_SCOPES, check_compile_backend, check_compile_scope
 from modelpar.training.precision import check_precision, compute_dtype, param_dtype
 
 __all__ = ["PREEMPT_SIGNALS", "SCHEDULE_CHOICES", "TrainConfig", "default_microbatches"]
@@ -125,6 +125,13 @@ class TrainConfig:
                                                                           "(traced and differentiated, no code "
                                                                           "generation: quick, for checking), or any "
                                                                           "backend torch lists")
+    compile_scope: str = option("block", section="optimisation", help="with compile, what one graph covers: "
+                                                                      f"{' or '.join(COMPILE_SCOPES)} (block: each "
+                                                                      "transformer block, with every dimension; "
+                                                                      "stage: a stage's whole forward, as a "
+                                                                      "hand-written model compiles; not with zero 3, "
+                                                                      "split-backward schedules, recomputation or "
+                                                                      "offload)")
     zero: int = option(0, section="parallelism", help="ZeRO stage over the d replicas: 0 every replica holds "
                                                       "everything; 1 AdamW state sharded; 2 and the gradients; 3 and "
                                                       "the parameters (docs/numerics.md)")
@@ -253,6 +260,9 @@ class TrainConfig:
         check_number("loss_chunk_mb", self.loss_chunk_mb)
         if self.compile:
             check_compile_backend(self.compile_backend)
+            split = self.schedule != "auto" and schedule_entry(self.schedule).split_backward
+            check_compile_scope(self.compile_scope, zero=self.zero, split_backward=split, recompute=self.recompute,
+                                offload=parse_offload(self.offload_activations))
         self._check_experts()
         if self.schedule == "auto":  # the synthesised schedule's: 1 (one stage per rank) or 2 (V or loop)
             check_choice("chunks", self.chunks, (1, 2))

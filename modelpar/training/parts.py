@@ -6,7 +6,7 @@ torchtitan applies each parallelism as a function over the model; these are mode
     build_stages        the model: t (and sequence parallelism), cp and ep live in its layers (build_stage)
     apply_offload       --offload-activations: the chosen layers' saved activations to host memory
     apply_float8        --precision fp8: torchao's float8 products in the linear layers
-    apply_compile       --compile: each transformer block's forward compiled
+    apply_compile       --compile: each transformer block's forward (or each stage's) compiled
     stage_loss          the last stage's loss (the head and cross entropy in chunks of tokens)
     apply_pipeline      p: the schedule's runner over the stages (bf16: each stage under autocast)
     apply_data_parallel d × cp: the gradient buckets, their reduction, ZeRO 0-3, clipping; then
@@ -24,6 +24,7 @@ from torch import nn
 
 from modelpar._compat import CompileClock
 from modelpar.model import LMLoss, Transformer, build_stage
+from modelpar.offload_plan import parse_offload
 from modelpar.pipeline.runner import PipelineRunner
 from modelpar.recompute.offload import HostOffload
 from modelpar.recompute.offload import apply_offload as offload_stage
@@ -31,7 +32,7 @@ from modelpar.schedules import Schedule
 from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.training.buckets import Bucket, BufferMeter
 from modelpar.training.clipping import GradClip
-from modelpar.training.compile import compile_blocks
+from modelpar.training.compile import check_compile_scope, compile_blocks, compile_stages
 from modelpar.training.config import TrainConfig
 from modelpar.training.dp_comm import DataParallelComm
 from modelpar.training.float8 import check_float8_device, float8_linears
@@ -72,8 +73,15 @@ def apply_float8(cfg: TrainConfig, modules: Mapping[int, nn.Module], device: tor
 
 
 def apply_compile(cfg: TrainConfig, modules: Mapping[int, nn.Module], schedule: Schedule) -> CompileClock | None:
-    """``--compile``: every block's forward compiled; the clock of the time spent compiling (None: not compiled)."""
-    return compile_blocks(modules, cfg.compile_backend, schedule.split_backward) if cfg.compile else None
+    """``--compile``: every block's (``--compile-scope stage``: every stage's) forward compiled; the clock of the
+    time spent compiling (None: not compiled)."""
+    if not cfg.compile:
+        return None
+    if cfg.compile_scope == "stage":  # the schedule is known only now under --schedule auto
+        check_compile_scope("stage", zero=cfg.zero, split_backward=schedule.split_backward, recompute=cfg.recompute,
+                            offload=parse_offload(cfg.offload_activations))
+        return compile_stages(modules, cfg.compile_backend)
+    return compile_blocks(modules, cfg.compile_backend, schedule.split_backward)
 
 
 def stage_loss(cfg: TrainConfig, rs: RankSetup, modules: Mapping[int, Transformer]) -> LMLoss:

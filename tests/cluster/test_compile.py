@@ -3,7 +3,8 @@
 Compiled blocks (``modelpar.training.compile``) trained against the same run in eager mode on real gloo
 processes, for every dimension the issue names: (1,1,1), a pipeline under 1F1B and ZB-H1 (the split
 backward re-runs a compiled block's backward), t = 2 with sequence parallelism, cp = 2, ZeRO-3 (gathers per
-block), experts over ep = 2, recomputation. The matrix compiles with ``aot_eager`` (dynamo's graphs and AOT
+block), experts over ep = 2, recomputation; and whole compiled stages (``--compile-scope stage``) for every
+dimension they run with. The matrix compiles with ``aot_eager`` (dynamo's graphs and AOT
 autograd, no code generation: seconds, not minutes, on 2 cores); one run compiles with inductor. One 2-rank
 cluster for the module.
 """
@@ -19,7 +20,7 @@ from modelpar.model import LMLoss, ModelConfig, build_stage
 from modelpar.tensor_parallel import vocab_parallel_cross_entropy
 from modelpar.tensor_parallel.head_loss import chunk_tokens, chunked_head_cross_entropy
 from modelpar.training import TrainConfig, train
-from modelpar.training.compile import compile_blocks, gather_units
+from modelpar.training.compile import compile_blocks, compile_stages, gather_units
 
 LLAMA = ModelConfig(arch="llama", hidden=32, heads=4, kv_heads=2, layers=4, seq_len=16)
 BASE = TrainConfig(model=LLAMA, steps=3, batch_size=8, microbatches=2, precision="fp64", warmup=1, lr=1e-2, clip=0.5,
@@ -56,6 +57,56 @@ def test_compiled_blocks_train_as_eager(c2, case):
         assert c_val == pytest.approx(val, abs=TOL, rel=0)
         assert seconds is not None and seconds >= 0.0
     assert eager[0][3] is None  # not compiled: no compile time reported
+
+
+STAGE_CASES = {
+    "dp2-zero2": dict(dp=2, zero=2, bucket_mb=0.04),
+    "1f1b": dict(pp=2, schedule="1f1b"),
+    "interleaved": dict(pp=2, schedule="interleaved", chunks=2, microbatches=4),
+    "tp2-sp": dict(tp=2, sequence_parallel=True, loss_chunk_mb=0.01),
+    "cp2": dict(cp=2),
+    "moe-ep2": dict(dp=2, ep=2, model=dataclasses.replace(LLAMA, experts=2, top_k=1)),
+}
+
+
+@pytest.mark.parametrize("case", STAGE_CASES)
+def test_compiled_stages_train_as_eager(c2, case):
+    """``--compile-scope stage``: each stage's forward one graph (collectives inside break it, as in eager)."""
+    cfg = dataclasses.replace(BASE, **STAGE_CASES[case])
+    eager = c2.run(_train, cfg)
+    compiled = c2.run(_train, dataclasses.replace(cfg, compile=True, compile_scope="stage", compile_backend="aot_eager"))
+    for (losses, norms, val, _), (c_losses, c_norms, c_val, seconds) in zip(eager, compiled):
+        assert c_losses == pytest.approx(losses, abs=TOL, rel=0)
+        assert c_norms == pytest.approx(norms, abs=TOL, rel=0)
+        assert c_val == pytest.approx(val, abs=TOL, rel=0)
+        assert seconds is not None and seconds >= 0.0
+
+
+def test_a_whole_stage_is_one_graph_after_its_first_call():
+    """The stage's forward, embedding to final norm, is one graph: its first call runs eagerly (the token ids read
+    on the host, once), the second compiles it whole, later calls run it without a break or a new graph."""
+    torch._dynamo.reset()
+    model = build_stage(LLAMA, seed=0, dtype=torch.float64, head_in_loss=True)
+    compile_stages({0: model}, "aot_eager").stop()
+    x = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_len))
+    loss = LMLoss(LLAMA.vocab_size, head=model.head)
+    counts = []
+    for _ in range(4):
+        counters.clear()
+        loss(model(x), x).backward()
+        counts.append((counters["stats"]["unique_graphs"], len(counters["graph_break"])))
+    assert counts == [(0, 0), (1, 0), (0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize("changes, clash", [
+    (dict(dp=2, zero=3), "zero 3"), (dict(pp=2, schedule="zb-h1"), "split-backward"),
+    (dict(recompute="selective"), "recompute selective"), (dict(offload_activations="all"), "offload_activations all"),
+    (dict(compile_scope="graph"), "compile_scope must be one of block, stage, got 'graph'")])
+def test_what_a_whole_stage_graph_cannot_hold_is_refused_in_one_line(changes, clash):
+    cfg = dataclasses.replace(BASE, compile=True, compile_scope="stage")
+    with pytest.raises(ValueError, match=clash) as err:
+        dataclasses.replace(cfg, **changes).check()
+    assert "\n" not in str(err.value)
 
 
 def test_the_inductor_backend_compiles_the_blocks_and_trains_as_eager(c1):
