@@ -310,7 +310,7 @@ def _summary(cfg: TrainConfig, result: TrainResult, out: Path, peak_tflops: floa
          else "- (pass --peak-tflops)"),
         ("precision", _PRECISION[cfg.precision]),
         ("compiled", "no (--compile: each block compiled)" if result.compile_seconds is None else
-         f"each block, {cfg.compile_backend}: {result.compile_seconds:.1f} s compiling on rank 0"),
+         f"each {cfg.compile_scope}, {cfg.compile_backend}: {result.compile_seconds:.1f} s compiling on rank 0"),
         *([("checkpoint saves", _saves(cfg, result))] if result.save_stalls else []),
         ("data parallel", f"ZeRO-{cfg.zero}, {result.buckets} bucket{'s' if result.buckets != 1 else ''}, "
                           + ("overlapped" if cfg.overlap_grad_reduce and cfg.dp > 1 else "after the step")),
