@@ -24,10 +24,11 @@ class Engine:
 
 
 def _engine(*, overlap_tp: bool, accumulation_pass: bool, scatter_gather: bool, interleaving: bool,
-            overhead_s: float = 0.0) -> dict[str, Any]:
+            overhead_s: float = 0.0, sp_regather: bool = True) -> dict[str, Any]:
     """Every field an engine decides, so that applying one engine fully replaces another's."""
     return dict(tp_overlap=1.0 if overlap_tp else 0.0, grad_accumulation_pass=accumulation_pass,
-                pp_scatter_gather=scatter_gather, pp_engine_overhead_s=overhead_s, interleaving=interleaving)
+                pp_scatter_gather=scatter_gather, pp_engine_overhead_s=overhead_s, interleaving=interleaving,
+                sp_regather=sp_regather)
 
 
 ENGINES: dict[str, Engine] = {
@@ -63,12 +64,13 @@ ENGINES: dict[str, Engine] = {
     # Dubey et al. 2024 §3.3 describe Llama 3's stack as PyTorch with FSDP, tensor, pipeline and context
     # parallelism; torchtitan is the public stack of that design. Its tensor-parallel collectives are
     # synchronous (asynchronous TP is opt-in there), its pipeline sends whole activations, and FSDP
-    # reduces gradients as they are produced.
+    # reduces gradients as they are produced. DTensor's sequence parallelism saves the all-gathered input of
+    # each first linear for its weight gradient (no second all-gather in the backward, as Megatron does).
     "pytorch": Engine(
         "pytorch",
         "PyTorch-native stack (FSDP + DTensor tensor parallelism + pipelining, as torchtitan and Llama 3's): "
         "1F1B or interleaved 1F1B, synchronous tensor-parallel collectives, whole activations between stages",
-        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True),
+        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True, sp_regather=False),
     ),
 }
 

@@ -19,11 +19,11 @@ from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
+from modelpar.costmodel.network import ring_time
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, rank_loads
 from modelpar.costmodel.zero_bytes import (
     dp_bytes_at_step_end,
-    dp_bytes_per_microbatch,
     optimizer_state_bytes_per_param,
     shard_elements,
 )
@@ -33,6 +33,8 @@ __all__ = [
     "PARTS",
     "Estimate",
     "check_config",
+    "embedding_sync",
+    "embedding_time",
     "ep_layer_time",
     "estimate",
     "estimate_checked",
@@ -41,6 +43,7 @@ __all__ = [
     "microbatch_times",
     "optimizer_time",
     "output_layer_time",
+    "sharded_dp_exposed",
     "tp_collectives",
     "transfer_time",
 ]
@@ -192,21 +195,63 @@ def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
     all-reduce). Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the
     same volume (Korthikanti §4.2.2) and re-gathers the saved input of each first linear for its weight
     gradient in the backward; the all-gather of each block's output gradient cannot hide (the next GEMM
-    needs it), the re-gather and the input-gradient reduce-scatter can.
+    needs it), the re-gather and the input-gradient reduce-scatter can. An engine that saves the gathered
+    input instead (``sp_regather`` False: PyTorch DTensor) has no re-gather: 4 in all, not 5, when none hides.
     """
     forward = 2.0 * (2 if cfg.recompute == "full" else 1)
     if cfg.sequence_parallel:
-        return forward + 1.0 + 2.0 * (1 - a.tp_overlap)
+        return forward + 1.0 + (2.0 if a.sp_regather else 1.0) * (1 - a.tp_overlap)
     return forward + 2.0 * (1 - a.tp_overlap)
+
+
+# Bytes per logit through HBM in Megatron-LM's vocabulary-parallel cross entropy (megatron/core/tensor_parallel/
+# cross_entropy.py, _VocabParallelCrossEntropy), counted from its kernels: forward — the 16-bit logits to fp32 (read 2,
+# write 4), their max (read 4), minus it in place (4 + 4), exp in place (4 + 4), the sum (read 4); backward — ÷ the
+# sum in place (4 + 4), × the loss gradient in place (4 + 4), the 16-bit gradient for the head's GEMMs (read 4, write 2).
+CROSS_ENTROPY_BYTES = 52.0
+
+
+def _tp_one(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, values: float = 0.0) -> float:
+    """One tensor-parallel all-reduce of b·s·h 16-bit values (or of ``values`` fp32 values) over the t ranks."""
+    tokens = cfg.micro_batch * model.seq / cfg.cp
+    nbytes = values * 4 if values else tokens * model.hidden * a.param_bytes
+    return collective_time(allreduce_bytes(nbytes, cfg.t), cluster.link_gbps(cfg.t), a, cluster, "all_reduce", cfg.t)
 
 
 def output_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
                       ) -> float:
-    """The vocabulary-parallel output layer and fused cross entropy, forward and backward, one microbatch."""
+    """The last stage's end, one microbatch: the vocabulary-parallel output layer (2·h·V/t FLOPs per token forward,
+    twice that backward) and, but for the reference's uniform stages (matmuls only), the fused cross entropy
+    over the fp32 logits (``CROSS_ENTROPY_BYTES`` per logit, memory-bound) and at t > 1 its collectives: the
+    head's input gathered (SP) in the forward, its input gradient all-reduced (SP: reduce-scatter) in the
+    backward, under the weight-gradient GEMM as the layers' are (``tp_overlap``), and the cross entropy's
+    three all-reduces of one fp32 value per token (max, target logit, sum)."""
     tokens = cfg.micro_batch * model.seq / cfg.cp
     flops = 3 * tokens * model.logits_flops_per_token / cfg.t
-    fp32_logits = tokens * model.vocab / cfg.t * 4
-    return flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(a.elementwise_passes * 3 * fp32_logits, cluster)
+    logits = tokens * model.vocab / cfg.t
+    own = flops / (cluster.gpu.peak_tflops * 1e12 * eff)
+    if a.uniform_stages:  # the reference's model: the output layer's matmuls, nothing else
+        return own
+    own += _hbm(CROSS_ENTROPY_BYTES * logits, cluster)
+    if cfg.t == 1:
+        return own
+    head = (0.5 + 0.5 * (1 - a.tp_overlap)) if cfg.sequence_parallel else 1 - a.tp_overlap
+    return own + head * _tp_one(model, cluster, cfg, a) + 3 * _tp_one(model, cluster, cfg, a, tokens)
+
+
+def embedding_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
+    """The first stage's end, one microbatch: the input embedding's backward writes a dense [V/t, h] gradient
+    (torch's embedding_dense_backward zeroes it, then adds the tokens' rows), which a hook then adds into the
+    gradient buffer (Megatron: the embedding has no fused weight-gradient GEMM) unless ``grad_accumulation_pass``
+    already prices that pass for all the rank's weights; at t > 1 the all-reduce (SP: reduce-scatter) of its output."""
+    if a.uniform_stages:  # the reference's model: no matmuls here, nothing else timed
+        return 0.0
+    table = model.vocab * model.hidden / cfg.t
+    hbm = table * a.param_bytes
+    if not a.grad_accumulation_pass:
+        hbm += table * (a.param_bytes + 2 * a.grad_bytes)
+    tp = (0.5 if cfg.sequence_parallel else 1.0) * _tp_one(model, cluster, cfg, a) if cfg.t > 1 else 0.0
+    return _hbm(hbm, cluster) + tp
 
 
 def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
@@ -226,6 +271,16 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
         return (collective_time(act / cfg.t, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
                 + collective_time(allgather_bytes(act, cfg.t), cluster.intra_node_gbps, a, cluster, "all_gather", cfg.t))
     return collective_time(act, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
+
+
+def embedding_sync(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
+    """With tied embeddings and p > 1, the word embedding's gradient all-reduced between the first and the last
+    stage after the last backward (Megatron's finalize_model_grads, _allreduce_embedding_grads), over the network
+    unless the whole job is one node; exposed: the optimizer waits for it."""
+    if cfg.p == 1 or not model.tied_embeddings or a.uniform_stages:
+        return 0.0
+    table = model.vocab * model.hidden / cfg.t * a.grad_bytes
+    return ring_time(allreduce_bytes(table, 2), "all_reduce", 2, cluster.gpus // 2, cluster, a)
 
 
 def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
@@ -260,30 +315,60 @@ def _accumulation(params: float, cluster: ClusterSpec, a: Assumptions) -> float:
     return _hbm(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
 
 
-def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, per_layer: float,
-                     logits: float, loads: tuple[int, ...]) -> tuple[float, float, float, dict[int, float]]:
-    """One microbatch on the pipeline's devices: (busiest device, average device, exposed sharded DP, parameters).
+def sharded_dp_exposed(units: int, params: float, work: float, cfg: ParallelConfig, cluster: ClusterSpec,
+                       a: Assumptions) -> tuple[float, float]:
+    """Exposed ZeRO-2/3 collectives on a rank holding ``params`` in ``units`` equal layers, each gathered and
+    reduced as one FSDP unit, whose microbatch computes for ``work`` seconds: (per microbatch, once per step).
 
-    A device runs its layers, the last also the output layer, each its gradient accumulation pass;
-    ZeRO-2/3 collectives run beside that and ``dp_overlap`` of what fits under it hides. Only the
-    devices that can be the busiest are evaluated: the others differ from them in nothing but rank.
+    ZeRO-3 all-gathers a unit's parameters before its forward and again before its backward, and every
+    backward reduce-scatters its gradients; ZeRO-2 only the reduce-scatter (``zero_bytes``' ring bytes, over
+    the d·cp ranks t apart: ``network.ring_time``). An engine that overlaps data-parallel traffic
+    (``dp_overlap`` > 0) runs them on their own streams, prefetching the next unit's gather (torch FSDP2's
+    implicit forward and backward prefetch, torch.distributed.fsdp.fully_shard; DeepSpeed ZeRO-3's prefetch
+    bucket) and reducing a unit's gradients while the next unit computes: in the steady state a microbatch
+    pays only what its collectives take beyond its compute, max(0, comm − compute), and each step the first
+    gather (before any compute) and the last reduce-scatter (after all of it). Without overlap (Megatron
+    2021) every collective is exposed, per microbatch.
     """
-    p, d = cfg.p, cfg.grad_ranks  # gradients are reduced over d·cp ranks
+    d = cfg.grad_ranks
+    if cfg.zero < 2 or d == 1:
+        return 0.0, 0.0
+    n = max(units, 1)
+    ring = (d - 1) * shard_elements(params / n, d, True)
+    rs = ring_time(ring * a.grad_bytes, "reduce_scatter", d, cfg.t, cluster, a)
+    ag = ring_time(ring * a.param_bytes, "all_gather", d, cfg.t, cluster, a) if cfg.zero == 3 else 0.0
+    comm = n * (2 * ag + rs)
+    if a.dp_overlap == 0:
+        return comm, 0.0
+    return max(0.0, comm - work), ag + rs
+
+
+def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, per_layer: float,
+                     ends: tuple[float, float], loads: tuple[int, ...]
+                     ) -> tuple[float, float, float, float, dict[int, float]]:
+    """One microbatch on the pipeline's devices: (busiest device, average device, exposed sharded DP, its
+    once-per-step part, parameters).
+
+    A device runs its layers, the first also the embedding and the last the output layer (``ends``: their
+    times), each its gradient accumulation pass; ZeRO-2/3 collectives run beside that
+    (``sharded_dp_exposed``). Only the devices that can be the busiest are evaluated: the others differ from
+    them in nothing but rank.
+    """
+    p = cfg.p
+    first, last = ends
     ranks = busiest_candidates(loads)
     params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
     if a.uniform_stages or p == 1:
-        work = dict.fromkeys(ranks, model.layers / p * per_layer + logits / p)
+        work = dict.fromkeys(ranks, model.layers / p * per_layer + (first + last) / p)
     else:
-        work = {r: loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in ranks}
+        work = {r: loads[r] * per_layer + (first if r == 0 else 0.0) + (last if r == p - 1 else 0.0) for r in ranks}
     work = {r: w + _accumulation(params[r], cluster, a) for r, w in work.items()}
-    dp_link = cluster.link_gbps(cfg.t * d)
-    sharded = {r: collective_time(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a,
-                              cluster, "reduce_scatter", d, cfg.t * d)
-               if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
-    total = {r: work[r] + sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
+    sharded = {r: sharded_dp_exposed(loads[r], params[r], work[r], cfg, cluster, a) for r in ranks}
+    total = {r: work[r] + sharded[r][0] for r in ranks}
     busiest = max(total.values())
-    average = model.layers / p * per_layer + logits / p + _accumulation(model.params / (cfg.t * p), cluster, a)
-    return busiest, average, busiest - max(work.values()), params
+    average = (model.layers / p * per_layer + (first + last) / p
+               + _accumulation(model.params / (cfg.t * p), cluster, a))
+    return busiest, average, busiest - max(work.values()), max(tail for _, tail in sharded.values()), params
 
 
 def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions,
@@ -294,11 +379,11 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
     layer_cp = cp_layer_time(model, cluster, cfg, a, eff)
     layer_ep = ep_layer_time(model, cluster, cfg, a)
-    logits = output_layer_time(model, cluster, cfg, a, eff)
+    ends = embedding_time(model, cluster, cfg, a), output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
     loads = rank_loads(model.layers, cfg)
-    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a,
-                                                            layer_compute + layer_tp + layer_cp + layer_ep, logits, loads)
+    busiest, average, sharded_dp, sharded_tail, params = microbatch_times(model, cluster, cfg, a,
+                                                            layer_compute + layer_tp + layer_cp + layer_ep, ends, loads)
 
     # --- the pipelined microbatches (SC'21 §2.2: the busiest device sets the pace), then the step's end ---
     p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
@@ -307,9 +392,9 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     heaviest = max(params.values())
     g = cfg.grad_ranks  # d·cp ranks, t apart
     end_bytes = dp_bytes_at_step_end(heaviest, g, cfg.zero, a.grad_bytes, a.param_bytes)
-    dp_op = "all_reduce" if cfg.zero == 0 else "all_gather"
-    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * g), a, cluster, dp_op, g, cfg.t * g)
-              if end_bytes else 0.0)
+    dp_op = "all_reduce" if cfg.zero <= 1 else "all_gather"  # ZeRO-1: a reduce-scatter and an all-gather
+    dp_end = ((1 - a.dp_overlap) * ring_time(end_bytes, dp_op, g, cfg.t, cluster, a) + sharded_tail
+              + embedding_sync(model, cluster, cfg, a))
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 
