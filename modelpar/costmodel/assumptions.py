@@ -47,6 +47,9 @@ class Assumptions:
     # (Megatron-LM, Korthikanti §4.2.2); False: the gathered input is what autograd saves (PyTorch DTensor's
     # SequenceParallel / ColwiseParallel: the all-gather's output is the Linear's saved input), no second gather
     sp_regather: bool = True
+    # with sequence parallelism, each all-gather / reduce-scatter split into t chunks pipelined with its GEMM
+    # (Megatron-Core --tp-comm-overlap, PyTorch asynchronous TP): ``estimate.tp_overlapped``
+    tp_comm_overlap: bool = False
     # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
     pp_scatter_gather: bool = True
     pp_overlap: float = 0.0  # fraction of steady-state point-to-point time hidden under compute (fill and drain always pay)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
-from modelpar.costmodel.measured import collective_time, gemm_efficiency
+from modelpar.costmodel.measured import collective_time, gemm_efficiency, layer_gemms
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.network import ring_time
@@ -45,6 +45,7 @@ __all__ = [
     "output_layer_time",
     "sharded_dp_exposed",
     "tp_collectives",
+    "tp_overlapped",
     "transfer_time",
 ]
 
@@ -167,8 +168,34 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
     compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
     if t == 1:
         return compute, 0.0
+    if a.tp_comm_overlap and cfg.sequence_parallel and model.moe is None:
+        return compute, tp_overlapped(model, cluster, cfg, a, eff)
     one = collective_time(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
     return compute, tp_collectives(cfg, a) * one
+
+
+def tp_overlapped(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float) -> float:
+    """Exposed sequence-parallel collectives of one layer and microbatch when each is split into t chunks and
+    pipelined with the GEMM that consumes or produces it (``tp_comm_overlap``: Megatron-Core's --tp-comm-overlap
+    with TransformerEngine's userbuffers; PyTorch's asynchronous TP; Wang et al. 2023, "Overlap communication
+    with dependent computation via decomposition", ASPLOS'23): per pair, max(0, collective − GEMM) plus the one
+    chunk that cannot overlap, collective/t.
+
+    Pairs (``measured.layer_gemms``' QKV, output projection, MLP up and down): forward, the all-gather into
+    QKV and up, the reduce-scatter out of the projection and down (again in a full recomputation); backward,
+    the mirrored collective of each with that GEMM's input-gradient GEMM, and (``sp_regather``) the re-gather
+    of QKV's and up's input with their weight-gradient GEMMs.
+    """
+    t = cfg.t
+    tokens = cfg.micro_batch * model.seq // cfg.cp
+    half = collective_time(allgather_bytes(tokens * model.hidden * a.param_bytes, t), cluster.link_gbps(t), a, cluster,
+                           "all_gather", t)
+    rate = cluster.gpu.peak_tflops * 1e12 * eff
+    gemms = [2.0 * m * n * k / rate for m, n, k in layer_gemms(model, tokens, t)]
+    exposed = [max(0.0, half - g) + half / t for g in gemms]
+    forward = sum(exposed) * (2 if cfg.recompute == "full" else 1)
+    regather = exposed[0] + exposed[2] if a.sp_regather else 0.0
+    return forward + sum(exposed) + regather
 
 
 def ep_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
