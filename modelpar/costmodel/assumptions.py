@@ -41,6 +41,9 @@ class Assumptions:
     collective_latency_s: float = 20e-6  # fixed cost of each collective / transfer
     # a data-parallel ring also pays NCCL's per-step hop latency (NVLink or network: ``network.ring_latency``)
     ring_hop_latency: bool = True
+    # a ring over g members per node reaches g NICs' bandwidth across nodes (NCCL's one channel per NIC; nccl-tests'
+    # multi-node bus bandwidth near the node's NICs together); False: each member's own NIC (``network.ring_time``)
+    ring_node_nics: bool = False
     # fraction of the backward's hideable tensor-parallel collectives hidden under the weight-gradient GEMMs
     tp_overlap: float = 1.0
     # sequence parallelism keeps 1/t of each first linear's input and all-gathers it again for the weight gradient

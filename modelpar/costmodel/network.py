@@ -7,7 +7,9 @@ of them (N − 1)/N · S must cross the network, at the per-GPU network bandwidt
 the slower sets the time. With t = 8 on 8-GPU nodes (N = n) that is R at the network's rate, as
 before; inside one node R at NVLink's. The node's other NICs are not counted as adding to one rank's
 rate: SC'21 Table 2's DeepSpeed ZeRO-3 rows (t = 1 over 48-192 nodes, docs/costmodel.md) reach about
-the per-GPU network rate, not the node's aggregate. Latency: NCCL's tuning model (src/graph/tuning.cc:
+the per-GPU network rate, not the node's aggregate; ``Assumptions.ring_node_nics`` counts the g NICs
+of the group's members in a node together instead (NCCL's rings, one channel per NIC, as nccl-tests
+measure across nodes). Latency: NCCL's tuning model (src/graph/tuning.cc:
 a base cost plus, per ring step, an NVLink or a network hop latency, Simple protocol; the per-step
 figures from memory of that file, not re-read), so small messages and large groups reach a falling
 fraction of the link: time = latency + bytes / bandwidth.
@@ -56,9 +58,10 @@ def ring_time(nbytes: float, op: str, group: int, stride: int, cluster: ClusterS
     span = group * stride
     if cluster.measured is not None:
         return collective_time(nbytes, cluster.link_gbps(span), a, cluster, op, group, span)
-    _, nodes = _layout(cluster, group, stride)
+    per_node, nodes = _layout(cluster, group, stride)
     seconds = nbytes / (cluster.intra_node_gbps * 1e9)
     if nodes > 1:
         whole = nbytes * group / (group - 1)
-        seconds = max(seconds, (nodes - 1) / nodes * whole / (cluster.inter_node_gbps * 1e9))
+        nics = per_node if a.ring_node_nics else 1
+        seconds = max(seconds, (nodes - 1) / nodes * whole / (nics * cluster.inter_node_gbps * 1e9))
     return ring_latency(op, group, stride, cluster, a) + seconds / a.link_efficiency

@@ -81,6 +81,11 @@ def test_ring_time_by_hand_one_rank_per_node_inside_a_node_and_across_four_nodes
     latency = 20e-6 + (2 * 31 - 2 * 3) * 3.4e-6 + 2 * 3 * 14e-6
     assert ring_time(nbytes, "all_reduce", 32, 1, A100, a) == pytest.approx(net / 0.85 + latency)
     assert ring_time(nbytes, "all_reduce", 32, 1, A100, REFERENCE) == pytest.approx(net)  # nominal, no latency
+    # ring_node_nics: the 8 members of each node leave it through 8 NICs together
+    together = a.with_(ring_node_nics=True)
+    assert ring_time(nbytes, "all_reduce", 32, 1, A100, together) == pytest.approx(
+        max(net / 8, nbytes / 300e9) / 0.85 + latency)
+    assert ring_time(nbytes, "all_gather", 8, 8, A100, together) == ring_time(nbytes, "all_gather", 8, 8, A100, a)
     assert ring_time(0.0, "all_gather", 8, 8, A100, a) == ring_time(nbytes, "all_gather", 1, 8, A100, a) == 0.0
 
 
