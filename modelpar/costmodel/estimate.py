@@ -2,10 +2,11 @@
 
 Per microbatch, each pipeline device runs its layers (matmuls at the efficiency curve, plus
 memory-bound element-wise work and per-kernel latency) and their tensor-parallel collectives
-(NVLink when t fits in a node, else the network), the last device also the output layer, and
-every device its point-to-point transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average
+(NVLink when t fits in a node, else the network), the first device also the embedding and the
+last the output layer and cross entropy (``ends.py``), and every device its point-to-point transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average
 (Megatron SC'21 §2.2, the busiest device setting the pace) plus the transfers of the fill and the
-drain; then the exposed data-parallel reduction (``zero.py``'s traffic) and the optimizer step.
+drain; ZeRO-2/3's collectives beside each microbatch (``network.sharded_dp_exposed``); then the exposed
+data-parallel reduction (``zero_bytes``' traffic on ``network.ring_time``'s rings) and the optimizer step.
 Ranks are ordered tensor, data, pipeline (Megatron's default), which decides which link each
 collective crosses. docs/costmodel.md derives each term and gives its source.
 """
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
+from modelpar.costmodel.ends import embedding_sync, embedding_time, hbm_seconds, output_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency, layer_gemms
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
-from modelpar.costmodel.network import ring_time
+from modelpar.costmodel.network import ring_time, sharded_dp_exposed
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, rank_loads
 from modelpar.costmodel.zero_bytes import (
@@ -33,8 +35,6 @@ __all__ = [
     "PARTS",
     "Estimate",
     "check_config",
-    "embedding_sync",
-    "embedding_time",
     "ep_layer_time",
     "estimate",
     "estimate_checked",
@@ -42,8 +42,7 @@ __all__ = [
     "matmul_efficiency",
     "microbatch_times",
     "optimizer_time",
-    "output_layer_time",
-    "sharded_dp_exposed",
+    "output_layer_time",  # ends.py's, re-exported (schedule_choice prices the last stage with it)
     "tp_collectives",
     "tp_overlapped",
     "transfer_time",
@@ -139,10 +138,6 @@ def matmul_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfi
             * width / (width + a.gemm_width_half))
 
 
-def _hbm(nbytes: float, cluster: ClusterSpec) -> float:
-    return nbytes / (cluster.gpu.hbm_tb_s * 1e12)
-
-
 def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
                ) -> tuple[float, float]:
     """(compute, exposed tensor-parallel communication) of one transformer layer, one microbatch, one GPU.
@@ -165,7 +160,7 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
         flops += tokens * 4 * s * h / t
         if not a.flash_attention:
             hbm += a.elementwise_passes * 5.0 * model.heads * s * tokens / t  # scores, mask, dropout output
-    compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
+    compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + hbm_seconds(hbm, cluster) + a.layer_latency_s * passes
     if t == 1:
         return compute, 0.0
     if a.tp_comm_overlap and cfg.sequence_parallel and model.moe is None:
@@ -231,56 +226,6 @@ def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
     return forward + 2.0 * (1 - a.tp_overlap)
 
 
-# Bytes per logit through HBM in Megatron-LM's vocabulary-parallel cross entropy (megatron/core/tensor_parallel/
-# cross_entropy.py, _VocabParallelCrossEntropy), counted from its kernels: forward — the 16-bit logits to fp32 (read 2,
-# write 4), their max (read 4), minus it in place (4 + 4), exp in place (4 + 4), the sum (read 4); backward — ÷ the
-# sum in place (4 + 4), × the loss gradient in place (4 + 4), the 16-bit gradient for the head's GEMMs (read 4, write 2).
-CROSS_ENTROPY_BYTES = 52.0
-
-
-def _tp_one(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, values: float = 0.0) -> float:
-    """One tensor-parallel all-reduce of b·s·h 16-bit values (or of ``values`` fp32 values) over the t ranks."""
-    tokens = cfg.micro_batch * model.seq / cfg.cp
-    nbytes = values * 4 if values else tokens * model.hidden * a.param_bytes
-    return collective_time(allreduce_bytes(nbytes, cfg.t), cluster.link_gbps(cfg.t), a, cluster, "all_reduce", cfg.t)
-
-
-def output_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
-                      ) -> float:
-    """The last stage's end, one microbatch: the vocabulary-parallel output layer (2·h·V/t FLOPs per token forward,
-    twice that backward) and, but for the reference's uniform stages (matmuls only), the fused cross entropy
-    over the fp32 logits (``CROSS_ENTROPY_BYTES`` per logit, memory-bound) and at t > 1 its collectives: the
-    head's input gathered (SP) in the forward, its input gradient all-reduced (SP: reduce-scatter) in the
-    backward, under the weight-gradient GEMM as the layers' are (``tp_overlap``), and the cross entropy's
-    three all-reduces of one fp32 value per token (max, target logit, sum)."""
-    tokens = cfg.micro_batch * model.seq / cfg.cp
-    flops = 3 * tokens * model.logits_flops_per_token / cfg.t
-    logits = tokens * model.vocab / cfg.t
-    own = flops / (cluster.gpu.peak_tflops * 1e12 * eff)
-    if a.uniform_stages:  # the reference's model: the output layer's matmuls, nothing else
-        return own
-    own += _hbm(CROSS_ENTROPY_BYTES * logits, cluster)
-    if cfg.t == 1:
-        return own
-    head = (0.5 + 0.5 * (1 - a.tp_overlap)) if cfg.sequence_parallel else 1 - a.tp_overlap
-    return own + head * _tp_one(model, cluster, cfg, a) + 3 * _tp_one(model, cluster, cfg, a, tokens)
-
-
-def embedding_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
-    """The first stage's end, one microbatch: the input embedding's backward writes a dense [V/t, h] gradient
-    (torch's embedding_dense_backward zeroes it, then adds the tokens' rows), which a hook then adds into the
-    gradient buffer (Megatron: the embedding has no fused weight-gradient GEMM) unless ``grad_accumulation_pass``
-    already prices that pass for all the rank's weights; at t > 1 the all-reduce (SP: reduce-scatter) of its output."""
-    if a.uniform_stages:  # the reference's model: no matmuls here, nothing else timed
-        return 0.0
-    table = model.vocab * model.hidden / cfg.t
-    hbm = table * a.param_bytes
-    if not a.grad_accumulation_pass:
-        hbm += table * (a.param_bytes + 2 * a.grad_bytes)
-    tp = (0.5 if cfg.sequence_parallel else 1.0) * _tp_one(model, cluster, cfg, a) if cfg.t > 1 else 0.0
-    return _hbm(hbm, cluster) + tp
-
-
 def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
     """One activation (or its gradient) across a pipeline boundary, b·s·h 16-bit values.
 
@@ -300,16 +245,6 @@ def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a
     return collective_time(act, cluster.link_gbps(span), a, cluster, "p2p", 2, span)
 
 
-def embedding_sync(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
-    """With tied embeddings and p > 1, the word embedding's gradient all-reduced between the first and the last
-    stage after the last backward (Megatron's finalize_model_grads, _allreduce_embedding_grads), over the network
-    unless the whole job is one node; exposed: the optimizer waits for it."""
-    if cfg.p == 1 or not model.tied_embeddings or a.uniform_stages:
-        return 0.0
-    table = model.vocab * model.hidden / cfg.t * a.grad_bytes
-    return ring_time(allreduce_bytes(table, 2), "all_reduce", 2, cluster.gpus // 2, cluster, a)
-
-
 def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: Assumptions) -> float:
     """The optimizer step of a rank holding ``params``: memory-bound passes over its shard (Megatron's order).
 
@@ -324,7 +259,7 @@ def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: 
     g, w = a.grad_bytes, a.param_bytes
     adamw = g + 2 * optimizer_state_bytes_per_param(w)
     copy = (4 + w) if w < 4 else 0  # 16-bit weights from the fp32 master copy
-    return _hbm(shard * (g + adamw + copy) + grads * g, cluster)
+    return hbm_seconds(shard * (g + adamw + copy) + grads * g, cluster)
 
 
 def estimate(
@@ -339,35 +274,7 @@ def estimate(
 
 def _accumulation(params: float, cluster: ClusterSpec, a: Assumptions) -> float:
     """A microbatch's separate gradient accumulation pass: read the new 16-bit gradient, read and write the sum."""
-    return _hbm(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
-
-
-def sharded_dp_exposed(units: int, params: float, work: float, cfg: ParallelConfig, cluster: ClusterSpec,
-                       a: Assumptions) -> tuple[float, float]:
-    """Exposed ZeRO-2/3 collectives on a rank holding ``params`` in ``units`` equal layers, each gathered and
-    reduced as one FSDP unit, whose microbatch computes for ``work`` seconds: (per microbatch, once per step).
-
-    ZeRO-3 all-gathers a unit's parameters before its forward and again before its backward, and every
-    backward reduce-scatters its gradients; ZeRO-2 only the reduce-scatter (``zero_bytes``' ring bytes, over
-    the d·cp ranks t apart: ``network.ring_time``). An engine that overlaps data-parallel traffic
-    (``dp_overlap`` > 0) runs them on their own streams, prefetching the next unit's gather (torch FSDP2's
-    implicit forward and backward prefetch, torch.distributed.fsdp.fully_shard; DeepSpeed ZeRO-3's prefetch
-    bucket) and reducing a unit's gradients while the next unit computes: in the steady state a microbatch
-    pays only what its collectives take beyond its compute, max(0, comm − compute), and each step the first
-    gather (before any compute) and the last reduce-scatter (after all of it). Without overlap (Megatron
-    2021) every collective is exposed, per microbatch.
-    """
-    d = cfg.grad_ranks
-    if cfg.zero < 2 or d == 1:
-        return 0.0, 0.0
-    n = max(units, 1)
-    ring = (d - 1) * shard_elements(params / n, d, True)
-    rs = ring_time(ring * a.grad_bytes, "reduce_scatter", d, cfg.t, cluster, a)
-    ag = ring_time(ring * a.param_bytes, "all_gather", d, cfg.t, cluster, a) if cfg.zero == 3 else 0.0
-    comm = n * (2 * ag + rs)
-    if a.dp_overlap == 0:
-        return comm, 0.0
-    return max(0.0, comm - work), ag + rs
+    return hbm_seconds(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
 
 
 def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, per_layer: float,

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.measured import collective_time
-from modelpar.costmodel.specs import ClusterSpec
+from modelpar.costmodel.specs import ClusterSpec, ParallelConfig
+from modelpar.costmodel.zero_bytes import shard_elements
 
-__all__ = ["NCCL_NET_STEP_S", "NCCL_NVLINK_STEP_S", "ring_latency", "ring_time"]
+__all__ = ["NCCL_NET_STEP_S", "NCCL_NVLINK_STEP_S", "ring_latency", "ring_time", "sharded_dp_exposed"]
 
 # NCCL src/graph/tuning.cc, hwLat[...][RING][SIMPLE] (µs per ring step): NVLink 3.4, network 14.0 (from memory, not re-read)
 NCCL_NVLINK_STEP_S = 3.4e-6
@@ -65,3 +66,31 @@ def ring_time(nbytes: float, op: str, group: int, stride: int, cluster: ClusterS
         nics = per_node if a.ring_node_nics else 1
         seconds = max(seconds, (nodes - 1) / nodes * whole / (nics * cluster.inter_node_gbps * 1e9))
     return ring_latency(op, group, stride, cluster, a) + seconds / a.link_efficiency
+
+
+def sharded_dp_exposed(units: int, params: float, work: float, cfg: ParallelConfig, cluster: ClusterSpec,
+                       a: Assumptions) -> tuple[float, float]:
+    """Exposed ZeRO-2/3 collectives on a rank holding ``params`` in ``units`` equal layers, each gathered and
+    reduced as one FSDP unit, whose microbatch computes for ``work`` seconds: (per microbatch, once per step).
+
+    ZeRO-3 all-gathers a unit's parameters before its forward and again before its backward, and every
+    backward reduce-scatters its gradients; ZeRO-2 only the reduce-scatter (``zero_bytes``' ring bytes, over
+    the d·cp ranks t apart: ``network.ring_time``). An engine that overlaps data-parallel traffic
+    (``dp_overlap`` > 0) runs them on their own streams, prefetching the next unit's gather (torch FSDP2's
+    implicit forward and backward prefetch, torch.distributed.fsdp.fully_shard; DeepSpeed ZeRO-3's prefetch
+    bucket) and reducing a unit's gradients while the next unit computes: in the steady state a microbatch
+    pays only what its collectives take beyond its compute, max(0, comm − compute), and each step the first
+    gather (before any compute) and the last reduce-scatter (after all of it). Without overlap (Megatron
+    2021) every collective is exposed, per microbatch.
+    """
+    d = cfg.grad_ranks
+    if cfg.zero < 2 or d == 1:
+        return 0.0, 0.0
+    n = max(units, 1)
+    ring = (d - 1) * shard_elements(params / n, d, True)
+    rs = ring_time(ring * a.grad_bytes, "reduce_scatter", d, cfg.t, cluster, a)
+    ag = ring_time(ring * a.param_bytes, "all_gather", d, cfg.t, cluster, a) if cfg.zero == 3 else 0.0
+    comm = n * (2 * ag + rs)
+    if a.dp_overlap == 0:
+        return comm, 0.0
+    return max(0.0, comm - work), ag + rs

@@ -8,18 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from modelpar.costmodel import DEFAULT, MODERN, REFERENCE, ParallelConfig, estimate, make_cluster, model_preset
+from modelpar.costmodel.ends import CROSS_ENTROPY_BYTES, embedding_time, output_layer_time
 from modelpar.costmodel.engines import engine_assumptions
-from modelpar.costmodel.estimate import (
-    CROSS_ENTROPY_BYTES,
-    embedding_time,
-    output_layer_time,
-    sharded_dp_exposed,
-    tp_collectives,
-    tp_overlapped,
-)
+from modelpar.costmodel.estimate import tp_collectives, tp_overlapped
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.memory import LOGIT_BYTES, end_working_bytes, memory_breakdown
-from modelpar.costmodel.network import ring_time
+from modelpar.costmodel.network import ring_time, sharded_dp_exposed
 from modelpar.schedules.registry import get_schedule
 from modelpar.simulate.synthesis import StageCosts
 
