@@ -3,10 +3,11 @@
 Per microbatch, each pipeline device runs its layers (matmuls at the efficiency curve, plus
 memory-bound element-wise work and per-kernel latency) and their tensor-parallel collectives
 (NVLink when t fits in a node, else the network), the first device also the embedding and the
-last the output layer and cross entropy (``ends.py``), and every device its point-to-point transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average
-(Megatron SC'21 §2.2, the busiest device setting the pace) plus the transfers of the fill and the
-drain; ZeRO-2/3's collectives beside each microbatch (``network.sharded_dp_exposed``); then the exposed
-data-parallel reduction (``zero_bytes``' traffic on ``network.ring_time``'s rings) and the optimizer step.
+last the output layer and cross entropy (``ends.py``), and every device its point-to-point
+transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average (Megatron SC'21 §2.2, the
+busiest device setting the pace) plus the transfers of the fill and the drain; ZeRO-2/3's
+collectives beside each microbatch (``network.sharded_dp_exposed``); then the exposed data-parallel
+reduction (``zero_bytes``' traffic on ``network.ring_time``'s rings) and the optimizer step.
 Ranks are ordered tensor, data, pipeline (Megatron's default), which decides which link each
 collective crosses. docs/costmodel.md derives each term and gives its source.
 """

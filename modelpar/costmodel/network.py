@@ -20,7 +20,7 @@ from __future__ import annotations
 from modelpar.costmodel.assumptions import Assumptions
 from modelpar.costmodel.measured import collective_time
 from modelpar.costmodel.specs import ClusterSpec, ParallelConfig
-from modelpar.costmodel.zero_bytes import shard_elements
+from modelpar.costmodel.zero_bytes import dp_bytes_per_microbatch
 
 __all__ = ["NCCL_NET_STEP_S", "NCCL_NVLINK_STEP_S", "ring_latency", "ring_time", "sharded_dp_exposed"]
 
@@ -87,9 +87,10 @@ def sharded_dp_exposed(units: int, params: float, work: float, cfg: ParallelConf
     if cfg.zero < 2 or d == 1:
         return 0.0, 0.0
     n = max(units, 1)
-    ring = (d - 1) * shard_elements(params / n, d, True)
-    rs = ring_time(ring * a.grad_bytes, "reduce_scatter", d, cfg.t, cluster, a)
-    ag = ring_time(ring * a.param_bytes, "all_gather", d, cfg.t, cluster, a) if cfg.zero == 3 else 0.0
+    scatter = dp_bytes_per_microbatch(params / n, d, 2, a.grad_bytes, a.param_bytes)  # a unit's reduce-scatter
+    gathers = dp_bytes_per_microbatch(params / n, d, cfg.zero, a.grad_bytes, a.param_bytes) - scatter  # ZeRO-3: two
+    rs = ring_time(scatter, "reduce_scatter", d, cfg.t, cluster, a)
+    ag = ring_time(gathers / 2, "all_gather", d, cfg.t, cluster, a)
     comm = n * (2 * ag + rs)
     if a.dp_overlap == 0:
         return comm, 0.0
