@@ -39,8 +39,20 @@ class Assumptions:
     # --- communication ----------------------------------------------------------------------
     link_efficiency: float = 0.85  # fraction of nominal per-GPU bandwidth a collective reaches (NCCL bus bandwidth)
     collective_latency_s: float = 20e-6  # fixed cost of each collective / transfer
+    # a data-parallel ring also pays NCCL's per-step hop latency (NVLink or network: ``network.ring_latency``)
+    ring_hop_latency: bool = True
+    # a ring over g members per node reaches g NICs' bandwidth across nodes (NCCL's one channel per NIC; nccl-tests'
+    # multi-node bus bandwidth near the node's NICs together); False: each member's own NIC (``network.ring_time``)
+    ring_node_nics: bool = False
     # fraction of the backward's hideable tensor-parallel collectives hidden under the weight-gradient GEMMs
     tp_overlap: float = 1.0
+    # sequence parallelism keeps 1/t of each first linear's input and all-gathers it again for the weight gradient
+    # (Megatron-LM, Korthikanti §4.2.2); False: the gathered input is what autograd saves (PyTorch DTensor's
+    # SequenceParallel / ColwiseParallel: the all-gather's output is the Linear's saved input), no second gather
+    sp_regather: bool = True
+    # with sequence parallelism, each all-gather / reduce-scatter split into t chunks pipelined with its GEMM
+    # (Megatron-Core --tp-comm-overlap, PyTorch asynchronous TP): ``estimate.tp_overlapped``
+    tp_comm_overlap: bool = False
     # Megatron SC'21 §4.1: each of the t ranks sends 1/t over the network, then all-gathers on NVLink
     pp_scatter_gather: bool = True
     pp_overlap: float = 0.0  # fraction of steady-state point-to-point time hidden under compute (fill and drain always pay)
@@ -98,6 +110,7 @@ REFERENCE = Assumptions(
     dp_overlap=0.5,  # the text counts (d − 1)/d·S per all-reduce, half of the ring's 2(d − 1)/d·S
     optimizer_step=False,  # nothing but matmuls is timed
     tp_overlap=0.0,  # 4 all-reduces per layer, 6 with recomputation (§5.4, §6.2)
+    ring_hop_latency=False,
     uniform_stages=True,
     engine="reference",
 )

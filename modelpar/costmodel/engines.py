@@ -24,10 +24,11 @@ class Engine:
 
 
 def _engine(*, overlap_tp: bool, accumulation_pass: bool, scatter_gather: bool, interleaving: bool,
-            overhead_s: float = 0.0) -> dict[str, Any]:
+            overhead_s: float = 0.0, sp_regather: bool = True, comm_gemm_overlap: bool = False) -> dict[str, Any]:
     """Every field an engine decides, so that applying one engine fully replaces another's."""
     return dict(tp_overlap=1.0 if overlap_tp else 0.0, grad_accumulation_pass=accumulation_pass,
-                pp_scatter_gather=scatter_gather, pp_engine_overhead_s=overhead_s, interleaving=interleaving)
+                pp_scatter_gather=scatter_gather, pp_engine_overhead_s=overhead_s, interleaving=interleaving,
+                sp_regather=sp_regather, tp_comm_overlap=comm_gemm_overlap)
 
 
 ENGINES: dict[str, Engine] = {
@@ -63,12 +64,31 @@ ENGINES: dict[str, Engine] = {
     # Dubey et al. 2024 §3.3 describe Llama 3's stack as PyTorch with FSDP, tensor, pipeline and context
     # parallelism; torchtitan is the public stack of that design. Its tensor-parallel collectives are
     # synchronous (asynchronous TP is opt-in there), its pipeline sends whole activations, and FSDP
-    # reduces gradients as they are produced.
+    # reduces gradients as they are produced. DTensor's sequence parallelism saves the all-gathered input of
+    # each first linear for its weight gradient (no second all-gather in the backward, as Megatron does).
     "pytorch": Engine(
         "pytorch",
         "PyTorch-native stack (FSDP + DTensor tensor parallelism + pipelining, as torchtitan and Llama 3's): "
         "1F1B or interleaved 1F1B, synchronous tensor-parallel collectives, whole activations between stages",
-        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True),
+        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True, sp_regather=False),
+    ),
+    # Megatron-Core with TransformerEngine's userbuffers (--tp-comm-overlap; NeMo's H100 recipes turn it on):
+    # with sequence parallelism every tensor-parallel all-gather and reduce-scatter is split into chunks pipelined
+    # with the GEMM beside it (estimate.tp_overlapped); otherwise as megatron.
+    "megatron-core": Engine(
+        "megatron-core",
+        "Megatron-Core with --tp-comm-overlap: as megatron, and with sequence parallelism each tensor-parallel "
+        "all-gather and reduce-scatter pipelined in t chunks with its GEMM (userbuffers)",
+        _engine(overlap_tp=True, accumulation_pass=False, scatter_gather=True, interleaving=True, comm_gemm_overlap=True),
+    ),
+    # torchtitan with asynchronous tensor parallelism (torch.distributed._symmetric_memory's fused all-gather-matmul
+    # and matmul-reduce-scatter, opt-in): the pytorch engine with its SP collectives pipelined with their GEMMs.
+    "pytorch-async-tp": Engine(
+        "pytorch-async-tp",
+        "PyTorch-native stack with asynchronous tensor parallelism: as pytorch, and with sequence parallelism each "
+        "tensor-parallel all-gather and reduce-scatter pipelined in t chunks with its GEMM",
+        _engine(overlap_tp=False, accumulation_pass=False, scatter_gather=False, interleaving=True, sp_regather=False,
+                comm_gemm_overlap=True),
     ),
 }
 

@@ -2,10 +2,12 @@
 
 Per microbatch, each pipeline device runs its layers (matmuls at the efficiency curve, plus
 memory-bound element-wise work and per-kernel latency) and their tensor-parallel collectives
-(NVLink when t fits in a node, else the network), the last device also the output layer, and
-every device its point-to-point transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average
-(Megatron SC'21 §2.2, the busiest device setting the pace) plus the transfers of the fill and the
-drain; then the exposed data-parallel reduction (``zero.py``'s traffic) and the optimizer step.
+(NVLink when t fits in a node, else the network), the first device also the embedding and the
+last the output layer and cross entropy (``ends.py``), and every device its point-to-point
+transfers. The pipelined step is m·T_busiest + (p − 1)/v·T_average (Megatron SC'21 §2.2, the
+busiest device setting the pace) plus the transfers of the fill and the drain; ZeRO-2/3's
+collectives beside each microbatch (``network.sharded_dp_exposed``); then the exposed data-parallel
+reduction (``zero_bytes``' traffic on ``network.ring_time``'s rings) and the optimizer step.
 Ranks are ordered tensor, data, pipeline (Megatron's default), which decides which link each
 collective crosses. docs/costmodel.md derives each term and gives its source.
 """
@@ -16,14 +18,15 @@ from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
-from modelpar.costmodel.measured import collective_time, gemm_efficiency
+from modelpar.costmodel.ends import embedding_sync, embedding_time, hbm_seconds, output_layer_time
+from modelpar.costmodel.measured import collective_time, gemm_efficiency, layer_gemms
 from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
+from modelpar.costmodel.network import ring_time, sharded_dp_exposed
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
 from modelpar.costmodel.stages import busiest_candidates, check_split, rank_loads
 from modelpar.costmodel.zero_bytes import (
     dp_bytes_at_step_end,
-    dp_bytes_per_microbatch,
     optimizer_state_bytes_per_param,
     shard_elements,
 )
@@ -40,8 +43,9 @@ __all__ = [
     "matmul_efficiency",
     "microbatch_times",
     "optimizer_time",
-    "output_layer_time",
+    "output_layer_time",  # ends.py's, re-exported (schedule_choice prices the last stage with it)
     "tp_collectives",
+    "tp_overlapped",
     "transfer_time",
 ]
 
@@ -135,10 +139,6 @@ def matmul_efficiency(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfi
             * width / (width + a.gemm_width_half))
 
 
-def _hbm(nbytes: float, cluster: ClusterSpec) -> float:
-    return nbytes / (cluster.gpu.hbm_tb_s * 1e12)
-
-
 def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
                ) -> tuple[float, float]:
     """(compute, exposed tensor-parallel communication) of one transformer layer, one microbatch, one GPU.
@@ -161,11 +161,37 @@ def layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: A
         flops += tokens * 4 * s * h / t
         if not a.flash_attention:
             hbm += a.elementwise_passes * 5.0 * model.heads * s * tokens / t  # scores, mask, dropout output
-    compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(hbm, cluster) + a.layer_latency_s * passes
+    compute = flops / (cluster.gpu.peak_tflops * 1e12 * eff) + hbm_seconds(hbm, cluster) + a.layer_latency_s * passes
     if t == 1:
         return compute, 0.0
+    if a.tp_comm_overlap and cfg.sequence_parallel and model.moe is None:
+        return compute, tp_overlapped(model, cluster, cfg, a, eff)
     one = collective_time(allreduce_bytes(tokens * h * a.param_bytes, t), cluster.link_gbps(t), a, cluster, "all_reduce", t)
     return compute, tp_collectives(cfg, a) * one
+
+
+def tp_overlapped(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float) -> float:
+    """Exposed sequence-parallel collectives of one layer and microbatch when each is split into t chunks and
+    pipelined with the GEMM that consumes or produces it (``tp_comm_overlap``: Megatron-Core's --tp-comm-overlap
+    with TransformerEngine's userbuffers; PyTorch's asynchronous TP; Wang et al. 2023, "Overlap communication
+    with dependent computation via decomposition", ASPLOS'23): per pair, max(0, collective − GEMM) plus the one
+    chunk that cannot overlap, collective/t.
+
+    Pairs (``measured.layer_gemms``' QKV, output projection, MLP up and down): forward, the all-gather into
+    QKV and up, the reduce-scatter out of the projection and down (again in a full recomputation); backward,
+    the mirrored collective of each with that GEMM's input-gradient GEMM, and (``sp_regather``) the re-gather
+    of QKV's and up's input with their weight-gradient GEMMs.
+    """
+    t = cfg.t
+    tokens = cfg.micro_batch * model.seq // cfg.cp
+    half = collective_time(allgather_bytes(tokens * model.hidden * a.param_bytes, t), cluster.link_gbps(t), a, cluster,
+                           "all_gather", t)
+    rate = cluster.gpu.peak_tflops * 1e12 * eff
+    gemms = [2.0 * m * n * k / rate for m, n, k in layer_gemms(model, tokens, t)]
+    exposed = [max(0.0, half - g) + half / t for g in gemms]
+    forward = sum(exposed) * (2 if cfg.recompute == "full" else 1)
+    regather = exposed[0] + exposed[2] if a.sp_regather else 0.0
+    return forward + sum(exposed) + regather
 
 
 def ep_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
@@ -192,21 +218,13 @@ def tp_collectives(cfg: ParallelConfig, a: Assumptions) -> float:
     all-reduce). Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the
     same volume (Korthikanti §4.2.2) and re-gathers the saved input of each first linear for its weight
     gradient in the backward; the all-gather of each block's output gradient cannot hide (the next GEMM
-    needs it), the re-gather and the input-gradient reduce-scatter can.
+    needs it), the re-gather and the input-gradient reduce-scatter can. An engine that saves the gathered
+    input instead (``sp_regather`` False: PyTorch DTensor) has no re-gather: 4 in all, not 5, when none hides.
     """
     forward = 2.0 * (2 if cfg.recompute == "full" else 1)
     if cfg.sequence_parallel:
-        return forward + 1.0 + 2.0 * (1 - a.tp_overlap)
+        return forward + 1.0 + (2.0 if a.sp_regather else 1.0) * (1 - a.tp_overlap)
     return forward + 2.0 * (1 - a.tp_overlap)
-
-
-def output_layer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, eff: float
-                      ) -> float:
-    """The vocabulary-parallel output layer and fused cross entropy, forward and backward, one microbatch."""
-    tokens = cfg.micro_batch * model.seq / cfg.cp
-    flops = 3 * tokens * model.logits_flops_per_token / cfg.t
-    fp32_logits = tokens * model.vocab / cfg.t * 4
-    return flops / (cluster.gpu.peak_tflops * 1e12 * eff) + _hbm(a.elementwise_passes * 3 * fp32_logits, cluster)
 
 
 def transfer_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions) -> float:
@@ -242,7 +260,7 @@ def optimizer_time(params: float, cfg: ParallelConfig, cluster: ClusterSpec, a: 
     g, w = a.grad_bytes, a.param_bytes
     adamw = g + 2 * optimizer_state_bytes_per_param(w)
     copy = (4 + w) if w < 4 else 0  # 16-bit weights from the fp32 master copy
-    return _hbm(shard * (g + adamw + copy) + grads * g, cluster)
+    return hbm_seconds(shard * (g + adamw + copy) + grads * g, cluster)
 
 
 def estimate(
@@ -257,33 +275,35 @@ def estimate(
 
 def _accumulation(params: float, cluster: ClusterSpec, a: Assumptions) -> float:
     """A microbatch's separate gradient accumulation pass: read the new 16-bit gradient, read and write the sum."""
-    return _hbm(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
+    return hbm_seconds(params * (a.param_bytes + 2 * a.grad_bytes), cluster) if a.grad_accumulation_pass else 0.0
 
 
 def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, a: Assumptions, per_layer: float,
-                     logits: float, loads: tuple[int, ...]) -> tuple[float, float, float, dict[int, float]]:
-    """One microbatch on the pipeline's devices: (busiest device, average device, exposed sharded DP, parameters).
+                     ends: tuple[float, float], loads: tuple[int, ...]
+                     ) -> tuple[float, float, float, float, dict[int, float]]:
+    """One microbatch on the pipeline's devices: (busiest device, average device, exposed sharded DP, its
+    once-per-step part, parameters).
 
-    A device runs its layers, the last also the output layer, each its gradient accumulation pass;
-    ZeRO-2/3 collectives run beside that and ``dp_overlap`` of what fits under it hides. Only the
-    devices that can be the busiest are evaluated: the others differ from them in nothing but rank.
+    A device runs its layers, the first also the embedding and the last the output layer (``ends``: their
+    times), each its gradient accumulation pass; ZeRO-2/3 collectives run beside that
+    (``sharded_dp_exposed``). Only the devices that can be the busiest are evaluated: the others differ from
+    them in nothing but rank.
     """
-    p, d = cfg.p, cfg.grad_ranks  # gradients are reduced over d·cp ranks
+    p = cfg.p
+    first, last = ends
     ranks = busiest_candidates(loads)
     params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
     if a.uniform_stages or p == 1:
-        work = dict.fromkeys(ranks, model.layers / p * per_layer + logits / p)
+        work = dict.fromkeys(ranks, model.layers / p * per_layer + (first + last) / p)
     else:
-        work = {r: loads[r] * per_layer + (logits if r == p - 1 else 0.0) for r in ranks}
+        work = {r: loads[r] * per_layer + (first if r == 0 else 0.0) + (last if r == p - 1 else 0.0) for r in ranks}
     work = {r: w + _accumulation(params[r], cluster, a) for r, w in work.items()}
-    dp_link = cluster.link_gbps(cfg.t * d)
-    sharded = {r: collective_time(dp_bytes_per_microbatch(params[r], d, cfg.zero, a.grad_bytes, a.param_bytes), dp_link, a,
-                              cluster, "reduce_scatter", d, cfg.t * d)
-               if cfg.zero >= 2 and d > 1 else 0.0 for r in ranks}
-    total = {r: work[r] + sharded[r] - a.dp_overlap * min(sharded[r], work[r]) for r in ranks}
+    sharded = {r: sharded_dp_exposed(loads[r], params[r], work[r], cfg, cluster, a) for r in ranks}
+    total = {r: work[r] + sharded[r][0] for r in ranks}
     busiest = max(total.values())
-    average = model.layers / p * per_layer + logits / p + _accumulation(model.params / (cfg.t * p), cluster, a)
-    return busiest, average, busiest - max(work.values()), params
+    average = (model.layers / p * per_layer + (first + last) / p
+               + _accumulation(model.params / (cfg.t * p), cluster, a))
+    return busiest, average, busiest - max(work.values()), max(tail for _, tail in sharded.values()), params
 
 
 def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, batch: int, a: Assumptions,
@@ -294,11 +314,11 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     layer_compute, layer_tp = layer_time(model, cluster, cfg, a, eff)
     layer_cp = cp_layer_time(model, cluster, cfg, a, eff)
     layer_ep = ep_layer_time(model, cluster, cfg, a)
-    logits = output_layer_time(model, cluster, cfg, a, eff)
+    ends = embedding_time(model, cluster, cfg, a), output_layer_time(model, cluster, cfg, a, eff)
     transfer = transfer_time(model, cluster, cfg, a)
     loads = rank_loads(model.layers, cfg)
-    busiest, average, sharded_dp, params = microbatch_times(model, cluster, cfg, a,
-                                                            layer_compute + layer_tp + layer_cp + layer_ep, logits, loads)
+    busiest, average, sharded_dp, sharded_tail, params = microbatch_times(model, cluster, cfg, a,
+                                                            layer_compute + layer_tp + layer_cp + layer_ep, ends, loads)
 
     # --- the pipelined microbatches (SC'21 §2.2: the busiest device sets the pace), then the step's end ---
     p2p = 2 * v * transfer * (1 - a.pp_overlap) + v * a.pp_engine_overhead_s if p > 1 else 0.0
@@ -307,9 +327,9 @@ def estimate_checked(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     heaviest = max(params.values())
     g = cfg.grad_ranks  # d·cp ranks, t apart
     end_bytes = dp_bytes_at_step_end(heaviest, g, cfg.zero, a.grad_bytes, a.param_bytes)
-    dp_op = "all_reduce" if cfg.zero == 0 else "all_gather"
-    dp_end = ((1 - a.dp_overlap) * collective_time(end_bytes, cluster.link_gbps(cfg.t * g), a, cluster, dp_op, g, cfg.t * g)
-              if end_bytes else 0.0)
+    dp_op = "all_reduce" if cfg.zero <= 1 else "all_gather"  # ZeRO-1: a reduce-scatter and an all-gather
+    dp_end = ((1 - a.dp_overlap) * ring_time(end_bytes, dp_op, g, cfg.t, cluster, a) + sharded_tail
+              + embedding_sync(model, cluster, cfg, a))
     optimizer = optimizer_time(heaviest, cfg, cluster, a)
     step = pipe + dp_end + optimizer
 

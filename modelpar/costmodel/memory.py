@@ -19,6 +19,7 @@ from modelpar.costmodel.zero_bytes import training_state_bytes
 __all__ = [
     "activation_bytes_per_layer",
     "device_params",
+    "end_working_bytes",
     "expert_params",
     "in_flight",
     "layerwise_stage_gb",
@@ -27,6 +28,10 @@ __all__ = [
     "stages_needed",
 ]
 
+# Bytes per logit the last stage holds while a microbatch's loss is alive: the fp32 logits (the softmax) kept for the
+# backward and the fp32 gradient written beside them (torch's log_softmax backward is out of place; Megatron's fused
+# cross entropy, megatron/core/tensor_parallel/cross_entropy.py, works in place and needs less)
+LOGIT_BYTES = 8.0
 REPLICATED_COEFF = 10.0  # Korthikanti §4.1: LayerNorm inputs 4, QKV and MLP inputs 2 + 2, two dropout masks 1 + 1 (× s·b·h bytes)
 
 
@@ -107,13 +112,29 @@ def moe_activation_delta(model: ModelSpec, cfg: ParallelConfig) -> float:
     return model.moe_share * (moe - tokens * 6 * model.ffn_size / cfg.t)
 
 
+def end_working_bytes(model: ModelSpec, cfg: ParallelConfig, rank: int, a: Assumptions) -> float:
+    """Transient bytes of the pipeline's ends on device ``rank``: on the last, one microbatch's logits
+    (tokens × V/t × ``LOGIT_BYTES``: the last stage runs each microbatch's backward right after its forward);
+    on the first, the dense [V/t, h] gradient the embedding's backward writes before it is added into the
+    gradient buffer (16-bit). None under the reference's uniform stages."""
+    if a.uniform_stages:
+        return 0.0
+    extra = 0.0
+    if rank == cfg.p - 1:
+        extra += cfg.micro_batch * model.seq / cfg.cp * model.vocab / cfg.t * LOGIT_BYTES
+    if rank == 0:
+        extra += model.vocab * model.hidden / cfg.t * a.param_bytes
+    return extra
+
+
 def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a: Assumptions) -> dict[str, float]:
     """Bytes per GPU on the most loaded pipeline device: training ``state``, ``activations``, ``working`` and ``reserve``.
 
     ``working`` is one layer's activations while it is recomputed (full recomputation) and, under
     ZeRO-3, the gathered 16-bit weights and gradients of two layers (the one running and the one
-    prefetched). Every device is a candidate: the first holds the embedding and the most
-    microbatches, the last the output layer, a middle one may hold more layers.
+    prefetched), and on the first and last device their ends' (``end_working_bytes``). Every device is a
+    candidate: the first holds the embedding and the most microbatches, the last the output layer and its
+    logits, a middle one may hold more layers.
     """
     s, b, h, t, sp = model.seq, cfg.micro_batch, model.hidden, cfg.t, cfg.sequence_parallel
     coeffs = (model.act_sharded_coeff, a.flash_attention, model.act_replicated_coeff)
@@ -136,7 +157,7 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
             "state": training_state_bytes(params - experts, cfg.grad_ranks, cfg.zero, a.param_bytes, a.grad_bytes)
             + training_state_bytes(experts, cfg.grad_ranks // cfg.ep, cfg.zero, a.param_bytes, a.grad_bytes),
             "activations": per_layer * layers * in_flight(p, v, microbatches, rank),
-            "working": working,
+            "working": working + end_working_bytes(model, cfg, rank, a),
             "reserve": a.memory_reserve_gb * 1e9,
         }
         if not best or sum(mem.values()) > sum(best.values()):
