@@ -28,6 +28,7 @@ from modelpar.calibrate.compute import (
     measure_matmul,
     measure_op_latency,
 )
+from modelpar.calibrate.dispatch import measure_launch
 from modelpar.calibrate.layers import (
     QUICK_S,
     Grid,
@@ -97,6 +98,7 @@ def _measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int,
         "attention": {d: measure_attention(d, device, 2 * budget_s) for d in dtypes},
         "elementwise_gbps": measure_elementwise(device, budget_s),
         "op_latency_s": measure_op_latency(device, budget_s),
+        "launch_s": measure_launch(device, budget_s),
     }
     if whole:
         passes = passes or _passes(budget_s)
@@ -270,6 +272,7 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         attention={d: {str(n): m["attention"][d] for n, m in found.items()} for d in dtypes},
         elementwise_gbps={str(n): m["elementwise_gbps"] for n, m in found.items()},
         op_latency_s={str(n): m["op_latency_s"] for n, m in found.items()},
+        launch_s={str(n): m["launch_s"] for n, m in found.items() if "launch_s" in m},
         collectives=collectives,
         layer=_per_dtype(found, "layer", dtypes),
         ends=_per_dtype(found, "ends", dtypes),

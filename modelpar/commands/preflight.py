@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the type only: importing it loads torch
     from modelpar.training import TrainConfig
 
-__all__ = ["OUT_LOCK", "check_memory", "check_paths", "check_writable", "out_lock", "state_bytes_per_rank"]
+__all__ = ["OUT_LOCK", "autocast_floor_bytes", "check_memory", "check_paths", "check_writable", "out_lock",
+           "state_bytes_per_rank"]
 
 OUT_LOCK = ".modelpar-out.lock"  # in --out, held by the launching process (under torchrun: global rank 0)
 
@@ -72,15 +73,28 @@ def _host_memory() -> int | None:
         return None
 
 
+def autocast_floor_bytes(cfg: TrainConfig) -> float:
+    """Bytes a GPU's allocator holds beyond the state in any step of ``cfg``: one microbatch's bf16 weight copies
+    (``costmodel.allocator.autocast_copy_bytes``) on the stage that has the most; 0 without autocast."""
+    from modelpar.costmodel.allocator import autocast_copy_bytes
+    from modelpar.training.prediction import local_run
+
+    run = local_run(cfg)
+    return max(autocast_copy_bytes(run, s) for s in range(run.stages))
+
+
 def check_memory(cfg: TrainConfig, ranks_here: int, device_bytes: int | None = None) -> None:
     """ValueError in one line if ``ranks_here`` ranks of ``cfg`` cannot hold their training state in this
     machine's memory (``device_bytes``: one GPU's, for a rank on a GPU; else the host's, shared by them)."""
     per_rank = state_bytes_per_rank(cfg)
     what = f"{cfg.model.num_parameters():,} parameters, {cfg.precision}, t={cfg.tp} p={cfg.pp} d={cfg.dp}"
     if device_bytes is not None:
+        copies = autocast_floor_bytes(cfg)
+        per_rank += copies
+        held = "weights, gradients, AdamW state" + (" and autocast's bf16 weight copies" if copies else "")
         if per_rank > device_bytes:
             raise ValueError(f"the model does not fit: each rank needs at least {per_rank / 1e9:,.1f} GB for its "
-                             f"weights, gradients and AdamW state ({what}), a GPU here has {device_bytes / 1e9:,.1f} GB; "
+                             f"{held} ({what}), a GPU here has {device_bytes / 1e9:,.1f} GB; "
                              "use a smaller model or more ranks (--tp, --pp, --zero 1)")
         return
     host = _host_memory()

@@ -175,7 +175,7 @@ def _train_config(args: argparse.Namespace) -> int:
 
     cfg = build_config(argparse.Namespace(config=args.train_config))
     cfg = cfg.check(cfg.dims.world_size)
-    timeline = predicted_timeline(local_run(cfg), profile_of(cfg))
+    timeline = predicted_timeline(local_run(cfg, profile_of(cfg)), profile_of(cfg))
     if args.json:
         record = {"schedule": timeline.name, "ranks": timeline.num_ranks, "stages": timeline.num_ranks, "unit": timeline.unit,
                   "microbatches": timeline.num_microbatches, "chunks": timeline.chunks, **timeline.metrics()}

@@ -11,7 +11,8 @@ in tests/unit/test_local_costs.py) — and the schedule is timed by the simulato
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
 ``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
 (``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
-Memory is ``local_memory``'s exact per-rank figures.
+Memory is ``local_memory``'s exact per-rank figures; on a GPU profile the busiest rank's bytes add what the caching
+allocator holds beyond them (``costmodel.allocator``: autocast's weight copies, workspaces; ``allocated_bytes``).
 
 Messages and pair collectives are priced as the trainer issues them where the profile has it
 (``HardwareProfile.busy``: right after compute, every rank busy — a blocked receiver's wake-up and
@@ -40,6 +41,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from modelpar.costmodel.allocator import allocator_bytes
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
 from modelpar.costmodel.inventory import bucket_shards, stage_bucket_list, stage_buckets, stage_layers, stage_tensors
 from modelpar.costmodel.local_compute import (
@@ -110,6 +112,7 @@ class LocalPrediction:
     peak_held: int = 0  # microbatch-chunks rank 0 holds at its peak (F until B or W)
     busiest: tuple[int, float] = (0, 0.0)  # (pipeline rank, bytes) of the rank holding the most
     host_bytes: float = 0.0  # rank 0's activations in host memory at its peak (activation offload)
+    allocated_bytes: float = 0.0  # rank 0's peak as a GPU's allocator sees it (``costmodel.allocator``; 0 on a CPU)
 
     @property
     def memory_bytes(self) -> float:
@@ -119,7 +122,8 @@ class LocalPrediction:
     def as_dict(self) -> dict[str, object]:
         return {"step_time_s": self.step_time_s, "bubble": self.bubble, "time_s": dict(self.time),
                 "memory_bytes": dict(self.memory), "peak_held": self.peak_held,
-                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1], "host_bytes": self.host_bytes}
+                "busiest_rank": self.busiest[0], "busiest_bytes": self.busiest[1], "host_bytes": self.host_bytes,
+                "allocated_bytes": self.allocated_bytes}
 
 
 def _collective(hw: HardwareProfile, op: str, group: int, nbytes: float) -> float:
@@ -481,7 +485,7 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
         mine = schedule.stages_on(r)
         count = round(timeline.peak_held[r] * schedule.chunks)
         act = count * sum(activation_bytes(run, s) for s in mine) / len(mine)
-        per_rank.append(sum(state_bytes(run, mine).values()) + act)
+        per_rank.append(sum(state_bytes(run, mine).values()) + act + _allocator(run, hw, mine, count))
     busiest = max(range(run.p), key=lambda r: per_rank[r])
     grads = state["gradients"]
     dp, g = 0.0, run.grad_ranks
@@ -502,5 +506,15 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     host = held * sum(offloaded_bytes(run, s) for s in stages) / len(stages)
     step = pipeline + dp + optimizer
+    allocated = sum(memory.values()) + _allocator(run, hw, stages, held) if hw.device != "cpu" else 0.0
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
-                           memory, held, (busiest, per_rank[busiest]), host)
+                           memory, held, (busiest, per_rank[busiest]), host, allocated)
+
+
+def _allocator(run: LocalLayout, hw: HardwareProfile, stages: list[int], held: int) -> float:
+    """What a GPU's allocator holds beyond state and counted activations on the rank holding ``stages`` with
+    ``held`` microbatch-chunks held (``costmodel.allocator``); 0 on a CPU, priced as before."""
+    if hw.device == "cpu":
+        return 0.0
+    tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
+    return allocator_bytes(run, stages, tensors).peak(held)

@@ -20,6 +20,11 @@ the ``ends`` table; the runtime's own cost per action and per step from ``runtim
 bytes / bandwidth``. A profile without them (an older calibration, a data-sheet GPU) is priced by the
 kernels alone, as before: per step ``OPS_STEP`` ops, the norm reading the gradients, AdamW reading and
 writing 7 of its 4-byte words per parameter.
+
+On a GPU profile every composed action is ``paced``: the host launches asynchronously, so an action takes
+max(host time, kernel time), the host time being the ops the run really dispatches (``run.ops``, counted from
+its model: ``costmodel.dispatch``; else the constants above) × the host's seconds per dispatched op
+(``launch_seconds``). On a CPU host and device are the same threads: the sum, with the constants, as before.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from modelpar.costmodel.allocator import loss_chunk_tokens
+from modelpar.costmodel.dispatch import DispatchCounts
 from modelpar.costmodel.local_memory import LocalLayout, activation_parts
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 
 __all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "core_share",
-           "end_seconds", "grid_model", "interpolate", "kernel_ends", "kernel_layer", "layer_seconds", "matmul_seconds",
-           "runtime_seconds", "step_end_seconds", "table_dtype"]
+           "dispatch_counts", "end_seconds", "grid_model", "interpolate", "kernel_ends", "kernel_layer", "launch_seconds",
+           "layer_seconds", "matmul_seconds", "paced", "runtime_seconds", "step_end_seconds", "table_dtype"]
 
 OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
@@ -104,8 +111,32 @@ def kernel_layer(run: LocalLayout, hw: HardwareProfile, ranks: int | None = None
     attention = attention_seconds(run, hw, ranks)
     latency = hw.op_latency(ranks) or 0.0
     kept = _stream(hw, ranks, activation_parts(replace(run, recompute="none"), 0)[0]) / 2  # written / read back
+    if hw.device != "cpu":  # the host dispatches while the device computes: the longer sets the pace
+        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
+        forward = paced(hw, fwd + attention + kept, ops.layer_forward * launch)
+        backward = paced(hw, dgrad + wgrad + 2 * attention + kept, ops.layer_backward * launch)
+        return LayerCost(forward, backward, wgrad), attention
     forward = fwd + attention + OPS_FORWARD * latency + kept
     return LayerCost(forward, dgrad + wgrad + 2 * attention + 2 * OPS_FORWARD * latency + kept, wgrad), attention
+
+
+def dispatch_counts(run: LocalLayout) -> DispatchCounts:
+    """The ops ``run`` dispatches (``run.ops``, counted from its model), else the constants: ``OPS_FORWARD`` a layer's
+    forward and twice that its backward, 4 and 8 the head's, none the embedding's, ``OPS_STEP`` a step's."""
+    return run.ops or DispatchCounts(OPS_FORWARD, 2 * OPS_FORWARD, 0, 0, 4, 8, OPS_STEP, 0)
+
+
+def launch_seconds(hw: HardwareProfile, ranks: int) -> float:
+    """Host seconds per dispatched op on ``hw``: the measured launch cost (``HardwareProfile.launch``), else the op
+    latency (a synchronised op's, an upper bound), else 0."""
+    return hw.launch(ranks) or hw.op_latency(ranks) or 0.0
+
+
+def paced(hw: HardwareProfile, kernel_s: float, host_s: float) -> float:
+    """Seconds of work whose kernels take ``kernel_s`` and whose dispatch takes the host ``host_s``: on a GPU the
+    host launches asynchronously, so whichever is longer sets the pace; on a CPU the host runs the kernels
+    itself, so they add."""
+    return kernel_s + host_s if hw.device == "cpu" else max(kernel_s, host_s)
 
 
 def kernel_ends(run: LocalLayout, hw: HardwareProfile, stage: int, ranks: int | None = None) -> tuple[LayerCost, LayerCost]:
@@ -115,11 +146,19 @@ def kernel_ends(run: LocalLayout, hw: HardwareProfile, stage: int, ranks: int | 
     m, ranks = run.model, ranks or _ranks(run, hw)
     _, first, last = activation_parts(replace(run, recompute="none"), stage)
     embed = LayerCost(_stream(hw, ranks, first) / 2, _stream(hw, ranks, first) / 2, 0.0) if stage == 0 else _ZERO
+    if stage == 0 and hw.device != "cpu":
+        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
+        embed = LayerCost(paced(hw, embed.forward, ops.embed_forward * launch),
+                          paced(hw, embed.backward, ops.embed_backward * launch), 0.0)
     if stage != run.stages - 1:
         return embed, _ZERO
     head = matmul_seconds(run, hw, run.tokens, m.vocab // run.t, m.hidden, ranks)
     latency = hw.op_latency(ranks) or 0.0
     kept = _stream(hw, ranks, last) / 2
+    if hw.device != "cpu":  # paced by the host or the kernels (``paced``)
+        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
+        host_f, host_b = ops.head(math.ceil(run.tokens / loss_chunk_tokens(run)))
+        return embed, LayerCost(paced(hw, head + kept, host_f * launch), paced(hw, 2 * head + kept, host_b * launch), head)
     return embed, LayerCost(head + 4 * latency + kept, 2 * head + 8 * latency + kept, head)
 
 
@@ -249,6 +288,10 @@ def step_end_seconds(run: LocalLayout, hw: HardwareProfile, tensors: int, gradie
     if fit is not None:
         latency, per_tensor, gbps = fit
         seconds = latency + tensors * per_tensor + optimizer_bytes / (gbps * 1e9)
+    elif hw.device != "cpu":  # the kernels or the host's dispatch of the step's ops (``paced``)
+        bandwidth = hw.elementwise_bytes_per_s(ranks)
+        kernels = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth
+        seconds = paced(hw, kernels, dispatch_counts(run).step(run.model.layers // run.stages) * launch_seconds(hw, ranks))
     else:
         bandwidth = hw.elementwise_bytes_per_s(ranks)
         seconds = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth  # read g, w, m, v; write w, m, v

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from modelpar.costmodel.dispatch import DispatchCounts
 from modelpar.costmodel.inventory import bucket_shards, stage_layers, stage_tensors
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, RankGrid
@@ -88,6 +89,7 @@ class LocalLayout(RankGrid):
     chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
     offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``offload_plan``)
     stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v stages (``--stage-layers``); None: the default split
+    ops: DispatchCounts | None = None  # ops the run dispatches (``costmodel.dispatch``; GPU pricing); None: the constants
 
     @property
     def stages(self) -> int:

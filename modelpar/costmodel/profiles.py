@@ -96,6 +96,7 @@ class HardwareProfile:
     attention: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> str(ranks) -> TFLOP/s
     elementwise_gbps: dict[str, float] = field(default_factory=dict)  # str(ranks) -> GB/s per rank
     op_latency_s: dict[str, float] = field(default_factory=dict)  # str(ranks) -> seconds per dispatched op
+    launch_s: dict[str, float] = field(default_factory=dict)  # str(ranks) -> host seconds per op dispatched unsynced
     collectives: dict[str, dict[str, dict[str, list[Any]]]] = field(default_factory=dict)
     #              op -> link -> str(group size) -> [latency_s, GB/s] or [latency_s, GB/s, [[bytes, s], ...]]
     busy: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
@@ -145,6 +146,9 @@ class HardwareProfile:
                 for ranks, rows in table.items():
                     _ranks(f"{name}[{dtype}]", ranks)
                     _check_rows(f"{name}[{dtype}][{ranks}]", rows, width, grid)
+        for ranks, seconds in self.launch_s.items():
+            _ranks("launch_s ranks", ranks)
+            check_number(f"launch_s[{ranks}]", seconds, strict=True)
         for ranks, row in self.runtime_s.items():
             _ranks("runtime_s ranks", ranks)
             _check_rows(f"runtime_s[{ranks}]", [row], 2, 0)
@@ -214,6 +218,13 @@ class HardwareProfile:
 
     def op_latency(self, ranks: int = 1) -> float | None:
         table = self.op_latency_s
+        return table[self.ranks_measured(ranks, table)] if table else None
+
+    def launch(self, ranks: int = 1) -> float | None:
+        """Host seconds per op the trainer dispatches without waiting for the device (``calibrate.dispatch``:
+        a layer's forward and backward at tiny shapes, timed on the host, over its counted ops); None if not
+        measured."""
+        table = self.launch_s
         return table[self.ranks_measured(ranks, table)] if table else None
 
     def layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:

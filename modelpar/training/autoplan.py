@@ -103,7 +103,7 @@ def auto_plan(cfg: TrainConfig, world: int, given: Iterable[str] = ()) -> tuple[
         limit = cfg.memory_limit_gb * 1e9
     else:  # a CPU's memory is shared by the ranks on it; a GPU's is each rank's own
         limit = profile.memory_gb * 1e9 / (world if profile.device == "cpu" else 1)
-    plan = plan_local(local_run(cfg), world, profile, limit, CAPABILITIES, lambda run: _accepted(cfg, world, run), pins)
+    plan = plan_local(local_run(cfg, profile), world, profile, limit, CAPABILITIES, lambda run: _accepted(cfg, world, run), pins)
     if not plan.ranked:
         if plan.leanest is None:
             raise ValueError(f"--plan auto: no layout the trainer runs splits this model on {world} ranks{kept} "

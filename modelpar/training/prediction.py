@@ -30,14 +30,21 @@ __all__ = ["compare", "held_activation_bytes", "held_parameter_bytes", "local_ru
            "run_schedule", "summary_rows"]
 
 
-def local_run(cfg: TrainConfig) -> LocalLayout:
-    """The cost model's description of ``cfg``'s layout (the trainer's buckets and precision included)."""
+def local_run(cfg: TrainConfig, hw: HardwareProfile | None = None) -> LocalLayout:
+    """The cost model's description of ``cfg``'s layout (the trainer's buckets and precision included); for a GPU
+    profile ``hw`` with the ops its model dispatches (``calibrate.dispatch.count_dispatch``, cached: a GPU's
+    actions are paced by the host or the kernels, ``costmodel.local_compute.paced``)."""
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
+    ops = None
+    if hw is not None and hw.device != "cpu":
+        from modelpar.calibrate.dispatch import count_dispatch
+
+        ops = count_dispatch(cfg.model, cfg.precision, cfg.loss_chunk > 0)
     return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
                     cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
-                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers)
+                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers, ops=ops)
 
 
 def held_activation_bytes(cfg: TrainConfig, schedule: Schedule) -> list[float]:
@@ -80,7 +87,8 @@ def _chunks_allowed(cfg: TrainConfig) -> tuple[int, ...]:
 
 def run_schedule(cfg: TrainConfig) -> Schedule:
     """The schedule ``cfg`` runs: its named generator's, or with ``schedule auto`` the synthesised one (v = chunks)."""
-    return layout_schedule(local_run(cfg), profile_of(cfg))
+    profile = profile_of(cfg)
+    return layout_schedule(local_run(cfg, profile), profile)
 
 
 def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
@@ -92,7 +100,8 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """
     if cfg.schedule != "auto":
         return cfg, None
-    schedule, tl = auto_schedule(local_run(cfg), profile_of(cfg), _chunks_allowed(cfg))
+    profile = profile_of(cfg)
+    schedule, tl = auto_schedule(local_run(cfg, profile), profile, _chunks_allowed(cfg))
     out = replace(cfg, chunks=schedule.chunks)
     pred = predict_run(out)
     what = "synthesised by the list scheduler" if schedule.name == "auto" else "the family's best"
@@ -106,7 +115,8 @@ def resolve_schedule(cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
 
 def predict_run(cfg: TrainConfig, profile: HardwareProfile | None = None) -> LocalPrediction:
     """The cost model's prediction for ``cfg`` (rank 0's bytes; no activations for an unplanned recomputation)."""
-    pred = predict_local(local_run(cfg), profile or profile_of(cfg))
+    profile = profile or profile_of(cfg)
+    pred = predict_local(local_run(cfg, profile), profile)
     if cfg.recompute not in PLANNED_RECOMPUTE:  # every-k and sqrt checkpointing: not modelled
         pred.memory.pop("activations", None)
     return pred
