@@ -1,12 +1,15 @@
 """One GPU: `modelpar calibrate`, then a local validation — short single-GPU runs beside their predictions.
 
 1. Calibrates this GPU (GEMMs over a layer's shapes in bf16 and fp32, attention, element-wise work,
-   op latency) and writes the profile (``--out``, default gpu_profile.json).
-2. Runs `modelpar train`'s loop in this process (a world of one, NCCL) for a grid of single-GPU
+   op latency, the host's seconds per dispatched op: ``launch_s``) and writes the profile (``--out``,
+   default gpu_profile.json).
+2. Per model: the ops it dispatches (``calibrate.dispatch.count_dispatch``) and its own kernels at its real
+   shapes with CUDA events (SDPA attention, fused AdamW, autocast's casts: ``calibrate.model_kernels``).
+3. Runs `modelpar train`'s loop in this process (a world of one, NCCL) for a grid of single-GPU
    configurations — two Llama-style model sizes × micro-batch counts × recomputation, bf16 — a few
    steps each, and prints the cost model's prediction on that profile beside the measured median
-   step, rank 0's bytes, and the step-time MAPE, as `modelpar plan --validate-local` does on CPUs.
-   On a GPU the peak allocated memory is printed too.
+   step and the peak allocated memory (``LocalPrediction.allocated_bytes`` against
+   ``torch.cuda.max_memory_allocated``), with the MAPE of each, then `modelpar plan --validate-local`'s table.
 
     python benchmarks/gpu_calibrate.py                   # a GPU: calibrate, then 12 configurations
     python benchmarks/gpu_calibrate.py --smoke           # any machine: tiny models, 2 configurations (checks the script)
@@ -16,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from modelpar.calibrate import calibrate
+from modelpar.calibrate.dispatch import count_dispatch
+from modelpar.calibrate.model_kernels import measure_model_kernels
 from modelpar.calibrate.validate_local import LocalCase, format_report
 from modelpar.costmodel.profiles import save_profile
 from modelpar.distributed import free_port
@@ -46,6 +52,11 @@ def _cases(smoke: bool) -> list[LocalCase]:
     return out
 
 
+def _mape(pairs: list[tuple[float, float]]) -> str:
+    """Mean absolute percentage error of (predicted, measured) pairs, or "-" without any."""
+    return f"{100 * sum(abs(p / m - 1) for p, m in pairs) / len(pairs):.1f}%" if pairs else "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU (or GPU), 2 configurations")
@@ -56,14 +67,24 @@ def main() -> None:
         raise SystemExit("gpu_calibrate.py: no GPU here; run with --smoke to check the script on this machine")
     profile = calibrate(ranks=[1], dtypes=("fp32",) if not cuda else None, budget_s=0.02 if args.smoke else 0.05)
     save_profile(profile, args.out)
-    print(f"profile: {args.out} ({profile.name}, peak {profile.peak_tflops})", flush=True)
+    print(f"profile: {args.out} ({profile.name}, peak {profile.peak_tflops}, host {1e6 * (profile.launch(1) or 0):.1f} "
+          "us per dispatched op)", flush=True)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cases = _cases(args.smoke)
+    for name, cfg in {c.model: c.cfg for c in cases}.items():
+        ops = count_dispatch(cfg.model, cfg.precision, cfg.loss_chunk > 0)
+        kernels = measure_model_kernels(cfg.model, cfg.batch_size // cfg.microbatches, device, cfg.precision)
+        print(f"  {name}: ops per layer {ops.layer_forward} forward / {ops.layer_backward} backward, head "
+              f"{ops.head_forward} / {ops.head_backward}, step {ops.step(cfg.model.layers)}; kernels "
+              + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in kernels.items()), flush=True)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1, device_id=device if cuda else None)
     try:
-        done = []
-        for case in _cases(args.smoke):
+        done, steps, peaks = [], [], []
+        for case in cases:
             if cuda:
+                gc.collect()
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             pred = predict_run(case.cfg, profile)
             r = train(case.cfg)
@@ -73,10 +94,18 @@ def main() -> None:
             case.measured = {"step_time_s": statistics.median(r.step_times[1:] or r.step_times), "bubble": 0.0,
                              "parameters_bytes": r.parameters_here * item, "gradients_bytes": r.gradient_bytes,
                              "optimizer_bytes": r.optimizer_state_bytes, "activations_bytes": r.activation_bytes or 0.0}
-            peak = f", peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if cuda else ""
-            print(f"  {case.name}: {1e3 * case.measured['step_time_s']:.1f} ms measured, "
-                  f"{1e3 * pred.step_time_s:.1f} ms predicted{peak}", flush=True)
+            steps.append((pred.step_time_s, case.measured["step_time_s"]))
+            peak = ""
+            if cuda:
+                measured = torch.cuda.max_memory_allocated(device)
+                peaks.append((pred.allocated_bytes, measured))
+                peak = (f"; peak allocated {pred.allocated_bytes / 2**20:,.0f} MiB predicted, {measured / 2**20:,.0f} "
+                        f"measured ({100 * (pred.allocated_bytes / measured - 1):+.1f}%)")
+            print(f"  {case.name}: {1e3 * pred.step_time_s:.1f} ms predicted, {1e3 * case.measured['step_time_s']:.1f} "
+                  f"ms measured ({100 * (pred.step_time_s / case.measured['step_time_s'] - 1):+.1f}%){peak}", flush=True)
             done.append(case)
+        print(f"step-time MAPE {_mape(steps)} over {len(steps)} configurations; peak allocated memory MAPE "
+              f"{_mape(peaks)}" + ("" if cuda else " (no GPU: not measured)"))
         print(format_report(done, profile))
     finally:
         dist.destroy_process_group()
