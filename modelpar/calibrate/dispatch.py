@@ -3,8 +3,8 @@
 ``count_dispatch``: a ``TorchDispatchMode`` counts every ATen op of the model's own forward and backward
 (``build_stage`` wrapped as the trainer runs it: ``training.precision.wrap_stage``, the loss the trainer
 uses, chunked or not), at one and two layers (the difference is a layer's; the rest the ends'), the
-embedding alone, the loss at one and two chunks, and an optimizer step (AdamW, fused on a GPU, the
-gradient norm, the zeroing) at one and two layers. The count does not depend on the widths or the
+embedding alone, the loss at one and two chunks, and an optimizer step (fused AdamW as on a GPU, the
+gradient norm with foreach ops, the zeroing) at one and two layers. The count does not depend on the widths or the
 tokens, so it runs at 16 tokens with the model's structure kept (arch, heads, key/value heads, biases,
 tied head, the vocabulary's padding) and its widths shrunk (head dim 8, MLP 64, vocabulary 128 rows): a
 second or so on a CPU for any model size; cached per model config. MoE layers are priced apart
@@ -56,7 +56,9 @@ def shrunk(cfg: ModelConfig, layers: int) -> ModelConfig:
 
 
 def _device(device: str | None) -> torch.device:
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """``device``, else this process's GPU if it already uses one (a launcher that has not stays off the GPU: a
+    CUDA context holds hundreds of MiB the run would lose), else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"))
 
 
 def _counted(fn: Any) -> int:
@@ -79,10 +81,10 @@ def _pass(cfg: ModelConfig, precision: str, chunks: int, device: torch.device,
     x = torch.randint(0, cfg.vocab_size, (1, COUNT_TOKENS), generator=gen).to(device)
     y = torch.randint(0, cfg.vocab_size, (1, COUNT_TOKENS), generator=gen).to(device)
     params = [p for p in stage.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # as ``training.optimizer`` builds it on a GPU
 
     def step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=False)
 
@@ -103,8 +105,9 @@ def _pass(cfg: ModelConfig, precision: str, chunks: int, device: torch.device,
 @functools.lru_cache(maxsize=64)
 def count_dispatch(cfg: ModelConfig, precision: str = "fp32", chunked: bool = True,
                    device: str | None = None, shrink: bool = True) -> DispatchCounts:
-    """The ops ``cfg`` dispatches at ``precision`` (module docstring), on ``device`` (default: the GPU if there is
-    one, autocast's op lists being the device's), the loss ``chunked`` or not; cached. ``shrink`` False: at the
+    """The ops ``cfg`` dispatches at ``precision`` (module docstring), on ``device`` (default: this process's GPU if
+    it uses one, autocast's op lists being the device's; else the CPU, whose lists differ a little), the loss
+    ``chunked`` or not, the optimizer step as on a GPU (fused AdamW, the norm with foreach ops); cached. ``shrink`` False: at the
     model's own widths (the tests' check that the count does not depend on them)."""
     dev = _device(device)
     chunks = 1 if chunked else 0

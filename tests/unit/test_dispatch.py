@@ -90,3 +90,11 @@ def test_launch_s_in_the_profile():
 
 def test_measure_launch_on_this_cpu():
     assert 0 < measure_launch(torch.device("cpu"), budget_s=0.01) < 0.01
+
+
+def test_a_models_own_kernels_are_timed():
+    from modelpar.calibrate.model_kernels import measure_model_kernels
+
+    got = measure_model_kernels(LLAMA, 2, torch.device("cpu"), "bf16")
+    assert set(got) == {"attention_forward_s", "attention_backward_s", "adamw_step_s", "weight_casts_s"}
+    assert all(v > 0 for v in got.values())
