@@ -24,7 +24,8 @@ writing 7 of its 4-byte words per parameter.
 On a GPU profile every composed action is ``paced``: the host launches asynchronously, so an action takes
 max(host time, kernel time), the host time being the ops the run really dispatches (``run.ops``, counted from
 its model: ``costmodel.dispatch``; else the constants above) × the host's seconds per dispatched op
-(``launch_seconds``). On a CPU host and device are the same threads: the sum, with the constants, as before.
+(``launch_seconds``); with the ops counted the measured ``layer`` and ``ends`` tables are left out
+(``counted_on_gpu``). On a CPU host and device are the same threads: the sum, with the constants, as before.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 
 __all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "core_share",
-           "dispatch_counts", "end_seconds", "grid_model", "interpolate", "kernel_ends", "kernel_layer", "launch_seconds",
-           "layer_seconds", "matmul_seconds", "paced", "runtime_seconds", "step_end_seconds", "table_dtype"]
+           "counted_on_gpu", "dispatch_counts", "end_seconds", "grid_model", "interpolate", "kernel_ends",
+           "kernel_layer", "launch_seconds", "layer_seconds", "matmul_seconds", "paced", "runtime_seconds",
+           "step_end_seconds", "table_dtype"]
 
 OPS_FORWARD = 12  # dispatched ops of a layer's forward (norms, GEMMs, attention, activation, residuals, views)
 OPS_STEP = 40  # per step: gradient norm, clipping, the loss all-gather, AdamW's foreach kernels, zeroing
@@ -124,6 +126,14 @@ def dispatch_counts(run: LocalLayout) -> DispatchCounts:
     """The ops ``run`` dispatches (``run.ops``, counted from its model), else the constants: ``OPS_FORWARD`` a layer's
     forward and twice that its backward, 4 and 8 the head's, none the embedding's, ``OPS_STEP`` a step's."""
     return run.ops or DispatchCounts(OPS_FORWARD, 2 * OPS_FORWARD, 0, 0, 4, 8, OPS_STEP, 0)
+
+
+def counted_on_gpu(run: LocalLayout, hw: HardwareProfile) -> bool:
+    """Is ``run`` priced on a GPU with its own dispatched ops counted? Then its layers and ends are composed and
+    ``paced``, the measured ``layer`` and ``ends`` tables left out: they time a GPT layer in a plain dtype, whose
+    dispatch (no autocast casts, no SwiGLU or rotary) is not the run's, and at the sizes one GPU trains the
+    dispatch sets the pace, so their residual would carry the grid layer's host time over to the run."""
+    return hw.device != "cpu" and run.ops is not None
 
 
 def launch_seconds(hw: HardwareProfile, ranks: int) -> float:
@@ -212,7 +222,7 @@ def layer_seconds(run: LocalLayout, hw: HardwareProfile) -> LayerCost:
     sharing (module docstring)."""
     composed, attention = kernel_layer(run, hw)
     m, ranks = run.model, _ranks(run, hw)
-    rows = hw.layer_rows(table_dtype(run), ranks)
+    rows = hw.layer_rows(table_dtype(run), ranks) if not counted_on_gpu(run, hw) else []
     full = run.recompute == "full"
 
     def residual(row: Sequence[float]) -> list[float]:
@@ -254,7 +264,7 @@ def end_seconds(run: LocalLayout, hw: HardwareProfile, stage: int) -> LayerCost:
     measured (``ends``) inside its grid as ``layer_seconds`` is, else composed; × the core sharing."""
     embed, head = kernel_ends(run, hw, stage)
     m, ranks = run.model, _ranks(run, hw)
-    rows = hw.end_rows(table_dtype(run), ranks)
+    rows = hw.end_rows(table_dtype(run), ranks) if not counted_on_gpu(run, hw) else []
 
     def residual(row: Sequence[float]) -> list[float]:
         e, h = kernel_ends(grid_model(run, int(row[0]), 1, m.seq, int(row[1]), int(row[2])), hw, 0, ranks)

@@ -98,3 +98,18 @@ def test_a_models_own_kernels_are_timed():
     got = measure_model_kernels(LLAMA, 2, torch.device("cpu"), "bf16")
     assert set(got) == {"attention_forward_s", "attention_backward_s", "adamw_step_s", "weight_casts_s"}
     assert all(v > 0 for v in got.values())
+
+
+def test_with_counted_ops_a_gpu_layer_is_composed_not_read_from_the_gpt_table():
+    from modelpar.costmodel.local_compute import end_seconds, layer_seconds
+
+    run = _run(GPU)
+    rows = [[h, 4, 32, n, 1.0, 2.0, 1.0, 3.0] for h in (32, 128) for n in (32, 256)]  # a second per layer: absurd
+    ends = [[h, n, 256, 1.0, 1.0, 1.0, 1.0] for h in (32, 128) for n in (32, 256)]
+    tabled = dataclasses.replace(GPU, layer={"bf16": {"1": rows}}, ends={"bf16": {"1": ends}})
+    layer, _ = kernel_layer(run, tabled)
+    got = layer_seconds(run, tabled)
+    assert (got.forward, got.backward) == (layer.forward, layer.backward) and got.forward < 0.1
+    assert end_seconds(run, tabled, 0).forward < 0.1
+    plain = dataclasses.replace(run, ops=None)  # without the counts the table prices it, as before
+    assert layer_seconds(plain, tabled).forward > 0.5
