@@ -39,11 +39,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar.costmodel.inventory import stage_layers, stage_tensors
+from modelpar.costmodel.inventory import stage_buckets, stage_layers, stage_tensors
 from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalLayout
 
 __all__ = ["ALLOCATOR_BLOCK", "LOSS_CHUNK_BYTES", "AllocatorBytes", "allocator_bytes", "attention_workspace_bytes",
-           "autocast_copy_bytes", "head_transient_bytes", "loss_chunk_tokens", "optimizer_step_bytes", "saved_width_bytes"]
+           "autocast_copy_bytes", "head_transient_bytes", "loss_chunk_tokens", "optimizer_step_bytes",
+           "optimizer_tensors", "saved_width_bytes"]
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator's smallest block (kMinBlockSize)
 LOSS_CHUNK_BYTES = 256 * 2**20  # TrainConfig.loss_chunk_mb's default (tests/unit/test_allocator.py checks it)
@@ -161,8 +162,13 @@ class AllocatorBytes:
         return held * self.per_microbatch + self.transient + self.steady
 
 
-def allocator_bytes(run: LocalLayout, stages: list[int], tensors: int) -> AllocatorBytes:
-    """The allocator terms of the rank holding ``stages`` with ``tensors`` optimizer tensors (module docstring)."""
+def optimizer_tensors(run: LocalLayout, stages: list[int]) -> int:
+    """The tensors AdamW steps on the rank holding ``stages``: its parameters, or under ZeRO its bucket ranges."""
+    return sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
+
+
+def allocator_bytes(run: LocalLayout, stages: list[int]) -> AllocatorBytes:
+    """The allocator terms of the rank holding ``stages`` (module docstring)."""
     per = sum(autocast_copy_bytes(run, s) + saved_width_bytes(run, s) for s in stages) / len(stages)
     transient = max(max(attention_workspace_bytes(run, s), head_transient_bytes(run, s)) for s in stages)
-    return AllocatorBytes(per, transient, optimizer_step_bytes(tensors))
+    return AllocatorBytes(per, transient, optimizer_step_bytes(optimizer_tensors(run, stages)))

@@ -41,9 +41,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from modelpar.costmodel.allocator import allocator_bytes
+from modelpar.costmodel.allocator import allocator_bytes, optimizer_tensors
 from modelpar.costmodel.context import cp_exposed, kv_block_bytes
-from modelpar.costmodel.inventory import bucket_shards, stage_bucket_list, stage_buckets, stage_layers, stage_tensors
+from modelpar.costmodel.inventory import bucket_shards, stage_bucket_list, stage_layers, stage_tensors
 from modelpar.costmodel.local_compute import (
     LayerCost,
     attention_seconds,
@@ -497,8 +497,7 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
         dp = all_reduce_exposed(run, hw, stages, costs[stages[0]][1])
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
         dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
-    tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
-    optimizer = step_end_seconds(run, hw, tensors, grads, state["optimizer"]) + runtime_seconds(run, hw)[1]
+    optimizer = step_end_seconds(run, hw, optimizer_tensors(run, stages), grads, state["optimizer"]) + runtime_seconds(run, hw)[1]
     if run.world > 1:  # the norm's all-reduce; the stop agreement's all-gather of 6 fp64 values (training.stopping)
         optimizer += _comm(run, hw, "all_reduce", run.world, 8) + _comm(run, hw, "all_gather", run.world,
                                                                         allgather_bytes(48.0 * run.world, run.world))
@@ -516,5 +515,4 @@ def _allocator(run: LocalLayout, hw: HardwareProfile, stages: list[int], held: i
     ``held`` microbatch-chunks held (``costmodel.allocator``); 0 on a CPU, priced as before."""
     if hw.device == "cpu":
         return 0.0
-    tensors = sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
-    return allocator_bytes(run, stages, tensors).peak(held)
+    return allocator_bytes(run, stages).peak(held)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from modelpar.costmodel.allocator import allocator_bytes
 from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
@@ -138,9 +139,10 @@ def _builds(schedule: str, p: int, m: int, v: int) -> bool:
     return schedule == "auto" or schedule_entry(schedule).microbatches.allows(m, p, v)
 
 
-def held_limit(run: LocalLayout, limit_bytes: float, chunks: tuple[int, ...]) -> float:
+def held_limit(run: LocalLayout, limit_bytes: float, chunks: tuple[int, ...], gpu: bool = False) -> float:
     """Most held activations per device (microbatches of a whole stage) that keep every rank of ``run`` within
-    ``limit_bytes``, for any placement of the v in ``chunks`` (contiguous; V or loop): the least over them."""
+    ``limit_bytes``, for any placement of the v in ``chunks`` (contiguous; V or loop): the least over them.
+    ``gpu``: with what the allocator holds besides (``costmodel.allocator``), as ``predict_local`` counts it there."""
     least = float("inf")
     for v in chunks:
         one = replace(run, v=v)
@@ -149,6 +151,10 @@ def held_limit(run: LocalLayout, limit_bytes: float, chunks: tuple[int, ...]) ->
                 stages = [s for s, dev in enumerate(placement) if dev == rank]
                 per_held = v * sum(activation_bytes(one, s) for s in stages) / len(stages)
                 room = limit_bytes - sum(state_bytes(one, stages).values())
+                if gpu:
+                    extra = allocator_bytes(one, stages)
+                    per_held += v * extra.per_microbatch
+                    room -= extra.transient + extra.steady
                 if per_held > 0:
                     least = min(least, room / per_held)
                 elif room < 0:  # holds no activations (layerless chunks) but not even its state fits
@@ -164,7 +170,7 @@ def _auto(run: LocalLayout, hw: HardwareProfile, limit_bytes: float, accept: Cal
     chunks = tuple(v for v in (1, 2) if run.model.layers % (run.p * v) == 0 and accept(replace(run, v=v)))
     if not chunks:
         return None
-    limit = held_limit(run, limit_bytes, chunks)
+    limit = held_limit(run, limit_bytes, chunks, gpu=hw.device != "cpu")
     if limit <= 0:
         return None
     run = replace(run, memory_limit=limit)

@@ -18,9 +18,8 @@ from modelpar.costmodel.allocator import (
     optimizer_step_bytes,
     saved_width_bytes,
 )
-from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.model import LMLoss, ModelConfig, build_stage
@@ -78,17 +77,15 @@ def test_the_chunk_follows_the_trainers_rule():
 
 
 def test_the_rank_total_and_only_on_a_gpu():
-    got = allocator_bytes(RUN, [0], tensors=10)
+    got = allocator_bytes(RUN, [0])
     assert got.per_microbatch == autocast_copy_bytes(RUN, 0) + saved_width_bytes(RUN, 0)
     assert got.transient == head_transient_bytes(RUN, 0)  # larger than the attention's here
-    assert got.steady == optimizer_step_bytes(10) == 10 * 512
+    assert got.steady == optimizer_step_bytes(17) == 17 * 512  # 7 tensors per layer, the embedding, final norm, head
     assert got.peak(3) == 3 * got.per_microbatch + got.transient + got.steady
     cpu = predict_local(RUN, CPU_DEFAULT)
     assert cpu.allocated_bytes == 0 and cpu.busiest[1] == sum(cpu.memory.values())
     gpu = predict_local(RUN, PROFILES["h100-sxm"])
-    tensors = len(stage_tensors(RUN, 0))  # 7 per layer, the embedding, the final norm, the head
-    assert tensors == 17
-    assert gpu.allocated_bytes == pytest.approx(sum(gpu.memory.values()) + allocator_bytes(RUN, [0], tensors).peak(1))
+    assert gpu.allocated_bytes == pytest.approx(sum(gpu.memory.values()) + allocator_bytes(RUN, [0]).peak(1))
     assert gpu.busiest[1] == pytest.approx(gpu.allocated_bytes)
 
 
@@ -156,8 +153,8 @@ def test_one_microbatch_peak_on_a_gpu():
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     run = local_run(cfg)
-    terms = allocator_bytes(run, [0], tensors=0)
-    predicted = activation_bytes(run, 0) + terms.per_microbatch + terms.transient
+    terms = allocator_bytes(run, [0])
+    predicted = activation_bytes(run, 0) + terms.per_microbatch + terms.transient  # no optimizer here
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
@@ -170,3 +167,16 @@ def test_the_pre_launch_check_counts_one_microbatchs_copies_on_a_gpu():
     assert autocast_floor_bytes(dataclasses.replace(cfg, precision="fp32")) == 0
     with pytest.raises(ValueError, match="autocast's bf16 weight copies"):
         check_memory(cfg, 1, device_bytes=1000)
+
+
+def test_schedule_autos_held_limit_leaves_room_for_the_allocator_on_a_gpu():
+    from modelpar.costmodel.local_search import held_limit
+
+    run = dataclasses.replace(RUN, p=2)
+    limit = 64 * 2**20
+    extra = [allocator_bytes(run, [s]) for s in range(2)]
+    on_cpu, on_gpu = held_limit(run, limit, (1,)), held_limit(run, limit, (1,), gpu=True)
+    assert on_gpu < on_cpu
+    rooms = [(limit - sum(state_bytes(run, [s]).values()) - e.transient - e.steady)
+             / (activation_bytes(run, s) + e.per_microbatch) for s, e in enumerate(extra)]
+    assert on_gpu == pytest.approx(min(rooms))
