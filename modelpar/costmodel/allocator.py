@@ -10,7 +10,9 @@ what torch does (the source named beside it) and is per rank:
   ``clear_autocast_cache``) and kept by the products' backward nodes until the microbatch's backward:
   one set per held microbatch (a stage's forward is one region: ``training.precision.MixedPrecisionStage``).
   The head's weight too (the chunked loss casts it itself, ``head_loss._ChunkedHeadCrossEntropy.forward``:
-  ``weight.to(compute)``, saved); norms and embeddings are not cast (not on autocast's lower-precision list).
+  ``weight.to(compute)``, saved); norms and embeddings are not cast (not on autocast's lower-precision list),
+  and a bias's copy is not kept (its gradient is a sum of the output's). Measured under CPU autocast, the
+  same ``cached_cast``, in tests/unit/test_allocator.py.
 - ``saved_width_bytes``: tensors the count prices at the compute dtype's width that are fp32: the
   attention's log-sum-exp (flash attention's ``softmax_lse``, ``at::kFloat``: mha_fwd in
   aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp) and, with the logits whole, the
