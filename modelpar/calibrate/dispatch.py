@@ -131,7 +131,7 @@ def measure_launch(device: torch.device, budget_s: float = 0.05) -> float:
     precision = "bf16" if device.type == "cuda" else "fp32"
     stage = wrap_stage(build_stage(cfg, device=device), precision, last=True)
     loss_fn = LMLoss(cfg.vocab_size)
-    x = torch.randint(0, cfg.vocab_size, (1, COUNT_TOKENS), device=device)
+    x = torch.randint(0, cfg.vocab_size, (1, COUNT_TOKENS), generator=torch.Generator().manual_seed(0)).to(device)
 
     def once() -> None:
         loss_fn(stage(x), x).backward()
