@@ -131,7 +131,7 @@ def test_autocast_copies_measured_under_cpu_autocast(arch, chunked, tied):
     loss.backward()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the caching allocator and flash attention")
+@pytest.mark.cuda  # the caching allocator, flash attention, asynchronous launches: skipped without a GPU
 def test_one_microbatch_peak_on_a_gpu():
     """One microbatch's forward and backward of a bf16 Llama stage (weights and gradients allocated first): the
     allocator's peak beyond them against the counted activations plus these terms, within 15% (not yet run on a

@@ -115,7 +115,7 @@ def test_with_counted_ops_a_gpu_layer_is_composed_not_read_from_the_gpt_table():
     assert layer_seconds(plain, tabled).forward > 0.5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: asynchronous kernel launches")
+@pytest.mark.cuda  # asynchronous kernel launches: skipped without a GPU
 def test_a_small_gpu_stage_is_paced_by_its_dispatch():
     """A small bf16 Llama stage (h 256, 4 layers, 256 tokens: tiny kernels) on a GPU: its forward and backward take
     what the counted ops × the calibrated host seconds per op predict, within 30% (not yet run on a GPU: the
