@@ -75,8 +75,8 @@ def _host_memory() -> int | None:
 
 def autocast_floor_bytes(cfg: TrainConfig) -> float:
     """Bytes a GPU's allocator holds beyond the state in any step of ``cfg``: one microbatch's bf16 weight copies
-    (``costmodel.allocator.autocast_copy_bytes``) on the stage that has the most; 0 without autocast."""
-    from modelpar.costmodel.allocator import autocast_copy_bytes
+    (``costmodel.local_memory.autocast_copy_bytes``) on the stage that has the most; 0 without autocast."""
+    from modelpar.costmodel.local_memory import autocast_copy_bytes
     from modelpar.training.prediction import local_run
 
     run = local_run(cfg)

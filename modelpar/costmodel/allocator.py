@@ -1,22 +1,10 @@
 """What a GPU's caching allocator holds beyond the saved-tensor count: the terms behind ``max_memory_allocated``.
 
-``local_memory`` counts what autograd keeps for the backward (``activation_bytes``) and the training state
-(``state_bytes``). Under bf16 autocast on a GPU the allocator holds more; each term here is derived from
-what torch does (the source named beside it) and is per rank:
+``local_memory`` counts what autograd keeps for the backward (``activation_bytes``: under bf16 autocast its
+weight copies and the fp32 tensors among the saved ones too, on any device) and the training state
+(``state_bytes``). On a GPU the allocator holds more, for a moment or for the whole run; each term here is
+derived from what torch does (the source named beside it) and is per rank:
 
-- ``autocast_copy_bytes``: autocast's bf16 copy of every fp32 weight a matrix product reads, made once per
-  autocast region (``cached_cast``, aten/src/ATen/autocast_mode.cpp: fp32 leaf tensors that require grad
-  are cast once and cached until the outermost region exits, torch/amp/autocast_mode.py ``__exit__`` →
-  ``clear_autocast_cache``) and kept by the products' backward nodes until the microbatch's backward:
-  one set per held microbatch (a stage's forward is one region: ``training.precision.MixedPrecisionStage``).
-  The head's weight too (the chunked loss casts it itself, ``head_loss._ChunkedHeadCrossEntropy.forward``:
-  ``weight.to(compute)``, saved); norms and embeddings are not cast (not on autocast's lower-precision list),
-  and a bias's copy is not kept (its gradient is a sum of the output's). Measured under CPU autocast, the
-  same ``cached_cast``, in tests/unit/test_allocator.py.
-- ``saved_width_bytes``: tensors the count prices at the compute dtype's width that are fp32: the
-  attention's log-sum-exp (flash attention's ``softmax_lse``, ``at::kFloat``: mha_fwd in
-  aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp) and, with the logits whole, the
-  saved fp32 log-softmax (``F.cross_entropy`` on the upcast logits, ``cross_entropy.vocab_parallel_cross_entropy``).
 - ``attention_workspace_bytes``: flash attention's backward (mha_bwd, same file) allocates ``dq_accum``
   fp32 [b, round(s, 128), heads, round(d, 32 or 64)] and ``softmax_d`` fp32 [b, heads, round(s, 128)], and
   with fewer key/value heads than query heads ``dk_expanded``/``dv_expanded`` [b, s, heads, d] in the
@@ -45,59 +33,19 @@ from modelpar.costmodel.inventory import stage_buckets, stage_layers, stage_tens
 from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalLayout
 
 __all__ = ["ALLOCATOR_BLOCK", "LOSS_CHUNK_BYTES", "AllocatorBytes", "allocator_bytes", "attention_workspace_bytes",
-           "autocast_copy_bytes", "head_transient_bytes", "loss_chunk_tokens", "optimizer_step_bytes",
-           "optimizer_tensors", "saved_width_bytes"]
+           "head_transient_bytes", "loss_chunk_tokens", "optimizer_step_bytes", "optimizer_tensors"]
 
 ALLOCATOR_BLOCK = 512  # the CUDA caching allocator's smallest block (kMinBlockSize)
 LOSS_CHUNK_BYTES = 256 * 2**20  # TrainConfig.loss_chunk_mb's default (tests/unit/test_allocator.py checks it)
-_AUTOCAST = ("bf16",)  # precisions whose products read autocast's copies of fp32 parameters
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def autocast_copy_bytes(run: LocalLayout, stage: int) -> float:
-    """Bytes of autocast's bf16 weight copies one microbatch of ``stage`` keeps until its backward (module
-    docstring): 2 bytes per element of every weight a product reads and keeps for its backward, the layers'
-    linears' and the head's (not the norms'; not the biases': a bias's copy, where one is made, is not kept,
-    its gradient being a sum of the output's); 0 without autocast."""
-    if run.precision not in _AUTOCAST:
-        return 0.0
-    m = run.model
-    norm = m.hidden * (2 if m.bias else 1)
-    elements = sum(x.numel for x in stage_tensors(run, stage))
-    up = (2 if m.gated_mlp else 1) * m.ffn_size // run.t
-    biases = (0 if m.gated_mlp else 3 * m.hidden // run.t) + up + 2 * m.hidden if m.bias else 0
-    elements -= (2 * norm + biases) * len(stage_layers(run, stage))
-    last = stage == run.stages - 1
-    if stage == 0:  # the embedding and positions are looked up, not multiplied
-        elements -= m.vocab // run.t * m.hidden + (m.seq * m.hidden if m.learned_positions else 0)
-    if last:
-        elements -= norm
-        if m.tied_embeddings and run.stages == 1:  # the head reads the embedding's weight: cast once for it
-            elements += m.vocab // run.t * m.hidden
-    return float(elements * COMPUTE_BYTES[run.precision])
-
-
 def _attention_here(run: LocalLayout, stage: int) -> bool:
     """Does ``stage`` run torch's fused attention with layers (not context parallelism's own functions)?"""
     return run.cp == 1 and len(stage_layers(run, stage)) > 0 and run.recompute != "full"
-
-
-def saved_width_bytes(run: LocalLayout, stage: int) -> float:
-    """Bytes one microbatch of ``stage`` keeps beyond ``activation_parts``' count because they are fp32, not the
-    compute dtype (module docstring): the layers' log-sum-exp (none with selective recomputation) and, with the
-    logits whole on the last stage, the saved log-softmax; 0 where the compute dtype is 4 bytes or wider."""
-    e = COMPUTE_BYTES[run.precision]
-    if e >= 4:
-        return 0.0
-    total = 0.0
-    if _attention_here(run, stage) and run.recompute != "selective":
-        total += len(stage_layers(run, stage)) * run.tokens * run.model.heads / run.t * (4 - e)
-    if stage == run.stages - 1 and not run.chunked_loss:
-        total += run.tokens * run.model.vocab / run.t * (4 - e)
-    return total
 
 
 def attention_workspace_bytes(run: LocalLayout, stage: int) -> float:
@@ -152,16 +100,15 @@ def optimizer_step_bytes(tensors: int) -> float:
 
 @dataclass(frozen=True)
 class AllocatorBytes:
-    """A rank's allocator terms: ``per_microbatch`` (kept with every held microbatch, averaged over its stages),
-    ``transient`` (the backward's largest workspace: attention or head), ``steady`` (always held)."""
+    """A rank's allocator terms: ``transient`` (the backward's largest workspace: attention or head), ``steady``
+    (always held)."""
 
-    per_microbatch: float
     transient: float
     steady: float
 
-    def peak(self, held: int) -> float:
-        """Bytes beyond the state and the counted activations with ``held`` microbatch-chunks held."""
-        return held * self.per_microbatch + self.transient + self.steady
+    def peak(self) -> float:
+        """Bytes beyond the state and the counted activations at the rank's peak."""
+        return self.transient + self.steady
 
 
 def optimizer_tensors(run: LocalLayout, stages: list[int]) -> int:
@@ -171,6 +118,5 @@ def optimizer_tensors(run: LocalLayout, stages: list[int]) -> int:
 
 def allocator_bytes(run: LocalLayout, stages: list[int]) -> AllocatorBytes:
     """The allocator terms of the rank holding ``stages`` (module docstring)."""
-    per = sum(autocast_copy_bytes(run, s) + saved_width_bytes(run, s) for s in stages) / len(stages)
     transient = max(max(attention_workspace_bytes(run, s), head_transient_bytes(run, s)) for s in stages)
-    return AllocatorBytes(per, transient, optimizer_step_bytes(optimizer_tensors(run, stages)))
+    return AllocatorBytes(transient, optimizer_step_bytes(optimizer_tensors(run, stages)))

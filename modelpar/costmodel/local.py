@@ -485,7 +485,7 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
         mine = schedule.stages_on(r)
         count = round(timeline.peak_held[r] * schedule.chunks)
         act = count * sum(activation_bytes(run, s) for s in mine) / len(mine)
-        per_rank.append(sum(state_bytes(run, mine).values()) + act + _allocator(run, hw, mine, count))
+        per_rank.append(sum(state_bytes(run, mine).values()) + act + _allocator(run, hw, mine))
     busiest = max(range(run.p), key=lambda r: per_rank[r])
     grads = state["gradients"]
     dp, g = 0.0, run.grad_ranks
@@ -505,14 +505,14 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
     memory = {**state, "activations": held * sum(activation_bytes(run, s) for s in stages) / len(stages)}
     host = held * sum(offloaded_bytes(run, s) for s in stages) / len(stages)
     step = pipeline + dp + optimizer
-    allocated = sum(memory.values()) + _allocator(run, hw, stages, held) if hw.device != "cpu" else 0.0
+    allocated = sum(memory.values()) + _allocator(run, hw, stages) if hw.device != "cpu" else 0.0
     return LocalPrediction(step, timeline.bubble, {"pipeline": pipeline, "dp": dp, "optimizer": optimizer},
                            memory, held, (busiest, per_rank[busiest]), host, allocated)
 
 
-def _allocator(run: LocalLayout, hw: HardwareProfile, stages: list[int], held: int) -> float:
-    """What a GPU's allocator holds beyond state and counted activations on the rank holding ``stages`` with
-    ``held`` microbatch-chunks held (``costmodel.allocator``); 0 on a CPU, priced as before."""
+def _allocator(run: LocalLayout, hw: HardwareProfile, stages: list[int]) -> float:
+    """What a GPU's allocator holds beyond state and counted activations on the rank holding ``stages``
+    (``costmodel.allocator``); 0 on a CPU, priced as before."""
     if hw.device == "cpu":
         return 0.0
-    return allocator_bytes(run, stages).peak(held)
+    return allocator_bytes(run, stages).peak()

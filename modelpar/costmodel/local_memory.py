@@ -53,11 +53,12 @@ from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 from modelpar.offload_plan import offload_layers
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "moe_layers_of",
-           "offloaded_bytes", "state_bytes"]
+__all__ = ["AUTOCAST", "COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts",
+           "autocast_copy_bytes", "moe_layers_of", "offloaded_bytes", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
-COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its activations (fp8: bf16 between the products)
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its products' outputs (fp8: bf16 between the products)
+AUTOCAST = ("bf16",)  # precisions whose products read autocast's copies of fp32 parameters and inputs
 _IDS = 8  # int64 token ids the embedding keeps, per token
 _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps besides the logits
 
@@ -114,6 +115,12 @@ class LocalLayout(RankGrid):
     def param_bytes(self) -> int:
         return PARAM_BYTES[self.precision]
 
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream: the width of the weights the forward reads — the fp32
+        masters under autocast, but ZeRO-3 gathers them in the compute dtype (``training.zero_params``)."""
+        return COMPUTE_BYTES[self.precision] if self.zero >= 3 else PARAM_BYTES[self.precision]
+
 
 def state_bytes(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> dict[str, float]:
     """``parameters``, ``gradients`` and ``optimizer`` bytes of the rank holding ``stages`` at ``dp_rank`` (its index
@@ -144,8 +151,9 @@ def state_bytes(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> dict[s
     return {"parameters": params, "gradients": grads, "optimizer": state}
 
 
-def _layer_elements(run: LocalLayout) -> float:
-    """Elements one layer keeps per token on one rank (module docstring), cos/sin excluded."""
+def _layer_elements(run: LocalLayout) -> tuple[float, float, float]:
+    """Elements one layer keeps per token on one rank (module docstring), cos/sin excluded: (at the compute
+    width, the norms' — ``norm_bytes`` —, the attention's log-sum-exp, fp32 at least)."""
     m, t = run.model, run.t
     h, f, a = m.hidden, m.ffn_size, m.heads
     sp = run.sequence_parallel and t > 1
@@ -160,12 +168,15 @@ def _layer_elements(run: LocalLayout) -> float:
     gathered = 2 * run.cp * local_kv if core and run.cp_comm == "allgather" else 0.0
     gathered += h / t if core and run.cp_comm == "ring" else 0.0
     if not m.gated_mlp:
-        return (2 * h + 4) / (t if sp else 1) + linear_inputs + (4 * h + 2 * f) / t + lse + gathered
+        return linear_inputs + (4 * h + 2 * f) / t + gathered, (2 * h + 4) / (t if sp else 1), lse
     if core and run.cp_comm == "allgather":  # q rotated; the local k and the k|v output are kept by nothing
         attention = h / t + gathered
     else:  # q, k rotated, the k|v output (v's): grouped-query heads share theirs inside SDPA (enable_gqa)
         attention = h / t + 3 * local_kv
-    return (4 * h + 2) / (t if sp else 1) + linear_inputs + attention + h / t + lse + 4 * f / t
+    # autocast casts the attention norm's fp32 output once for each of its two products (q, and k|v): two copies
+    # (not under ZeRO-3: the norm's output has its input's dtype, the compute dtype there)
+    recast = h if run.precision in AUTOCAST and run.stream_bytes > COMPUTE_BYTES[run.precision] else 0
+    return linear_inputs + recast + attention + h / t + 4 * f / t, (4 * h + 2) / (t if sp else 1), lse
 
 
 def moe_layers_of(run: LocalLayout, stage: int) -> int:
@@ -187,6 +198,14 @@ def _moe_bytes(run: LocalLayout, stage: int) -> float:
     return n * (moe - run.tokens * 4 * m.ffn_size / run.t * e)
 
 
+def norm_bytes(run: LocalLayout) -> int:
+    """Bytes per element the norms keep (their inputs, statistics, RMSNorm's normalised input): the residual
+    stream's width; RMSNorm runs in fp32 under autocast (its policy's fp32 list) whatever its input."""
+    if run.model.gated_mlp and run.precision in AUTOCAST:
+        return max(4, run.stream_bytes)
+    return run.stream_bytes
+
+
 def activation_parts(run: LocalLayout, stage: int) -> tuple[float, float, float]:
     """Bytes autograd keeps for one microbatch of ``stage`` on one rank, (one layer's, the first stage's
     embedding's, the last stage's norm, head and loss's); 0 for an end ``stage`` does not hold."""
@@ -194,18 +213,49 @@ def activation_parts(run: LocalLayout, stage: int) -> tuple[float, float, float]
     e = COMPUTE_BYTES[run.precision]
     tokens = run.tokens
     sp = run.sequence_parallel and t > 1
-    layer = 0.0 if run.recompute == "full" else tokens * _layer_elements(run) * e  # full: the stage's input only
+    narrow, norms, lse = _layer_elements(run)
+    w = norm_bytes(run)
+    layer = 0.0 if run.recompute == "full" else tokens * (narrow * e + norms * w + lse * max(e, 4))  # full: the input
     first = last = 0.0
     if stage == 0:
         first = tokens * _IDS
         first += m.seq // run.cp * _IDS if run.cp > 1 and m.learned_positions else 0  # the zig-zag position index
     if stage == run.stages - 1:
-        norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)
-        if run.chunked_loss:  # the head's input, the targets and one log-sum-exp per token (at least fp32)
-            last = tokens * ((norm / (t if sp else 1) + m.hidden) * e + _IDS + max(e, 4)) + 8
-        else:  # and the fp32 softmax over this rank's V/t ids, the loss's masks
-            last = tokens * ((norm / (t if sp else 1) + m.hidden + m.vocab / t) * e + _LOSS) + 8
+        norm = (m.hidden + 2) if m.bias else (2 * m.hidden + 1)  # at the residual stream's width, as the layers'
+        if run.chunked_loss:  # the head's input cast to the compute dtype, the targets, one log-sum-exp per token
+            last = tokens * (norm / (t if sp else 1) * w + m.hidden * e + _IDS + max(e, 4)) + 8
+        else:  # the head's input (autocast's copy), the fp32 softmax over this rank's V/t ids, the loss's masks
+            last = tokens * (norm / (t if sp else 1) * w + m.hidden * e + m.vocab / t * max(e, 4) + _LOSS) + 8
     return layer, first, last
+
+
+def autocast_copy_bytes(run: LocalLayout, stage: int, layers: bool = True) -> float:
+    """Bytes of autocast's bf16 weight copies one microbatch of ``stage`` keeps until its backward: 2 bytes per
+    element of every weight a product reads and keeps for its backward, the layers' linears' (``layers``: False
+    under full recomputation, whose layers save nothing) and the head's (not the norms'; not the biases': a
+    bias's copy, where one is made, is not kept, its gradient being a sum of the output's); 0 without autocast.
+    autocast casts an fp32 leaf that requires grad once per region and caches it until the outermost region
+    exits (``cached_cast``, aten/src/ATen/autocast_mode.cpp; torch/amp/autocast_mode.py ``__exit__`` →
+    ``clear_autocast_cache``); the products' backward nodes keep the copy, so each held microbatch holds a set
+    (a stage's forward is one region: ``training.precision.MixedPrecisionStage``); the chunked loss casts the
+    head's weight itself and saves it."""
+    if run.precision not in AUTOCAST or run.zero >= 3:  # ZeRO-3: the weights are gathered in the compute dtype
+        return 0.0
+    m = run.model
+    norm = m.hidden * (2 if m.bias else 1)
+    elements = 0
+    if layers:
+        elements = sum(x.numel for x in stage_tensors(run, stage))
+        up = (2 if m.gated_mlp else 1) * m.ffn_size // run.t
+        biases = (0 if m.gated_mlp else 3 * m.hidden // run.t) + up + 2 * m.hidden if m.bias else 0
+        elements -= (2 * norm + biases) * len(stage_layers(run, stage))
+        if stage == 0:  # the embedding and positions are looked up, not multiplied
+            elements -= m.vocab // run.t * m.hidden + (m.seq * m.hidden if m.learned_positions else 0)
+        if stage == run.stages - 1:  # the final norm; the head's weight is counted below
+            elements -= norm + (m.vocab // run.t * m.hidden if not (m.tied_embeddings and run.stages == 1) else 0)
+    if stage == run.stages - 1:
+        elements += m.vocab // run.t * m.hidden  # the head reads its weight (tied at p = 1: the embedding's)
+    return float(elements * COMPUTE_BYTES[run.precision])
 
 
 def activation_bytes(run: LocalLayout, stage: int) -> float:
@@ -214,21 +264,26 @@ def activation_bytes(run: LocalLayout, stage: int) -> float:
     layers = len(stage_layers(run, stage))
     if run.recompute == "full":
         sp = run.sequence_parallel and run.t > 1
-        body = run.tokens * run.model.hidden / (run.t if sp else 1) * COMPUTE_BYTES[run.precision] if layers else 0.0
+        body = run.tokens * run.model.hidden / (run.t if sp else 1) * run.stream_bytes if layers else 0.0
     else:
         body = layers * layer + _moe_bytes(run, stage)  # MoE: the experts' terms in place of the SwiGLU's
         if layers and run.model.gated_mlp:  # one rotary cos/sin for all of the stage's layers
             body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
-    return body + first + last - offloaded_bytes(run, stage)
+    copies = autocast_copy_bytes(run, stage, layers=run.recompute != "full")  # full: cast again in the re-run
+    return body + first + last + copies - offloaded_bytes(run, stage)
 
 
 def offloaded_bytes(run: LocalLayout, stage: int) -> float:
     """Bytes of one microbatch of ``stage`` that activation offload moves to host memory: the chosen layers' own
-    (a MoE layer's with its experts' terms); none under full recomputation (the layers save nothing then)."""
+    (a MoE layer's with its experts' terms; autocast's copies of their weights); none under full recomputation
+    (the layers save nothing then)."""
     if run.offload == "none" or run.recompute == "full":
         return 0.0
-    layer = activation_parts(run, stage)[0]
     per = run.model.layers // run.stages
+    layers = len(stage_layers(run, stage))
+    # a layer's own: what it saves, and autocast's copies of its weights (saved tensors too, moved with them)
+    copies = autocast_copy_bytes(run, stage) - autocast_copy_bytes(run, stage, layers=False)
+    layer = activation_parts(run, stage)[0] + (copies / layers if layers else 0.0)
     chosen = [stage * per + i for i in offload_layers(per, run.offload)]
     n_moe = moe_layers_of(run, stage)
     extra = _moe_bytes(run, stage) / n_moe if n_moe else 0.0

@@ -152,9 +152,7 @@ def held_limit(run: LocalLayout, limit_bytes: float, chunks: tuple[int, ...], gp
                 per_held = v * sum(activation_bytes(one, s) for s in stages) / len(stages)
                 room = limit_bytes - sum(state_bytes(one, stages).values())
                 if gpu:
-                    extra = allocator_bytes(one, stages)
-                    per_held += v * extra.per_microbatch
-                    room -= extra.transient + extra.steady
+                    room -= allocator_bytes(one, stages).peak()
                 if per_held > 0:
                     least = min(least, room / per_held)
                 elif room < 0:  # holds no activations (layerless chunks) but not even its state fits

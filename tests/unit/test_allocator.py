@@ -12,14 +12,12 @@ from modelpar.costmodel.allocator import (
     LOSS_CHUNK_BYTES,
     allocator_bytes,
     attention_workspace_bytes,
-    autocast_copy_bytes,
     head_transient_bytes,
     loss_chunk_tokens,
     optimizer_step_bytes,
-    saved_width_bytes,
 )
 from modelpar.costmodel.local import predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, autocast_copy_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.specs import ModelSpec
 from modelpar.model import LMLoss, ModelConfig, build_stage
@@ -41,14 +39,6 @@ def test_autocast_copies_are_two_bytes_per_multiplied_weight():
     two = dataclasses.replace(RUN, p=2)  # the embedding's stage keeps no head; the head's stage one layer and the head
     assert autocast_copy_bytes(two, 0) == 2 * 36_864
     assert autocast_copy_bytes(two, 1) == 2 * (36_864 + 256 * 64)
-
-
-def test_fp32_widths_the_count_prices_at_two_bytes():
-    # log-sum-exp: 2 layers × 64 tokens × 4 heads × 2 more bytes; the saved log-softmax only with the logits whole
-    assert saved_width_bytes(RUN, 0) == 2 * 64 * 4 * 2
-    assert saved_width_bytes(dataclasses.replace(RUN, chunked_loss=False), 0) == 2 * 64 * 4 * 2 + 64 * 256 * 2
-    assert saved_width_bytes(dataclasses.replace(RUN, recompute="selective"), 0) == 0
-    assert saved_width_bytes(dataclasses.replace(RUN, precision="fp32"), 0) == 0
 
 
 def test_flash_attention_backward_workspace():
@@ -78,14 +68,13 @@ def test_the_chunk_follows_the_trainers_rule():
 
 def test_the_rank_total_and_only_on_a_gpu():
     got = allocator_bytes(RUN, [0])
-    assert got.per_microbatch == autocast_copy_bytes(RUN, 0) + saved_width_bytes(RUN, 0)
     assert got.transient == head_transient_bytes(RUN, 0)  # larger than the attention's here
     assert got.steady == optimizer_step_bytes(17) == 17 * 512  # 7 tensors per layer, the embedding, final norm, head
-    assert got.peak(3) == 3 * got.per_microbatch + got.transient + got.steady
+    assert got.peak() == got.transient + got.steady
     cpu = predict_local(RUN, CPU_DEFAULT)
     assert cpu.allocated_bytes == 0 and cpu.busiest[1] == sum(cpu.memory.values())
     gpu = predict_local(RUN, PROFILES["h100-sxm"])
-    assert gpu.allocated_bytes == pytest.approx(sum(gpu.memory.values()) + allocator_bytes(RUN, [0]).peak(1))
+    assert gpu.allocated_bytes == pytest.approx(sum(gpu.memory.values()) + allocator_bytes(RUN, [0]).peak())
     assert gpu.busiest[1] == pytest.approx(gpu.allocated_bytes)
 
 
@@ -154,7 +143,7 @@ def test_one_microbatch_peak_on_a_gpu():
     measured = torch.cuda.max_memory_allocated() - base
     run = local_run(cfg)
     terms = allocator_bytes(run, [0])
-    predicted = activation_bytes(run, 0) + terms.per_microbatch + terms.transient  # no optimizer here
+    predicted = activation_bytes(run, 0) + terms.transient  # no optimizer here
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
@@ -177,6 +166,6 @@ def test_schedule_autos_held_limit_leaves_room_for_the_allocator_on_a_gpu():
     extra = [allocator_bytes(run, [s]) for s in range(2)]
     on_cpu, on_gpu = held_limit(run, limit, (1,)), held_limit(run, limit, (1,), gpu=True)
     assert on_gpu < on_cpu
-    rooms = [(limit - sum(state_bytes(run, [s]).values()) - e.transient - e.steady)
-             / (activation_bytes(run, s) + e.per_microbatch) for s, e in enumerate(extra)]
+    rooms = [(limit - sum(state_bytes(run, [s]).values()) - e.peak()) / activation_bytes(run, s)
+             for s, e in enumerate(extra)]
     assert on_gpu == pytest.approx(min(rooms))
