@@ -52,8 +52,8 @@ from modelpar.costmodel.specs import ModelSpec, RankGrid
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 from modelpar.offload_plan import offload_layers
 
-__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "moe_layers_of",
-           "offloaded_bytes", "state_bytes"]
+__all__ = ["COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts", "batch_view_bytes",
+           "moe_layers_of", "offloaded_bytes", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its activations (fp8: bf16 between the products)
@@ -218,6 +218,17 @@ def activation_bytes(run: LocalLayout, stage: int) -> float:
         if layers and run.model.gated_mlp:  # one rotary cos/sin for all of the stage's layers
             body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
     return body + first + last - offloaded_bytes(run, stage)
+
+
+def batch_view_bytes(run: LocalLayout, stage: int) -> tuple[float, float]:
+    """Of ``activation_bytes``, what are views of the rank's batch, (one microbatch's share, the whole batch):
+    the runtime's microbatches are slices of one ids and one targets tensor (``torch.tensor_split``), so the
+    int64 ids the embedding keeps (at t = 1; at t > 1 it keeps its own shifted ids) and the targets the chunked
+    loss keeps (the whole-logits loss keeps its own) are one allocation each, held whole while any microbatch
+    of the stage is (``schedules.memory.peak_held_bytes``'s ``shared_bytes``)."""
+    ids = (stage == 0 and run.t == 1) + (stage == run.stages - 1 and run.chunked_loss)
+    rows = run.batch // run.d
+    return run.tokens * ids * _IDS, rows * run.model.seq // run.cp * ids * _IDS
 
 
 def offloaded_bytes(run: LocalLayout, stage: int) -> float:
