@@ -16,6 +16,7 @@ simulated (``modelpar.simulate``), beside 1F1B, to check its peak and step.
     python benchmarks/search_v_blocks.py 5:6:4 4             # 1:1.2:0.8 within V-Min's bound: exhaustive, none
     python benchmarks/search_v_blocks.py 5:6:4 4 --held 3    # within V-Half's bound: found at once
     python benchmarks/search_v_blocks.py 5:6:4 6,8 --nodes 300000
+    python benchmarks/search_v_blocks.py 5:6:4 6 --held 4 --lds 10   # a limited discrepancy search
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def _packable(caps: list[int], items: list[int]) -> bool:
     return rec(0)
 
 
-def search(k: int, f: int, i: int, w: int, held: int, nodes: int) -> tuple[Start | None, int, bool]:
-    """(a block's start times or None, nodes visited, whether the search was exhaustive)."""
+def search(k: int, f: int, i: int, w: int, held: int, nodes: int, lds: int | None = None,
+           ) -> tuple[Start | None, int, bool]:
+    """(a block's start times or None, nodes visited, whether the search was exhaustive). ``lds``: at most that
+    many discrepancies (taking an action's c-th fitting start costs c): a limited discrepancy search."""
     stages, g, cap = 2 * k, 2 * (f + i + w), 2 * held  # cap: chunks
     rank = [s if s < k else stages - 1 - s for s in range(stages)]
     chain = [(s, "F") for s in range(stages)] + [(s, "I") for s in reversed(range(stages))]
@@ -114,7 +117,7 @@ def search(k: int, f: int, i: int, w: int, held: int, nodes: int) -> tuple[Start
                         out.append((ea + (xa - ea) % g, eb + (xb - eb) % g, xa, xb))
         return out
 
-    def dfs(p: int, now: int) -> Start | None:
+    def dfs(p: int, now: int, budget: int) -> Start | None:
         count[0] += 1
         if count[0] > nodes:
             return None
@@ -122,9 +125,13 @@ def search(k: int, f: int, i: int, w: int, held: int, nodes: int) -> tuple[Start
             return dict(start)
         s, kind = chain[p]
         d, n = rank[s], length[kind]
+        c = -1
         for x in range(now, now + (g if p else 1)):  # the first action at 0: shifting a whole block changes nothing
             if not _fits(used[d], x, n, g):
                 continue
+            c += 1
+            if c > budget:
+                break
             used[d].append((x % g, n))
             left[d].remove(n)
             start[(s, kind)] = x
@@ -133,21 +140,21 @@ def search(k: int, f: int, i: int, w: int, held: int, nodes: int) -> tuple[Start
                     for ta, tb, xa, xb in ws(d):
                         start[(d, "W")], start[(stages - 1 - d, "W")] = ta, tb
                         used[d] += [(xa, w), (xb, w)]
-                        found = dfs(p + 1, x + n) if peak(d) <= cap else None
+                        found = dfs(p + 1, x + n, budget - c) if peak(d) <= cap else None
                         del used[d][-2:]
                         if found:
                             return found
                     start.pop((d, "W"), None)
                     start.pop((stages - 1 - d, "W"), None)
-                elif found := dfs(p + 1, x + n):
+                elif found := dfs(p + 1, x + n, budget - c):
                     return found
             del start[(s, kind)]
             left[d].append(n)
             used[d].pop()
         return None
 
-    found = dfs(0, 0)
-    return found, count[0], count[0] <= nodes
+    found = dfs(0, 0, nodes if lds is None else lds)
+    return found, count[0], count[0] <= nodes and lds is None
 
 
 def schedule(k: int, start: Start, g: int, m: int) -> Schedule:
@@ -165,17 +172,23 @@ def main() -> None:
     ap.add_argument("ranks", help="K, comma separated")
     ap.add_argument("--held", type=int, default=0, help="the bound (default V-Min's, ⌈(K+2)/3⌉)")
     ap.add_argument("--nodes", type=int, default=200_000, help="give up after this many")
+    ap.add_argument("--lds", type=int, default=None, help="limited discrepancy search: 0, 1, ... up to this many")
     args = ap.parse_args()
     f, i, w = (int(x) for x in args.times.split(":"))
     costs = Costs(forward=1.0, backward=(i + w) / f, weight=w / f)  # whole-stage times, T_F = 1
     for k in (int(x) for x in args.ranks.split(",")):
         held = args.held or math.ceil((k + 2) / 3)
         t0 = time.perf_counter()
-        found, visited, complete = search(k, f, i, w, held, args.nodes)
+        for lds in ([None] if args.lds is None else range(args.lds + 1)):
+            found, visited, complete = search(k, f, i, w, held, args.nodes, lds)
+            if found:
+                break
         took = time.perf_counter() - t0
-        head = f"K = {k}, held <= {held}: {visited:,} nodes, {took:.1f} s"
+        tried = "" if args.lds is None else f", discrepancies <= {lds}"
+        head = f"K = {k}, held <= {held}{tried}: {visited:,} nodes, {took:.1f} s"
         if found is None:
-            print(f"{head}: none{' (exhaustive)' if complete else ' (gave up)'}")
+            why = " (exhaustive)" if complete else " (gave up)" if visited > args.nodes else ""
+            print(f"{head}: none{why}")
             continue
         for m in (2 * k, 4 * k):
             tl = simulate(schedule(k, found, 2 * (f + i + w), m), costs)
