@@ -35,7 +35,9 @@ GPT's first stage keeps the s/cp zig-zag positions (int64) its learned positions
 The first stage also keeps the token ids (8 bytes each), the last the final norm's, the head's
 input, the targets and one fp32 log-sum-exp per token (the chunked head and loss, ``loss_chunk_mb``;
 with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
-recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
+recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism). The ids (t = 1)
+and the chunked loss's targets are views of the rank's batch, one allocation that all its microbatches
+share (``batch_view_bytes``): a count of held bytes takes them whole while any microbatch is held.
 
 Activation offload (``offload``, ``offload_plan``) moves the chosen layers' own bytes to host
 memory: ``offloaded_bytes``, taken off ``activation_bytes`` (the rotary cos/sin every layer shares stay).
