@@ -3,7 +3,8 @@ the table in docs/schedules.md ("Held memory in bytes").
 
 p = 2 local gloo ranks, a tiny float64 GPT (h = 32, 4 layers, s = 16), batch 8 in 4 microbatches, one step.
 Predicted: the simulator's peak of the schedule the rank ran, a microbatch of stage s weighing the cost model's
-``activation_bytes`` of s (``training.prediction.held_activation_bytes``). Measured: the most bytes autograd held
+``activation_bytes`` of s, the batch's ids and targets (views of one tensor) whole while any microbatch keeps them
+(``training.prediction.held_activation_bytes``). Measured: the most bytes autograd held
 for backward at once in the step (``TrainResult.peak_held_bytes``). Deterministic: no timings.
 
     python benchmarks/bench_held_bytes.py

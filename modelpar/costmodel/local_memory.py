@@ -35,7 +35,9 @@ GPT's first stage keeps the s/cp zig-zag positions (int64) its learned positions
 The first stage also keeps the token ids (8 bytes each), the last the final norm's, the head's
 input, the targets and one fp32 log-sum-exp per token (the chunked head and loss, ``loss_chunk_mb``;
 with the logits whole: the fp32 softmax V/t and 10 bytes per token of targets and masks). Full
-recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism).
+recomputation keeps only each stage's input (h per token; ÷ t with sequence parallelism). The ids (t = 1)
+and the chunked loss's targets are views of the rank's batch, one allocation that all its microbatches
+share (``batch_view_bytes``): a count of held bytes takes them whole while any microbatch is held.
 
 Activation offload (``offload``, ``offload_plan``) moves the chosen layers' own bytes to host
 memory: ``offloaded_bytes``, taken off ``activation_bytes`` (the rotary cos/sin every layer shares stay).
@@ -54,7 +56,7 @@ from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 from modelpar.offload_plan import offload_layers
 
 __all__ = ["AUTOCAST", "COMPUTE_BYTES", "PARAM_BYTES", "LocalLayout", "activation_bytes", "activation_parts",
-           "autocast_copy_bytes", "moe_layers_of", "offloaded_bytes", "state_bytes"]
+           "autocast_copy_bytes", "batch_view_bytes", "moe_layers_of", "offloaded_bytes", "state_bytes"]
 
 PARAM_BYTES = {"fp32": 4, "bf16": 4, "fp8": 4, "fp64": 8}  # the trainer's parameters (bf16, fp8: fp32 master weights)
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2, "fp64": 8}  # its products' outputs (fp8: bf16 between the products)
@@ -271,6 +273,17 @@ def activation_bytes(run: LocalLayout, stage: int) -> float:
             body += 2 * run.model.seq // run.cp * (run.model.hidden // run.model.heads) * COMPUTE_BYTES[run.precision]
     copies = autocast_copy_bytes(run, stage, layers=run.recompute != "full")  # full: cast again in the re-run
     return body + first + last + copies - offloaded_bytes(run, stage)
+
+
+def batch_view_bytes(run: LocalLayout, stage: int) -> tuple[float, float]:
+    """Of ``activation_bytes``, what are views of the rank's batch, (one microbatch's share, the whole batch):
+    the runtime's microbatches are slices of one ids and one targets tensor (``torch.tensor_split``), so the
+    int64 ids the embedding keeps (at t = 1; at t > 1 it keeps its own shifted ids) and the targets the chunked
+    loss keeps (the whole-logits loss keeps its own) are one allocation each, held whole while any microbatch
+    of the stage is (``schedules.memory.peak_held_bytes``'s ``shared_bytes``)."""
+    ids = (stage == 0 and run.t == 1) + (stage == run.stages - 1 and run.chunked_loss)
+    rows = run.batch // run.d
+    return run.tokens * ids * _IDS, rows * run.model.seq // run.cp * ids * _IDS
 
 
 def offloaded_bytes(run: LocalLayout, stage: int) -> float:

@@ -7,7 +7,8 @@ accumulates the stage's weight gradients (``weight_grads``) — B, or W when the
 since W's weight GEMMs read the layer inputs the forward saved. What a pending W keeps is
 ``W_KEEPS`` of the microbatch (whole microbatches here: the runtime's W restarts from the retained
 graph, so the whole graph stays until W). Counted in whole-stage microbatches: a chunk of a rank
-holding v of them counts 1/v.
+holding v of them counts 1/v. In bytes, what a stage's microbatches share (views of one tensor: the
+runtime's microbatches are slices of the batch) is one allocation, held whole while any of them is held.
 """
 
 from __future__ import annotations
@@ -33,21 +34,29 @@ def peak_held(actions: Sequence[Sequence[Action]], chunks: int) -> list[float]:
     return [peak * w for peak in peak_held_bytes(actions, [1.0] * stages)]
 
 
-def peak_held_bytes(actions: Sequence[Sequence[Action]], stage_bytes: Sequence[float]) -> list[float]:
+def peak_held_bytes(actions: Sequence[Sequence[Action]], stage_bytes: Sequence[float],
+                    shared_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank: the most bytes held at once, a microbatch of stage s weighing ``stage_bytes[s]`` (what
-    autograd keeps for it: ``costmodel.local_memory.activation_bytes``): F adds it, I frees all but ``W_KEEPS``
-    of it, B or W (``RELEASES``) the rest."""
-    f, i = Kind.F, Kind.I
+    autograd keeps for it alone: ``costmodel.local_memory.activation_bytes``): F adds it, I frees all but
+    ``W_KEEPS`` of it, B or W (``RELEASES``) the rest. ``shared_bytes[s]``: what all of stage s's microbatches
+    keep together (the batch tensor their ids or targets are views of: ``costmodel.local_memory.batch_view_bytes``),
+    held whole from the first F of s until no microbatch of s is held (its B or W)."""
+    f, i, w = Kind.F, Kind.I, Kind.W
+    shared = shared_bytes if shared_bytes is not None else [0.0] * len(stage_bytes)
     peaks = []
     for acts in actions:
         held = peak = 0.0
+        live = [0] * len(stage_bytes)  # microbatches of each stage held now
         for s, k, _ in acts:
             if k is f:
-                held += stage_bytes[s]
+                held += stage_bytes[s] + (0.0 if live[s] else shared[s])
+                live[s] += 1
                 peak = max(peak, held)
             elif k is i:
                 held -= (1.0 - W_KEEPS) * stage_bytes[s]
             elif k in RELEASES:
-                held -= (W_KEEPS if k is Kind.W else 1.0) * stage_bytes[s]
+                held -= (W_KEEPS if k is w else 1.0) * stage_bytes[s]
+                live[s] -= 1
+                held -= 0.0 if live[s] else shared[s]
         peaks.append(peak)
     return peaks

@@ -165,10 +165,14 @@ def plot_pareto(named: Sequence[Timeline], synthesised: Sequence[Timeline], fron
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
+    at: dict[tuple[float, float], list[str]] = {}  # schedules at one point share one label (not drawn over each other)
     for t in named:
-        x, y = max(t.peak_held), t.step_time
+        at.setdefault((max(t.peak_held), t.step_time), []).append(label(t.name, t.chunks))
+    for (x, y), names in at.items():
         ax.scatter([x], [y], color="#1f77b4", zorder=3)
-        ax.annotate(label(t.name, t.chunks), (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        below = len(names) > 1  # a stack of names: under the point, clear of its neighbours' labels above
+        ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(5, -4 if below else 4), fontsize=8,
+                    va="top" if below else "baseline")
     if front:
         pts = sorted((max(t.peak_held), t.step_time) for t in front)
         right = max(max(t.peak_held) for t in (*named, *synthesised, *front))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, batch_view_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile, load_profile, profile_source
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
@@ -49,10 +49,14 @@ def local_run(cfg: TrainConfig, hw: HardwareProfile | None = None) -> LocalLayou
 
 def held_activation_bytes(cfg: TrainConfig, schedule: Schedule) -> list[float]:
     """Per pipeline rank: the peak bytes of activations ``schedule`` holds (the simulator's count, F until B or W,
-    a microbatch of stage s weighing the cost model's ``activation_bytes``): what ``TrainResult.peak_held_bytes``
-    measures."""
+    a microbatch of stage s weighing the cost model's ``activation_bytes``, less its share of the batch's ids and
+    targets, which count whole while any microbatch of s is held: ``batch_view_bytes``): what
+    ``TrainResult.peak_held_bytes`` measures."""
     run = local_run(cfg)
-    return peak_held_bytes(schedule.actions, [activation_bytes(run, s) for s in range(schedule.num_stages)])
+    stages = range(schedule.num_stages)
+    views = [batch_view_bytes(run, s) for s in stages]
+    own = [activation_bytes(run, s) - views[s][0] for s in stages]
+    return peak_held_bytes(schedule.actions, own, [whole for _, whole in views])
 
 
 def held_parameter_bytes(cfg: TrainConfig, result: Any) -> int:

@@ -17,7 +17,7 @@ from modelpar.costmodel.local import (
     predict_local,
     stage_costs,
 )
-from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
+from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, batch_view_bytes, state_bytes
 from modelpar.costmodel.local_search import Capabilities, layouts
 from modelpar.costmodel.moe import MoESpec, moe_layer_params
 from modelpar.costmodel.presets import CPU_DEFAULT
@@ -172,6 +172,17 @@ def test_cp_activations_by_hand():
     assert activation_bytes(dataclasses.replace(CP, cp_comm="allgather"), 0) == 4 * 8 * (520 + 128) * 4 + ends + 8 * 8
     assert activation_bytes(dataclasses.replace(CP, recompute="selective", cp_comm="allgather"), 0) == \
         4 * 8 * (520 - 4) * 4 + ends + 8 * 8  # only the core's local inputs: neither term, nor the log-sum-exp
+
+
+def test_batch_views_by_hand():
+    """The ids (t = 1) and the chunked loss's targets are views of the rank's batch: one microbatch's share and
+    the whole batch, 8 bytes a token each. RUN: 16 sequences over d = 4, 2 microbatches of 2, s = 16, one stage."""
+    assert batch_view_bytes(RUN, 0) == (2 * 16 * 2 * 8, 4 * 16 * 2 * 8)  # ids and targets: the stage is both ends
+    assert batch_view_bytes(dataclasses.replace(RUN, t=2), 0) == (2 * 16 * 8, 4 * 16 * 8)  # t > 1: shifted ids
+    assert batch_view_bytes(dataclasses.replace(RUN, t=2, chunked_loss=False), 0) == (0, 0)  # its own targets
+    two = dataclasses.replace(RUN, p=2)
+    assert batch_view_bytes(two, 0) == batch_view_bytes(two, 1) == (2 * 16 * 8, 4 * 16 * 8)
+    assert batch_view_bytes(CP, 0) == (8 * 2 * 8, 2 * 8 * 2 * 8)  # cp = 2: this rank's 8 tokens of each sequence
 
 
 def test_cp_joins_the_gradient_group():

@@ -45,6 +45,17 @@ def test_held_bytes_weigh_each_stage_hand_checked():
         assert peak_held_bytes(s.actions, [5.0] * s.num_stages) == [5 * s.chunks * x for x in peak_held(s.actions, s.chunks)]
 
 
+def test_shared_bytes_held_whole_while_any_microbatch_is_hand_checked():
+    """What a stage's microbatches share (the batch their ids are views of) counts once, from the first F of
+    the stage until none of its microbatches is held, and again when one is."""
+    assert peak_held_bytes([_acts("0F0 0F1 0B0 0F2 0B1 0B2")], [10], [4]) == [24]  # 4 + 10 + 10, never 4 twice
+    assert peak_held_bytes([_acts("0F0 1F0 1B0 0B0 0F1 0B1")], [10, 3], [4, 0]) == [17]  # 0F0 1F0: 14 + 3
+    assert peak_held_bytes([_acts("0F0 0I0 0F1 0W0 0I1 0W1")], [10], [4]) == [24]  # until W
+    assert peak_held_bytes([_acts("0F0 0I0 0W0 0F1 0I1 0W1")], [10], [4]) == [14]  # released, then held anew
+    s = get_schedule("gpipe", ranks=2, microbatches=4)  # all 4 held at the peak: the whole batch is 4 shares
+    assert peak_held_bytes(s.actions, [7.0, 7.0], [4.0, 0.0]) == peak_held_bytes(s.actions, [8.0, 7.0])
+
+
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"])
 @pytest.mark.parametrize("costs", list(COSTS))
 def test_every_zero_bubble_schedule_holds_at_most_2p_minus_1(name, costs):
