@@ -24,6 +24,12 @@ token of one layer (derived from the modules' operations, and checked against
            attention output h/t, log-sum-exp a/t, the SwiGLU's gate and up 2·ffn/t, SiLU(gate) and
            the product ffn/t each; plus cos and sin, 2·s·d per stage and microbatch (one table for all layers)
 
+Widths: the products' outputs in the compute dtype (``COMPUTE_BYTES``); under bf16 autocast the residual
+stream, the norms' tensors and the log-sum-exps stay fp32 (the weights' width; ZeRO-3 gathers the weights in
+bf16, so there the stream is bf16 too, RMSNorm's internals fp32 still), Llama's attention norm output is
+cast once for q and once for k|v, and autocast's bf16 copies of the weights (``autocast_copy_bytes``) are
+kept with every held microbatch: all counted on a CPU run exactly as on a GPU (tests/cluster/test_prediction.py).
+
 Context parallelism (cp > 1) keeps all of that for a rank's s/cp tokens. The core attention runs
 inside one autograd function that repeats key/value heads itself, so k and v are kept unrepeated
 (Llama's q, k rotated and the k|v output, as above); ``--cp-comm allgather`` keeps the gathered
