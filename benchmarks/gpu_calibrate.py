@@ -3,7 +3,7 @@
 1. Calibrates this GPU (GEMMs over a layer's shapes in bf16 and fp32, attention, element-wise work,
    op latency, the host's seconds per dispatched op: ``launch_s``) and writes the profile (``--out``,
    default gpu_profile.json).
-2. Per model: the ops it dispatches (``calibrate.dispatch.count_dispatch``) and its own kernels at its real
+2. Per model: the ops it dispatches (``training.dispatch.count_dispatch``) and its own kernels at its real
    shapes with CUDA events (SDPA attention, fused AdamW, autocast's casts: ``calibrate.model_kernels``).
 3. Runs `modelpar train`'s loop in this process (a world of one, NCCL) for a grid of single-GPU
    configurations — two Llama-style model sizes × micro-batch counts × recomputation, bf16 — a few
@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from modelpar.calibrate import calibrate
-from modelpar.calibrate.dispatch import count_dispatch
 from modelpar.calibrate.model_kernels import measure_model_kernels
 from modelpar.calibrate.validate_local import LocalCase, format_report
 from modelpar.costmodel.profiles import save_profile
 from modelpar.distributed import free_port
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
+from modelpar.training.dispatch import count_dispatch
 from modelpar.training.prediction import predict_run
 
 

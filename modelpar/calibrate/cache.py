@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from modelpar.calibrate.compute import cpu_model
 from modelpar.costmodel.profiles import profile_cache_dir
 
 __all__ = ["NO_CALIBRATE_ENV", "SHORT_BUDGET_S", "MachineProfile", "cache_path", "machine_profile"]
@@ -38,17 +39,6 @@ class MachineProfile:
     how: str
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")[:60]
 
@@ -59,7 +49,7 @@ def cache_path(cfg: Any) -> Path:
     import torch
 
     (hidden,), (tokens,), seq = _run_grid(cfg)
-    machine = f"{_slug(_cpu_model())}-{os.cpu_count() or 1}c"
+    machine = f"{_slug(cpu_model())}-{os.cpu_count() or 1}c"
     name = (f"{machine}-torch{_slug(torch.__version__)}-r{cfg.dims.world_size}-{_dtype(cfg)}-h{hidden}-n{tokens}"
             f"-s{seq}.json")
     return Path(profile_cache_dir()) / name

@@ -7,6 +7,7 @@ figures are what a rank gets while its neighbours compute too: on a CPU the core
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "DTYPES",
+    "cpu_model",
     "flush_cache",
     "gemm_shapes",
     "measure_attention",
@@ -30,6 +32,18 @@ __all__ = [
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def cpu_model() -> str:
+    """This machine's CPU by name (/proc/cpuinfo's model name; else what platform knows, without starting `uname`)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() or "cpu"
 
 
 def gemm_shapes(device: str) -> list[tuple[int, int, int]]:

@@ -22,13 +22,13 @@ import torch.distributed as dist
 from modelpar.calibrate.busy import BUSY_OPS, measure_busy
 from modelpar.calibrate.comm import measure_collectives
 from modelpar.calibrate.compute import (
+    cpu_model,
     gemm_shapes,
     measure_attention,
     measure_elementwise,
     measure_matmul,
     measure_op_latency,
 )
-from modelpar.calibrate.dispatch import measure_launch
 from modelpar.calibrate.layers import (
     QUICK_S,
     Grid,
@@ -42,6 +42,7 @@ from modelpar.calibrate.layers import (
     only_grid,
 )
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
+from modelpar.training.dispatch import measure_launch
 
 __all__ = ["PASSES", "RANKS_PER_CORE", "WHOLE_TABLES", "calibrate", "check_ranks", "default_ranks", "max_ranks",
            "mean_passes", "measure_rank", "measure_whole", "slowest"]
@@ -92,7 +93,7 @@ def _measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int,
     shapes = gemm_shapes(device.type)
     out: dict[str, Any] = {
         "device": device.type,
-        "name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "name": torch.cuda.get_device_name(device) if cuda else cpu_model(),
         "memory": torch.cuda.get_device_properties(device).total_memory if cuda else _host_memory(),
         "matmul": {d: measure_matmul(d, device, shapes, budget_s) for d in dtypes},
         "attention": {d: measure_attention(d, device, 2 * budget_s) for d in dtypes},

@@ -4,7 +4,7 @@ A GPU runs its kernels asynchronously: the host dispatches op after op (Python, 
 bookkeeping, the launch itself) while the device works through its queue, so an action takes
 max(host time, kernel time); on a CPU host and device are the same threads and the two add
 (``local_compute.paced``). The host time is these counts × the host's seconds per dispatched op
-(``HardwareProfile.launch``). ``modelpar.calibrate.dispatch.count_dispatch`` counts them from the model itself
+(``HardwareProfile.launch``). ``modelpar.training.dispatch.count_dispatch`` counts them from the model itself
 (a ``TorchDispatchMode`` over its forward and backward at tiny shapes); pure numbers here.
 """
 

@@ -221,7 +221,7 @@ class HardwareProfile:
         return table[self.ranks_measured(ranks, table)] if table else None
 
     def launch(self, ranks: int = 1) -> float | None:
-        """Host seconds per op the trainer dispatches without waiting for the device (``calibrate.dispatch``:
+        """Host seconds per op the trainer dispatches without waiting for the device (``training.dispatch``:
         a layer's forward and backward at tiny shapes, timed on the host, over its counted ops); None if not
         measured."""
         table = self.launch_s

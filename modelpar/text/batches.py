@@ -103,12 +103,16 @@ class Corpus:
 
 def rank_batch(inputs: torch.Tensor, targets: torch.Tensor, *, dp_rank: int, dp: int,
                first_stage: bool, last_stage: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """This rank's part of a global batch: rows of replica ``dp_rank``; inputs only on the first
-    pipeline stage, targets only on the last (the middle stages get their input from a neighbour)."""
+    """This rank's part of a global batch: rows of replica ``dp_rank`` (its own tensors); inputs only on the
+    first pipeline stage, targets only on the last (the middle stages get their input from a neighbour)."""
     check_int("dp", dp, minimum=1)
     check_int("dp_rank", dp_rank, minimum=0, maximum=dp - 1)
     rows = inputs.shape[0]
     if rows % dp:
         raise ValueError(f"batch size ({rows}) must be divisible by dp ({dp})")
     part = slice(dp_rank * rows // dp, (dp_rank + 1) * rows // dp)
-    return (inputs[part] if first_stage else None), (targets[part] if last_stage else None)
+
+    def mine(x: torch.Tensor) -> torch.Tensor:  # a copy at d > 1: a view would keep the whole global batch alive
+        return x[part].clone() if dp > 1 else x
+
+    return (mine(inputs) if first_stage else None), (mine(targets) if last_stage else None)

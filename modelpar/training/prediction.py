@@ -32,12 +32,12 @@ __all__ = ["compare", "held_activation_bytes", "held_parameter_bytes", "local_ru
 
 def local_run(cfg: TrainConfig, hw: HardwareProfile | None = None) -> LocalLayout:
     """The cost model's description of ``cfg``'s layout (the trainer's buckets and precision included); for a GPU
-    profile ``hw`` with the ops its model dispatches (``calibrate.dispatch.count_dispatch``, cached: a GPU's
+    profile ``hw`` with the ops its model dispatches (``training.dispatch.count_dispatch``, cached: a GPU's
     actions are paced by the host or the kernels, ``costmodel.local_compute.paced``)."""
     elements = max(1, int(cfg.bucket_mb * 2**20) // cfg.param_dtype.itemsize)
     ops = None
     if hw is not None and hw.device != "cpu":
-        from modelpar.calibrate.dispatch import count_dispatch
+        from modelpar.training.dispatch import count_dispatch
 
         ops = count_dispatch(cfg.model, cfg.precision, cfg.loss_chunk > 0)
     return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,

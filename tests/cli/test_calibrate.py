@@ -67,7 +67,7 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert data["version"] == 2 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
     assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == set(p.launch_s) == {"1", "2"}
-    assert all(s > 0 for s in p.launch_s.values())  # host seconds per dispatched op (calibrate.dispatch)
+    assert all(s > 0 for s in p.launch_s.values())  # host seconds per dispatched op (training.dispatch)
     assert set(p.layer["fp32"]) == set(p.ends["fp32"]) == set(p.runtime_s) == set(p.optimizer) == {"1", "2"}
     assert set(p.tp_layer["fp32"]) == {"2"} and all(row[0] == 2 for row in p.tp_layer_rows("fp32", 2))  # a pair
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}

@@ -33,3 +33,13 @@ def test_peak_held_bytes_are_the_predicted(c2, name):
     cfg = dataclasses.replace(BASE, schedule=name, chunks=schedule_entry(name).default_chunks).check(2)
     for rank, measured, schedule in c2.run(_measured, cfg):
         assert measured == held_activation_bytes(cfg, schedule)[rank], (name, rank)
+
+
+@pytest.mark.parametrize("changes", [dict(pp=1, dp=2), dict(pp=1, dp=2, precision="bf16", model=dataclasses.replace(
+    TINY, arch="llama", kv_heads=2))], ids=["dp2", "dp2-bf16-llama"])
+def test_a_replica_holds_its_own_rows_of_the_batch(c2, changes):
+    """At d = 2 each replica keeps its own half of the batch (a copy, not a view that keeps the whole global batch
+    alive), so its held bytes are the predicted ones too; bf16 with Llama's widths and autocast's weight copies."""
+    cfg = dataclasses.replace(BASE, schedule="1f1b", **changes).check(2)
+    for rank, measured, schedule in c2.run(_measured, cfg):
+        assert measured == held_activation_bytes(cfg, schedule)[0], rank  # one pipeline rank: both replicas its

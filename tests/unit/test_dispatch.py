@@ -1,4 +1,4 @@
-"""GPU step time: the ops a model dispatches (calibrate.dispatch, counted; costmodel.dispatch) and the pacing rule
+"""GPU step time: the ops a model dispatches (training.dispatch, counted; costmodel.dispatch) and the pacing rule
 (costmodel.local_compute.paced): on a GPU max(host, kernels), on a CPU their sum, the CPU's predictions unchanged."""
 
 import dataclasses
@@ -6,7 +6,6 @@ import dataclasses
 import pytest
 import torch
 
-from modelpar.calibrate.dispatch import count_dispatch, measure_launch
 from modelpar.costmodel.dispatch import DispatchCounts
 from modelpar.costmodel.local import predict_local
 from modelpar.costmodel.local_compute import OPS_FORWARD, kernel_ends, kernel_layer, paced, step_end_seconds
@@ -14,6 +13,7 @@ from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
+from modelpar.training.dispatch import count_dispatch, measure_launch
 from modelpar.training.prediction import local_run
 
 LLAMA = ModelConfig(arch="llama", hidden=64, heads=4, kv_heads=2, layers=2, seq_len=32)

@@ -1,4 +1,4 @@
-"""Count the ops a model dispatches (``costmodel.dispatch.DispatchCounts``) and time the host's share of one.
+"""The ops the trainer dispatches, counted (``costmodel.dispatch.DispatchCounts``), and the host's time for one.
 
 ``count_dispatch``: a ``TorchDispatchMode`` counts every ATen op of the model's own forward and backward
 (``build_stage`` wrapped as the trainer runs it: ``training.precision.wrap_stage``, the loss the trainer
