@@ -227,25 +227,26 @@ class HardwareProfile:
         table = self.launch_s
         return table[self.ranks_measured(ranks, table)] if table else None
 
+    def _rows(self, tables: dict[str, dict[str, list[list[float]]]], dtype: str, ranks: int) -> list[list[float]]:
+        """The rows of ``tables[dtype]`` measured with the most processes at or below ``ranks`` ([]: none)."""
+        table = tables.get(dtype, {})
+        return table[self.ranks_measured(ranks, table)] if table else []
+
     def layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured layers (``calibrate.layers``) in ``dtype`` with the most processes at or below ``ranks``."""
-        table = self.layer.get(dtype, {})
-        return table[self.ranks_measured(ranks, table)] if table else []
+        return self._rows(self.layer, dtype, ranks)
 
     def tp_layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured tensor-parallel layers (``calibrate.layers.measure_tp_layers``), as ``layer_rows``."""
-        table = self.tp_layer.get(dtype, {})
-        return table[self.ranks_measured(ranks, table)] if table else []
+        return self._rows(self.tp_layer, dtype, ranks)
 
     def end_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured embeddings and output layers in ``dtype``, as ``layer_rows``."""
-        table = self.ends.get(dtype, {})
-        return table[self.ranks_measured(ranks, table)] if table else []
+        return self._rows(self.ends, dtype, ranks)
 
     def blockwise_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured context-parallel attention in ``dtype``, as ``layer_rows``."""
-        table = self.blockwise.get(dtype, {})
-        return table[self.ranks_measured(ranks, table)] if table else []
+        return self._rows(self.blockwise, dtype, ranks)
 
     def runtime(self, ranks: int = 1) -> tuple[float, float] | None:
         """(seconds per action, per step) the pipeline runtime adds beyond computing; None if not measured."""
