@@ -111,21 +111,21 @@ def kernel_layer(run: LocalLayout, hw: HardwareProfile, ranks: int | None = None
         dgrad += matmul_seconds(run, hw, mm, k, n, ranks)
         wgrad += matmul_seconds(run, hw, k, n, mm, ranks)
     attention = attention_seconds(run, hw, ranks)
-    latency = hw.op_latency(ranks) or 0.0
     kept = _stream(hw, ranks, activation_parts(replace(run, recompute="none"), 0)[0]) / 2  # written / read back
-    if hw.device != "cpu":  # the host dispatches while the device computes: the longer sets the pace
-        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
-        forward = paced(hw, fwd + attention + kept, ops.layer_forward * launch)
-        backward = paced(hw, dgrad + wgrad + 2 * attention + kept, ops.layer_backward * launch)
-        return LayerCost(forward, backward, wgrad), attention
-    forward = fwd + attention + OPS_FORWARD * latency + kept
-    return LayerCost(forward, dgrad + wgrad + 2 * attention + 2 * OPS_FORWARD * latency + kept, wgrad), attention
+    ops, op_s = dispatch_counts(run, hw), launch_seconds(hw, ranks)
+    forward = paced(hw, fwd + attention + kept, ops.layer_forward * op_s)
+    backward = paced(hw, dgrad + wgrad + 2 * attention + kept, ops.layer_backward * op_s)
+    return LayerCost(forward, backward, wgrad), attention
 
 
-def dispatch_counts(run: LocalLayout) -> DispatchCounts:
-    """The ops ``run`` dispatches (``run.ops``, counted from its model), else the constants: ``OPS_FORWARD`` a layer's
-    forward and twice that its backward, 4 and 8 the head's, none the embedding's, ``OPS_STEP`` a step's."""
-    return run.ops or DispatchCounts(OPS_FORWARD, 2 * OPS_FORWARD, 0, 0, 4, 8, OPS_STEP, 0)
+_CONSTANT_OPS = DispatchCounts(OPS_FORWARD, 2 * OPS_FORWARD, 0, 0, 4, 8, OPS_STEP, 0)
+
+
+def dispatch_counts(run: LocalLayout, hw: HardwareProfile) -> DispatchCounts:
+    """The ops ``run`` dispatches on ``hw``: on a GPU those counted from its model (``run.ops``), else the constants
+    (a CPU's fits were made with them): ``OPS_FORWARD`` a layer's forward and twice that its backward, 4 and 8 the
+    head's, none the embedding's, ``OPS_STEP`` a step's."""
+    return run.ops if counted_on_gpu(run, hw) and run.ops is not None else _CONSTANT_OPS
 
 
 def counted_on_gpu(run: LocalLayout, hw: HardwareProfile) -> bool:
@@ -137,9 +137,11 @@ def counted_on_gpu(run: LocalLayout, hw: HardwareProfile) -> bool:
 
 
 def launch_seconds(hw: HardwareProfile, ranks: int) -> float:
-    """Host seconds per dispatched op on ``hw``: the measured launch cost (``HardwareProfile.launch``), else the op
-    latency (a synchronised op's, an upper bound), else 0."""
-    return hw.launch(ranks) or hw.op_latency(ranks) or 0.0
+    """Host seconds per dispatched op on ``hw``: on a GPU the measured launch cost (``HardwareProfile.launch``), else
+    the op latency (a synchronised op's, an upper bound); on a CPU the op latency (the host runs the op itself);
+    else 0."""
+    launch = hw.launch(ranks) if hw.device != "cpu" else None
+    return launch or hw.op_latency(ranks) or 0.0
 
 
 def paced(hw: HardwareProfile, kernel_s: float, host_s: float) -> float:
@@ -155,21 +157,16 @@ def kernel_ends(run: LocalLayout, hw: HardwareProfile, stage: int, ranks: int | 
     the stage does not hold."""
     m, ranks = run.model, ranks or _ranks(run, hw)
     _, first, last = activation_parts(replace(run, recompute="none"), stage)
-    embed = LayerCost(_stream(hw, ranks, first) / 2, _stream(hw, ranks, first) / 2, 0.0) if stage == 0 else _ZERO
-    if stage == 0 and hw.device != "cpu":
-        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
-        embed = LayerCost(paced(hw, embed.forward, ops.embed_forward * launch),
-                          paced(hw, embed.backward, ops.embed_backward * launch), 0.0)
+    ops, op_s = dispatch_counts(run, hw), launch_seconds(hw, ranks)
+    streamed = _stream(hw, ranks, first) / 2
+    embed = (LayerCost(paced(hw, streamed, ops.embed_forward * op_s), paced(hw, streamed, ops.embed_backward * op_s),
+                       0.0) if stage == 0 else _ZERO)
     if stage != run.stages - 1:
         return embed, _ZERO
     head = matmul_seconds(run, hw, run.tokens, m.vocab // run.t, m.hidden, ranks)
-    latency = hw.op_latency(ranks) or 0.0
     kept = _stream(hw, ranks, last) / 2
-    if hw.device != "cpu":  # paced by the host or the kernels (``paced``)
-        ops, launch = dispatch_counts(run), launch_seconds(hw, ranks)
-        host_f, host_b = ops.head(math.ceil(run.tokens / loss_chunk_tokens(run)))
-        return embed, LayerCost(paced(hw, head + kept, host_f * launch), paced(hw, 2 * head + kept, host_b * launch), head)
-    return embed, LayerCost(head + 4 * latency + kept, 2 * head + 8 * latency + kept, head)
+    host_f, host_b = ops.head(math.ceil(run.tokens / loss_chunk_tokens(run)))
+    return embed, LayerCost(paced(hw, head + kept, host_f * op_s), paced(hw, 2 * head + kept, host_b * op_s), head)
 
 
 _ZERO = LayerCost(0.0, 0.0, 0.0)
@@ -298,13 +295,9 @@ def step_end_seconds(run: LocalLayout, hw: HardwareProfile, tensors: int, gradie
     if fit is not None:
         latency, per_tensor, gbps = fit
         seconds = latency + tensors * per_tensor + optimizer_bytes / (gbps * 1e9)
-    elif hw.device != "cpu":  # the kernels or the host's dispatch of the step's ops (``paced``)
+    else:  # the kernels (read g, w, m, v; write w, m, v) and the host's dispatch of the step's ops (``paced``)
         bandwidth = hw.elementwise_bytes_per_s(ranks)
         kernels = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth
-        seconds = paced(hw, kernels, dispatch_counts(run).step(run.model.layers // run.stages) * launch_seconds(hw, ranks))
-    else:
-        bandwidth = hw.elementwise_bytes_per_s(ranks)
-        seconds = gradient_bytes / bandwidth + 7 * optimizer_bytes / 2 / bandwidth  # read g, w, m, v; write w, m, v
-        seconds += OPS_STEP * (hw.op_latency(ranks) or 0.0)
+        seconds = paced(hw, kernels, dispatch_counts(run, hw).step(run.model.layers // run.stages) * launch_seconds(hw, ranks))
     return seconds * core_share(run, hw, hw.optimizer if fit is not None else None)
 
