@@ -21,9 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# ``TorchDispatchMode`` (torch.utils._python_dispatch, torch >= 1.13, unchanged since): the hook on every ATen op
+# that ``training.dispatch`` counts a model's dispatched ops with; torch has no public name for it.
+from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = [
     "AfterApply",
     "CompileClock",
+    "TorchDispatchMode",
     "all_gather_single",
     "backend_device",
     "backend_options",

@@ -24,8 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from modelpar._compat import TorchDispatchMode
 from modelpar.costmodel.dispatch import DispatchCounts
 from modelpar.model import LMLoss, ModelConfig, build_stage
 from modelpar.training.precision import compute_dtype, wrap_stage
