@@ -43,11 +43,6 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _attention_here(run: LocalLayout, stage: int) -> bool:
-    """Does ``stage`` run torch's fused attention with layers (not context parallelism's own functions)?"""
-    return run.cp == 1 and len(stage_layers(run, stage)) > 0 and run.recompute != "full"
-
-
 def attention_workspace_bytes(run: LocalLayout, stage: int) -> float:
     """Bytes flash attention's backward allocates for one layer of ``stage`` (module docstring; 0 where it does
     not run: a CPU, cp > 1, full recomputation's re-run included — it allocates the same, so priced the same)."""
