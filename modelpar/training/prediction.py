@@ -12,6 +12,7 @@ times under ``memory_limit``. It is built once, where the run starts, and shippe
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -144,6 +145,16 @@ def compare(predicted: LocalPrediction, measured: dict[str, float | None]) -> di
     return rows
 
 
+def _cores_shared(cfg: TrainConfig, profile: HardwareProfile) -> str | None:
+    """A warning when a CPU run has more local ranks than cores: the operating system then time-slices them, and
+    the step time is the cost model's least certain prediction (docs/calibrate.md, ``--validate-local``)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.dims.world_size))  # this node's ranks (torchrun sets it)
+    cores = os.cpu_count() or 1
+    if profile.device != "cpu" or ranks <= cores:
+        return None
+    return f"{ranks} ranks on {cores} cores: the step time is the least certain prediction (docs/calibrate.md)"
+
+
 def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
     from modelpar.training.metrics import append_record
@@ -178,4 +189,7 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
     source = (f"{profile.name} ({profile_source(cfg.hardware, list(PROFILES))})" if cfg.hardware else
               "no profile: memory only, no step time (--no-calibrate; modelpar calibrate, then --hardware)")
     lines.insert(0, ("prediction from", source))
+    shared = _cores_shared(cfg, profile)
+    if shared and "step_time_s" in rows:
+        lines.insert(2, ("  cores shared", shared))
     return lines, {"hardware": profile.name if cfg.hardware else None, "source": source, **rows}

@@ -40,3 +40,19 @@ def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monke
     other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, hidden=64))
     assert cache_path(other) != path  # another layer shape: another file (its own short calibration)
 
+
+
+def test_a_cpu_run_with_more_ranks_than_cores_is_flagged_as_the_least_certain(monkeypatch):
+    from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
+    from modelpar.training.prediction import _cores_shared
+
+    four = dataclasses.replace(CFG, tp=2, pp=2).check()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    cpu, gpu = CPU_DEFAULT, PROFILES["h100-sxm"]
+    assert _cores_shared(four, cpu) == ("4 ranks on 2 cores: the step time is the least certain prediction "
+                                        "(docs/calibrate.md)")
+    assert _cores_shared(CFG, cpu) is None  # one rank
+    assert _cores_shared(four, gpu) is None  # a GPU run: its host cores do not compute
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 of the 4 ranks on this node
+    assert _cores_shared(four, cpu) is None
