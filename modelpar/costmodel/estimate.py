@@ -20,7 +20,7 @@ from modelpar.costmodel.assumptions import DEFAULT, Assumptions
 from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.ends import embedding_sync, embedding_time, hbm_seconds, output_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency, layer_gemms
-from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
+from modelpar.costmodel.memory import activation_bytes_per_layer, device_elements, mean_device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.network import ring_time, sharded_dp_exposed
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
@@ -292,7 +292,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     p = cfg.p
     first, last = ends
     ranks = busiest_candidates(loads)
-    params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
+    params = {r: n for r, (n, _) in device_elements(model, cfg, ranks, a.uniform_stages).items()}
     if a.uniform_stages or p == 1:
         work = dict.fromkeys(ranks, model.layers / p * per_layer + (first + last) / p)
     else:
@@ -302,7 +302,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     total = {r: work[r] + sharded[r][0] for r in ranks}
     busiest = max(total.values())
     average = (model.layers / p * per_layer + (first + last) / p
-               + _accumulation(model.params / (cfg.t * p), cluster, a))
+               + _accumulation(mean_device_params(model, cfg, a.uniform_stages), cluster, a))
     return busiest, average, busiest - max(work.values()), max(tail for _, tail in sharded.values()), params
 
 

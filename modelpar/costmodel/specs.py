@@ -110,11 +110,6 @@ class ModelSpec:
         return len(self.moe.layers(self.layers)) / self.layers if self.moe is not None else 0.0
 
     @cached_property
-    def expert_layer_params(self) -> float:
-        """Routed experts' weights per layer, averaged over the layers: split over ep, not t (``memory.device_params``)."""
-        return self.moe_share * 3 * self.hidden * self.moe.ffn * self.moe.experts if self.moe is not None else 0.0
-
-    @cached_property
     def expert_flops_per_token(self) -> float:
         """Forward FLOPs per token and layer (averaged) of the router and the k routed experts a token uses
         (× the kept share): the part every tensor-parallel rank computes whole (the trainer's layout)."""
