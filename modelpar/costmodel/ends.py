@@ -10,6 +10,7 @@ each term; docs/costmodel.md ("The pipeline's ends").
 from __future__ import annotations
 
 from modelpar.costmodel.assumptions import Assumptions
+from modelpar.costmodel.inventory import embedding_elements
 from modelpar.costmodel.measured import collective_time
 from modelpar.costmodel.network import ring_time
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
@@ -65,7 +66,7 @@ def embedding_time(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, 
     already prices that pass for all the rank's weights; at t > 1 the all-reduce (SP: reduce-scatter) of its output."""
     if a.uniform_stages:  # the reference's model: no matmuls here, nothing else timed
         return 0.0
-    table = model.vocab * model.hidden / cfg.t
+    table = embedding_elements(model, cfg.t)
     hbm = table * a.param_bytes
     if not a.grad_accumulation_pass:
         hbm += table * (a.param_bytes + 2 * a.grad_bytes)
@@ -79,7 +80,7 @@ def embedding_sync(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, 
     unless the whole job is one node; exposed: the optimizer waits for it."""
     if cfg.p == 1 or not model.tied_embeddings or a.uniform_stages:
         return 0.0
-    table = model.vocab * model.hidden / cfg.t * a.grad_bytes
+    table = embedding_elements(model, cfg.t) * a.grad_bytes
     return ring_time(allreduce_bytes(table, 2), "all_reduce", 2, cluster.gpus // 2, cluster, a)
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.axes import expert_splits, heads_split, sequence_parallel_choices
 from modelpar.costmodel.context import cp_layer_time
 from modelpar.costmodel.ends import embedding_sync, embedding_time, hbm_seconds, output_layer_time
 from modelpar.costmodel.measured import collective_time, gemm_efficiency, layer_gemms
-from modelpar.costmodel.memory import activation_bytes_per_layer, device_params, memory_breakdown
+from modelpar.costmodel.memory import activation_bytes_per_layer, device_elements, mean_device_params, memory_breakdown
 from modelpar.costmodel.moe import all_to_alls
 from modelpar.costmodel.network import ring_time, sharded_dp_exposed
-from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, check_context_split
+from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig, context_split_reason
 from modelpar.costmodel.stages import busiest_candidates, check_split, rank_loads
 from modelpar.costmodel.zero_bytes import (
     dp_bytes_at_step_end,
@@ -101,12 +102,9 @@ def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, ba
         if cfg.cp > 1:
             return f"t·cp·p·d = {cfg.t}·{cfg.cp}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
         return f"t·p·d = {cfg.t}·{cfg.p}·{cfg.d} = {cfg.gpus} is not the {cluster.gpus} GPUs"
-    try:
-        check_context_split(model.seq, cfg.cp)
-    except ValueError as err:
-        return str(err)
-    if model.heads % cfg.t or (model.kv_heads or model.heads) % cfg.t:
-        return f"heads ({model.heads}, kv {model.kv_heads or model.heads}) not divisible by t = {cfg.t}"
+    reason = context_split_reason(model.seq, cfg.cp) or heads_split(model, cfg.t)
+    if reason:
+        return reason
     split = check_split(model.layers, cfg.p, cfg.v, cfg.stage_layers)
     if split:
         return split
@@ -118,9 +116,9 @@ def check_config(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig, ba
         return f"the {a.engine} engine has no interleaved schedule (v = {cfg.v})"
     if cfg.v > 1 and (cfg.p == 1 or (batch // (cfg.d * cfg.micro_batch)) % cfg.p):
         return f"interleaving (v = {cfg.v}) needs p > 1 and microbatches divisible by p = {cfg.p}"
-    if cfg.sequence_parallel and cfg.t == 1:
+    if cfg.sequence_parallel not in sequence_parallel_choices(cfg.t):
         return "sequence parallelism needs t > 1"
-    if cfg.ep > 1 and (model.moe is None or cfg.d % cfg.ep or model.moe.experts % cfg.ep):
+    if cfg.ep > 1 and cfg.ep not in expert_splits(model.moe, cfg.d):
         return (f"ep = {cfg.ep} needs a mixture of experts whose experts and d = {cfg.d} it divides"
                 + (f" (experts {model.moe.experts})" if model.moe is not None else " (the model is dense)"))
     return None
@@ -292,7 +290,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     p = cfg.p
     first, last = ends
     ranks = busiest_candidates(loads)
-    params = {r: device_params(model, cfg, loads[r], r, a.uniform_stages) for r in ranks}
+    params = {r: n for r, (n, _) in device_elements(model, cfg, ranks, a.uniform_stages).items()}
     if a.uniform_stages or p == 1:
         work = dict.fromkeys(ranks, model.layers / p * per_layer + (first + last) / p)
     else:
@@ -302,7 +300,7 @@ def microbatch_times(model: ModelSpec, cluster: ClusterSpec, cfg: ParallelConfig
     total = {r: work[r] + sharded[r][0] for r in ranks}
     busiest = max(total.values())
     average = (model.layers / p * per_layer + (first + last) / p
-               + _accumulation(model.params / (cfg.t * p), cluster, a))
+               + _accumulation(mean_device_params(model, cfg, a.uniform_stages), cluster, a))
     return busiest, average, busiest - max(work.values()), max(tail for _, tail in sharded.values()), params
 
 

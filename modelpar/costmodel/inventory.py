@@ -1,10 +1,16 @@
-"""The model inventory: every parameter a ``modelpar train`` rank holds, and its gradient buckets, from a layout.
+"""The model inventory: every parameter a rank holds (``modelpar train``'s, or Megatron's: the same modules), and its
+gradient buckets, from a layout.
 
-One pure function of the layout (``LocalLayout``) that both sides read, so they cannot drift apart:
+One pure function of the layout (``LocalLayout``, or a published run's ``Holding``) that every side reads, so
+they cannot drift apart:
 
-- the cost model prices memory, data-parallel traffic and the optimizer from it (``local_memory``, ``local``);
+- the local pricer prices memory, data-parallel traffic and the optimizer from it (``local_memory``, ``local``);
+- the published-run pricer counts a rank's parameters, their gradients and optimizer state from it
+  (``memory.device_params``, ``memory_breakdown``, ``estimate``: ``rank_elements``, ``layer_elements``);
 - the trainer groups its buckets with ``bucket_groups`` and checks at start that its real modules hold
   these tensors and these buckets (``modelpar.training.parts.check_inventory``).
+
+A parallel dimension's parameter rule (what it splits, what it replicates) is written here once for all three.
 
 Per (virtual) stage, in ``module.parameters()`` order: the first stage's GPT learned positions and its
 embedding (vocabulary rows ÷ t); each of the stage's layers (``stage_layers``: ``modelpar.layer_split``, uneven splits
@@ -18,16 +24,49 @@ at once first, then those summed over t first ("partial"), then each tied copy a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
-from modelpar.costmodel.moe import moe_layer_tensors
+from modelpar.costmodel.moe import MoESpec, moe_layer_tensors
+from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 from modelpar.layer_split import layer_ranges, resolve_split
 
 if TYPE_CHECKING:
     from modelpar.costmodel.local_memory import LocalLayout
 
-__all__ = ["ParamTensor", "bucket_groups", "bucket_shards", "stage_bucket_list", "stage_buckets", "stage_layers",
-           "stage_tensors"]
+__all__ = ["Holding", "ParamTensor", "bucket_groups", "bucket_shards", "embedding_elements", "layer_elements",
+           "rank_elements", "stage_bucket_list", "stage_buckets", "stage_layers", "stage_tensors", "total_elements"]
+
+
+class Holding(NamedTuple):
+    """A published run's layout as the inventory reads it (``Holding.of(model, cfg)``): the parameter rules of the
+    trainer's modules are Megatron's (vocabulary-parallel embedding and head, column/row-parallel linears,
+    replicated norms and row biases, the routed experts whole over t), so the published-run pricer
+    (``memory.py``, ``estimate.py``) counts a rank's parameters here too. Only what the count depends on: d and
+    cp replicate the parameters (their gradients' ranks are the ``ParallelConfig``'s ``grad_ranks``). A named tuple:
+    the planner builds one per layout it prices and looks its counts up in a cache, so it is cheap to build and hash."""
+
+    model: ModelSpec
+    t: int
+    p: int
+    v: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    stage_layers: tuple[int, ...] | None = None
+    moe: MoESpec | None = None
+
+    @classmethod
+    def of(cls, model: ModelSpec, cfg: ParallelConfig) -> Holding:
+        """What ``cfg`` holds of ``model``: its t, p, v, ep, sequence parallelism and stage split."""
+        return cls(model, cfg.t, cfg.p, cfg.v, cfg.ep, cfg.sequence_parallel, cfg.stage_layers, model.moe)
+
+    @property
+    def stages(self) -> int:
+        return self.p * self.v
+
+
+if TYPE_CHECKING:
+    Layout: TypeAlias = "LocalLayout | Holding"  # what the inventory reads: a trainer's run or a published one
 
 
 @dataclass(frozen=True)
@@ -40,18 +79,24 @@ class ParamTensor:
     expert: bool = False  # routed expert weights under ep > 1: reduced and sharded over the d/ep replicas holding them
 
 
-def stage_layers(run: LocalLayout, stage: int) -> range:
+def stage_layers(run: Layout, stage: int) -> range:
     """Global indices of (virtual) stage ``stage``'s layers: ``run.stage_layers`` or the default split."""
     return layer_ranges(resolve_split(run.model.layers, run.p, run.v, run.stage_layers))[stage]
 
 
-def _norm(run: LocalLayout, partial: bool) -> list[ParamTensor]:
+def _norm(run: Layout, partial: bool) -> list[ParamTensor]:
     h = run.model.hidden
     return [ParamTensor(h, partial)] * (2 if run.model.bias else 1)
 
 
-def _layer(run: LocalLayout, index: int) -> list[ParamTensor]:
-    """Layer ``index``'s parameters on one rank, in the module's order."""
+def embedding_elements(model: ModelSpec, t: int) -> int:
+    """Elements of one rank's share of the word embedding (vocabulary rows ÷ t): the table, its tied copy on the
+    last stage, an untied head."""
+    return model.vocab // t * model.hidden
+
+
+def _layer(run: Layout, moe: bool) -> list[ParamTensor]:
+    """A layer's parameters on one rank, in the module's order (``moe``: a mixture of experts in place of the MLP)."""
     m, t = run.model, run.t
     h, f, a = m.hidden, m.ffn_size, m.heads
     kv = m.kv_heads or a
@@ -66,7 +111,7 @@ def _layer(run: LocalLayout, index: int) -> list[ParamTensor]:
         out += [ParamTensor(h // t * h, False), ParamTensor(2 * max(1, kv // t) * d * h, t > 1 and kv_replicated)]
     out += [ParamTensor(h * h // t, False)] + ([ParamTensor(h, sp)] if bias else [])
     out += _norm(run, sp)
-    if run.moe is not None and index in run.moe.layers(m.layers):
+    if moe and run.moe is not None:
         e = run.moe
         split = run.ep > 1
         return out + [ParamTensor(n, False, kind == "expert" and split, kind == "expert" and split)
@@ -77,23 +122,81 @@ def _layer(run: LocalLayout, index: int) -> list[ParamTensor]:
     return out
 
 
-def stage_tensors(run: LocalLayout, stage: int) -> list[ParamTensor]:
-    """The parameters of (virtual) stage ``stage`` on one rank, in ``module.parameters()`` order."""
-    m, t, last = run.model, run.t, run.stages - 1
-    split = m.tied_embeddings and run.stages > 1
-    sp = run.sequence_parallel and t > 1
-    out: list[ParamTensor] = []
-    if stage == 0:  # the embedding module registers its positions first
-        if m.learned_positions:
-            out.append(ParamTensor(m.seq * m.hidden, sp))
-        out.append(ParamTensor(m.vocab // t * m.hidden, False, split))
-    for i in stage_layers(run, stage):
-        out += _layer(run, i)
-    if stage == last:
-        out += _norm(run, sp)
-        if not (m.tied_embeddings and run.stages == 1):  # one stage: the head shares the embedding
-            out.append(ParamTensor(m.vocab // t * m.hidden, False, split))
+def _first(run: Layout) -> list[ParamTensor]:
+    """The first stage's end: the GPT learned positions (the embedding module registers them first) and the word
+    embedding (a tied copy of its own on the last stage when there are several)."""
+    m = run.model
+    out = [ParamTensor(m.seq * m.hidden, run.sequence_parallel and run.t > 1)] if m.learned_positions else []
+    return out + [ParamTensor(embedding_elements(m, run.t), False, m.tied_embeddings and run.stages > 1)]
+
+
+def _last(run: Layout) -> list[ParamTensor]:
+    """The last stage's end: the final norm and the head (on one stage a tied head is the embedding itself)."""
+    m = run.model
+    out = _norm(run, run.sequence_parallel and run.t > 1)
+    if not (m.tied_embeddings and run.stages == 1):
+        out.append(ParamTensor(embedding_elements(m, run.t), False, m.tied_embeddings and run.stages > 1))
     return out
+
+
+def _moe_layers(run: Layout) -> frozenset[int]:
+    return frozenset(run.moe.layers(run.model.layers)) if run.moe is not None else frozenset()
+
+
+def stage_tensors(run: Layout, stage: int) -> list[ParamTensor]:
+    """The parameters of (virtual) stage ``stage`` on one rank, in ``module.parameters()`` order."""
+    moe = _moe_layers(run)
+    out = _first(run) if stage == 0 else []
+    for i in stage_layers(run, stage):
+        out += _layer(run, i in moe)
+    return out + (_last(run) if stage == run.stages - 1 else [])
+
+
+def _elements(tensors: list[ParamTensor]) -> tuple[int, int]:
+    """(elements of ``tensors``, of which expert weights reduced over d·cp/ep)."""
+    return sum(x.numel for x in tensors), sum(x.numel for x in tensors if x.expert)
+
+
+@lru_cache(maxsize=4096)
+def _layer_elements(run: Holding, moe: bool) -> tuple[int, int]:
+    return _elements(_layer(run, moe))
+
+
+def _one_layer(run: Holding) -> Holding:
+    """``run`` with only what a layer's parameters depend on (t, ep, SP, the model): one cache entry for them."""
+    return run._replace(p=1, v=1, stage_layers=None)
+
+
+@lru_cache(maxsize=1 << 16)
+def rank_elements(run: Holding, rank: int) -> tuple[int, int]:
+    """(parameters, of which routed expert weights under ep > 1, reduced over the d·cp/ep replicas holding them) of
+    pipeline rank ``rank``: its stages rank, rank + p, … (Megatron's placement), ``stage_tensors``' count."""
+    one, moe = _one_layer(run), _moe_layers(run)
+    total = expert = 0
+    for stage in range(rank, run.stages, run.p):
+        here = stage_layers(run, stage)
+        n_moe = sum(1 for i in moe if i in here)
+        ends = (_first(run) if stage == 0 else []) + (_last(run) if stage == run.stages - 1 else [])
+        for count, (n, e) in ((1, _elements(ends)), (len(here) - n_moe, _layer_elements(one, False)),
+                              (n_moe, _layer_elements(one, True) if n_moe else (0, 0))):
+            total += count * n
+            expert += count * e
+    return total, expert
+
+
+@lru_cache(maxsize=1 << 12)
+def total_elements(run: Holding) -> int:
+    """Parameters of one model replica's ranks together, ``rank_elements`` summed over the p ranks (a tied
+    embedding's copy counted twice, as held)."""
+    return sum(rank_elements(run, r)[0] for r in range(run.p))
+
+
+def layer_elements(run: Holding) -> float:
+    """One layer's parameters on a rank, averaged over the model's layers (a ZeRO-3 unit, gathered whole)."""
+    one, m = _one_layer(run), run.model
+    n_moe = len(_moe_layers(run))
+    dense = _layer_elements(one, False)[0] * (m.layers - n_moe)
+    return (dense + (_layer_elements(one, True)[0] * n_moe if n_moe else 0)) / m.layers
 
 
 def bucket_groups(sizes: list[int], elements: int) -> list[range]:

@@ -7,7 +7,9 @@ sequence parallelism, interleaving, microbatch counts, context parallelism's mod
 layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rule: a sequence in 2·cp
 chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
 own choices (``TrainConfig``'s schedule and ZeRO lists) and its ``TrainConfig.check`` accepts or
-refuses each candidate, so a new capability there is a new entry here. Pure Python.
+refuses each candidate, so a new capability there is a new entry here. The axes' values and rules (t, cp, p,
+the microbatch counts, ep, SP, ZeRO) are ``costmodel.axes``', which ``search.py`` iterates too; which of them
+the trainer runs together (ZeRO with ep, ...) is ``accept``'s. Pure Python.
 
 ``auto`` among the schedules: for each (t, p, d, m, recomputation, SP, ZeRO) with p > 1, the
 schedule ``simulate.synthesis`` builds from this layout's stage costs (``local.stage_costs``)
@@ -23,11 +25,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modelpar.costmodel.allocator import allocator_bytes
+from modelpar.costmodel.axes import batch_splits, context_splits, divisors, expert_splits, sequence_parallel_choices, shards
 from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
 from modelpar.costmodel.profiles import HardwareProfile
-from modelpar.costmodel.search import divisors
 from modelpar.costmodel.specs import CP_COMMS, PLANNED_RECOMPUTE, ModelSpec, check_trainer_context
 from modelpar.schedules.registry import BASELINE, COMPARED, schedule_entry
 from modelpar.schedules.schedule import contiguous_map, loop_map, v_map
@@ -58,10 +60,10 @@ class LocalPlan:
     tried: int
 
 
-def _contexts(world: int, caps: Capabilities) -> Iterator[tuple[int, str]]:
-    """(cp, mode) pairs to try: cp = 1, and every divisor > 1 of ``world`` with each of ``caps.cp_comms``."""
+def _contexts(world: int, seq: int, caps: Capabilities) -> Iterator[tuple[int, str]]:
+    """(cp, mode) pairs to try: cp = 1, and every other of ``axes.context_splits`` with each of ``caps.cp_comms``."""
     yield 1, "ring"
-    for cp in divisors(world):
+    for cp in context_splits(world, seq):
         if cp > 1:
             yield from ((cp, mode) for mode in caps.cp_comms)
 
@@ -78,7 +80,7 @@ def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: 
     """Every (t, cp, p, d, schedule, v, m, recompute, SP, ZeRO) of ``caps`` on ``world`` ranks, ``base``'s other
     fields."""
     for t in divisors(world):
-        for cp, mode in _contexts(world // t, caps):
+        for cp, mode in _contexts(world // t, model.seq, caps):
             yield from _layouts(model, world, batch, caps, replace(base, cp=cp, cp_comm=mode), t)
 
 
@@ -95,13 +97,13 @@ def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base:
             for v in _chunk_choices(schedule, caps):
                 if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
                     continue
-                for m in (x for x in divisors(batch // d) if x <= caps.max_microbatches):
+                for m in (x for x in batch_splits(batch, d) if x <= caps.max_microbatches):
                     if not _builds(schedule, p, m, v):
                         continue
                     for rc in caps.recompute:
-                        for sp in ((False, True) if caps.sequence_parallel and t > 1 else (False,)):
-                            for zero, ep in ((z, e) for z in caps.zero if z == 0 or d * base.cp > 1
-                                             for e in _expert_splits(base, d)):
+                        for sp in (sequence_parallel_choices(t) if caps.sequence_parallel else (False,)):
+                            for zero, ep in ((z, e) for z in caps.zero if shards(z, d * base.cp)
+                                             for e in expert_splits(base.moe, d)):
                                 run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
                                               microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
                                               zero=zero, ep=ep)
@@ -116,12 +118,6 @@ def _chunk_choices(schedule: str, caps: Capabilities) -> tuple[int, ...]:
         return (1,)
     fixed = schedule_entry(schedule).chunks
     return caps.chunks if fixed is None else (fixed,)
-
-
-def _expert_splits(base: LocalLayout, d: int) -> list[int]:
-    """The ep to try at d replicas: the divisors of d that divide the experts (1 for a dense model). Which of
-    them the trainer runs with the rest of the layout (ZeRO with ep, ...) is ``accept``'s: ``TrainConfig.check``."""
-    return [e for e in divisors(d) if base.moe.experts % e == 0] if base.moe is not None else [1]
 
 
 def _shards_fit(run: LocalLayout) -> bool:

@@ -5,12 +5,16 @@ Under 1F1B pipeline device r holds the activations of min(p − r, m) microbatch
 multiplies that by 1 + (p − 1)/(p·v) (Korthikanti §4.2.3). The first device also holds the input
 embedding, the last the output layer; with uneven stages (``stages.split_layers``) those two hold
 fewer layers and a middle device may be the most loaded, so every candidate device is counted and
-the largest taken. The training state per GPU is ``zero.py``'s, the figures the trainer reports.
+the largest taken. The training state per GPU is ``zero_bytes``' bytes (the figures the trainer reports) of the
+parameters the model inventory lists for the device (``costmodel.inventory``: the local pricer's count too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from modelpar.costmodel.assumptions import Assumptions
+from modelpar.costmodel.inventory import Holding, embedding_elements, layer_elements, rank_elements, total_elements
 from modelpar.costmodel.moe import moe_activation_bytes
 from modelpar.costmodel.specs import ModelSpec, ParallelConfig
 from modelpar.costmodel.stages import busiest_candidates, rank_loads
@@ -18,11 +22,13 @@ from modelpar.costmodel.zero_bytes import training_state_bytes
 
 __all__ = [
     "activation_bytes_per_layer",
+    "device_elements",
     "device_params",
     "end_working_bytes",
     "expert_params",
     "in_flight",
     "layerwise_stage_gb",
+    "mean_device_params",
     "memory_breakdown",
     "moe_activation_delta",
     "stages_needed",
@@ -77,29 +83,43 @@ def in_flight(p: int, v: int, m: int, rank: int) -> float:
     return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v  # m = p: all warm-up, m·v chunk passes
 
 
-def device_params(model: ModelSpec, cfg: ParallelConfig, layers: int, rank: int, uniform: bool = False) -> float:
-    """Parameters a GPU of pipeline device ``rank`` holds: its ``layers`` and embeddings, split t ways.
+def device_elements(model: ModelSpec, cfg: ParallelConfig, ranks: Iterable[int], uniform: bool = False
+                    ) -> dict[int, tuple[float, float]]:
+    """(``device_params``, ``expert_params``) of each pipeline device of ``ranks``, from one look-up of the
+    inventory each."""
+    if uniform:
+        return dict.fromkeys(ranks, (model.params / (cfg.t * cfg.p), 0.0))
+    held, out = Holding.of(model, cfg), {}
+    for r in ranks:
+        params, experts = rank_elements(held, r)
+        out[r] = (float(params), float(experts))
+    return out
 
-    The first device holds the input embedding (and learned positions), the last the output layer:
-    its own weight when untied, and with tied embeddings and p > 1 a copy of the word embedding whose
-    gradient it all-reduces with the first (Megatron). ``uniform`` spreads all P parameters evenly,
-    P/(t·p), as the reference text's §6.2 does.
+
+def device_params(model: ModelSpec, cfg: ParallelConfig, rank: int, uniform: bool = False) -> float:
+    """Parameters a GPU of pipeline device ``rank`` holds: the model inventory's count of its stages
+    (``inventory.rank_elements``: the layers, ÷ t where tensor parallelism splits them, the norms and row biases
+    whole, the first device's embedding and learned positions (whole: Megatron replicates them over t), the
+    last's final norm and output layer — with tied embeddings and p > 1 a copy of the word embedding whose
+    gradient it all-reduces with the first — the routed experts E/ep). ``uniform`` spreads all P parameters
+    evenly, P/(t·p), as the reference text's §6.2 does.
     """
+    return device_elements(model, cfg, (rank,), uniform)[rank][0]
+
+
+def mean_device_params(model: ModelSpec, cfg: ParallelConfig, uniform: bool = False) -> float:
+    """``device_params`` averaged over the p pipeline devices: the inventory's total of a model replica ÷ p (the
+    reference's P/(t·p) under ``uniform``)."""
     if uniform:
         return model.params / (cfg.t * cfg.p)
-    word = model.vocab * model.hidden
-    params = layers * (model.layer_params - model.expert_layer_params)
-    if rank == 0:
-        params += model.embedding_params - (0 if model.tied_embeddings else word)
-    if rank == cfg.p - 1 and (cfg.p > 1 or not model.tied_embeddings):
-        params += word
-    return params / cfg.t + expert_params(model, cfg, layers)
+    return total_elements(Holding.of(model, cfg)) / cfg.p
 
 
-def expert_params(model: ModelSpec, cfg: ParallelConfig, layers: float) -> float:
-    """The routed experts' weights among ``device_params``: E/ep of them per MoE layer, whole over t (the
-    trainer's layout, Megatron's expert-tensor-parallel size 1); their gradients are reduced over d·cp/ep."""
-    return layers * model.expert_layer_params / cfg.ep
+def expert_params(model: ModelSpec, cfg: ParallelConfig, rank: int, uniform: bool = False) -> float:
+    """The routed experts' weights among ``device_params`` under ep > 1 (``inventory.rank_elements``): E/ep of them
+    per MoE layer, whole over t (the trainer's layout, Megatron's expert-tensor-parallel size 1); their gradients
+    are reduced over d·cp/ep. 0 at ep = 1 (reduced with the rest) and under the reference's ``uniform`` count."""
+    return device_elements(model, cfg, (rank,), uniform)[rank][1]
 
 
 def moe_activation_delta(model: ModelSpec, cfg: ParallelConfig) -> float:
@@ -123,7 +143,7 @@ def end_working_bytes(model: ModelSpec, cfg: ParallelConfig, rank: int, a: Assum
     if rank == cfg.p - 1:
         extra += cfg.micro_batch * model.seq / cfg.cp * model.vocab / cfg.t * LOGIT_BYTES
     if rank == 0:
-        extra += model.vocab * model.hidden / cfg.t * a.param_bytes
+        extra += embedding_elements(model, cfg.t) * a.param_bytes
     return extra
 
 
@@ -143,16 +163,17 @@ def memory_breakdown(model: ModelSpec, cfg: ParallelConfig, microbatches: int, a
     per_layer += moe_activation_delta(model, cfg)
     working = (activation_bytes_per_layer(s, b, h, model.heads, t, sp, "none", *coeffs) / cfg.cp
                if cfg.recompute == "full" else 0.0)
-    if cfg.zero == 3:
-        layer = (model.layer_params - model.expert_layer_params) / t + model.expert_layer_params / cfg.ep
-        working += 2 * layer * (a.param_bytes + a.grad_bytes)
+    if cfg.zero == 3:  # a layer's parameters, averaged over the layers (the inventory's)
+        working += 2 * layer_elements(Holding.of(model, cfg)) * (a.param_bytes + a.grad_bytes)
     p, v = cfg.p, cfg.v
     loads = rank_loads(model.layers, cfg)
     best: dict[str, float] = {}
-    for rank in busiest_candidates(loads):
+    ranks = busiest_candidates(loads)
+    # the inventory's parameters, of which the experts (ep > 1) sharded over the d·cp/ep replicas holding them
+    held = device_elements(model, cfg, ranks, a.uniform_stages)
+    for rank in ranks:
         layers = model.layers / p if a.uniform_stages else loads[rank]
-        params = device_params(model, cfg, loads[rank], rank, a.uniform_stages)
-        experts = expert_params(model, cfg, loads[rank])  # sharded over the d·cp/ep replicas that hold them
+        params, experts = held[rank]
         mem = {
             "state": training_state_bytes(params - experts, cfg.grad_ranks, cfg.zero, a.param_bytes, a.grad_bytes)
             + training_state_bytes(experts, cfg.grad_ranks // cfg.ep, cfg.zero, a.param_bytes, a.grad_bytes),

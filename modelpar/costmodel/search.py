@@ -9,6 +9,7 @@ Context parallelism (cp > 1: the divisors of the GPUs left by t whose 2·cp chun
 ``cp_comm`` "ring" unless pinned) is searched when no layout without it fits, or when ``cp`` is
 pinned: like ZeRO's higher stages it buys memory (activations ÷ cp) with communication, so it is
 worth it for sequences whose activations do not fit otherwise (Megatron-core's advice for CP).
+Each axis's values and rule come from ``costmodel.axes``, which ``local_search`` iterates too.
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
+from modelpar.costmodel.axes import (
+    batch_splits,
+    context_splits,
+    divisors,
+    expert_splits,
+    heads_split,
+    sequence_parallel_choices,
+    shards,
+)
 from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
-__all__ = ["SearchResult", "chunk_counts", "divisors", "fitting_gpu_counts", "search"]
-
-
-def divisors(n: int) -> list[int]:
-    """Divisors of ``n`` in increasing order."""
-    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
-    return sorted(set(small + [n // k for k in small]))
+__all__ = ["SearchResult", "chunk_counts", "fitting_gpu_counts", "search"]
 
 
 @dataclass
@@ -58,9 +62,8 @@ def fitting_gpu_counts(
 
     Also the least GB any layout needs.
     """
-    kv = model.kv_heads or model.heads
     found, least = set(), float("inf")
-    for t in (t for t in divisors(model.heads) if kv % t == 0):
+    for t in (t for t in divisors(model.heads) if heads_split(model, t) is None):
         for p in range(1, model.layers + 3):
             for d in divisors(batch):
                 need = _leanest(model, t, p, d, batch, a)
@@ -132,15 +135,14 @@ def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Ass
             cp_comm: str, ep: int | None = None) -> SearchResult:
     """``search`` at ``cp`` (None: every cp whose 2·cp chunks split the sequence)."""
     a, n, res = assumptions, cluster.gpus, SearchResult([])
-    kv = model.kv_heads or model.heads
     recomputes = list(PLANNED_RECOMPUTE) if recompute is None else [recompute]
     for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
-        if model.heads % tt or kv % tt:
-            res.reject("heads", f"t = {tt} does not divide heads ({model.heads}, kv {kv})")
+        heads = heads_split(model, tt)
+        if heads:
+            res.reject("heads", heads)
             continue
-        sps = [False, True] if tt > 1 else [False]
-        sps = sps if sequence_parallel is None else [x for x in sps if x == sequence_parallel]
-        splits = [c for c in divisors(n // tt) if c == 1 or model.seq % (2 * c) == 0]  # 2·cp chunks of s
+        sps = [x for x in sequence_parallel_choices(tt) if sequence_parallel in (None, x)]
+        splits = context_splits(n // tt, model.seq)  # 2·cp chunks of s
         cps = _pinned("cp", cp, splits, res, f"the {n // tt} GPUs left by t = {tt} into 2·cp chunks of s = {model.seq}")
         layouts = [(c, q) for c in cps
                    for q in _pinned("p", p, divisors(n // (tt * c)), res, f"the {n // (tt * c)} GPUs left by t·cp = {tt * c}")]
@@ -161,12 +163,13 @@ def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Ass
                 chunks = [len(stage_layers) // pp]
             else:
                 chunks = [v] if v is not None else chunk_counts(model.layers, pp, a.interleaving, a.uniform_stages)
-            # ZeRO-1 is never slower than ZeRO-0 (its optimizer updates a 1/d shard) and holds less: ZeRO-0 only if pinned
-            zeros = [zero] if zero is not None else list(ZERO_STAGES[1:]) if dd > 1 else [0]
-            experts = [e for e in divisors(dd) if model.moe.experts % e == 0] if model.moe is not None else [1]
+            # ZeRO-1 is never slower than ZeRO-0 (its optimizer updates a 1/d shard) and holds less: ZeRO-0 only if
+            # pinned; over d replicas (not d·cp: at d = 1 a context-parallel layout is not sharded here)
+            zeros = [zero] if zero is not None else [z for z in ZERO_STAGES[1:] if shards(z, dd)] or [0]
+            experts = expert_splits(model.moe, dd)
             for rc, sp, ee in ((rc, sp, ee) for rc in recomputes for sp in sps
                                for ee in _pinned("ep", ep, experts, res, f"d = {dd} and the experts")):
-                for b in _pinned("micro_batch", micro_batch, divisors(batch // dd), res, f"batch/d = {batch // dd}"):
+                for b in _pinned("micro_batch", micro_batch, batch_splits(batch, dd), res, f"batch/d = {batch // dd}"):
                     dims = (tt, pp, dd, b, rc, sp, stage_layers, cc, cp_comm, ee)
                     if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
                         break  # a larger micro-batch needs at least as much memory

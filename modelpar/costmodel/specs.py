@@ -17,7 +17,7 @@ from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
 __all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RankGrid",
-           "check_context_split", "check_trainer_context"]
+           "check_context_split", "check_trainer_context", "context_split_reason"]
 
 # The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
 # that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
@@ -25,12 +25,20 @@ PLANNED_RECOMPUTE = ("none", "selective", "full")
 CP_COMMS = ("ring", "allgather")  # the trainer's --cp-comm choices (modelpar.tensor_parallel.context_parallel)
 
 
-def check_context_split(seq_len: int, cp: int) -> None:
-    """ValueError unless ``seq_len`` splits into 2·cp equal chunks (the load-balanced split; no padding)."""
+def context_split_reason(seq_len: int, cp: int) -> str | None:
+    """Why ``seq_len`` does not split into 2·cp equal chunks (the load-balanced split; no padding), or None."""
     check_int("cp", cp, minimum=1)
     if cp > 1 and seq_len % (2 * cp):
-        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2 * cp ({2 * cp}): context parallelism "
-                         f"splits every sequence into 2·cp equal chunks (no padding)")
+        return (f"seq_len ({seq_len}) must be divisible by 2 * cp ({2 * cp}): context parallelism "
+                f"splits every sequence into 2·cp equal chunks (no padding)")
+    return None
+
+
+def check_context_split(seq_len: int, cp: int) -> None:
+    """ValueError unless ``seq_len`` splits into 2·cp equal chunks (``context_split_reason``)."""
+    reason = context_split_reason(seq_len, cp)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_trainer_context(seq_len: int, cp: int, zero: int, tp: int, sequence_parallel: bool) -> None:
@@ -108,11 +116,6 @@ class ModelSpec:
     def moe_share(self) -> float:
         """Share of the layers that are mixtures of experts (0 for a dense model)."""
         return len(self.moe.layers(self.layers)) / self.layers if self.moe is not None else 0.0
-
-    @cached_property
-    def expert_layer_params(self) -> float:
-        """Routed experts' weights per layer, averaged over the layers: split over ep, not t (``memory.device_params``)."""
-        return self.moe_share * 3 * self.hidden * self.moe.ffn * self.moe.experts if self.moe is not None else 0.0
 
     @cached_property
     def expert_flops_per_token(self) -> float:

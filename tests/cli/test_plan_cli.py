@@ -117,8 +117,9 @@ def test_bloom_real_layout_uneven_stages_and_its_engine(capsys):
     # the last stage's 250880-word output layer costs about a layer, but the first stage now holds 6 layers and
     # the embedding, whose gradients DeepSpeed adds up every microbatch: it sets the pace, 0.5% slower
     # (93.84 and 94.28 s before the ends' own work: the embedding's dense gradient, the cross entropy's counted
-    # bytes, the tied embedding's gradient sync between the first and last stage)
-    assert (row["step_time_s"], pinned["step_time_s"]) == pytest.approx((94.02, 94.46), abs=0.005)
+    # bytes, the tied embedding's gradient sync between the first and last stage; 94.46 before the inventory's
+    # parameter count, whose norms and row biases are whole over t: the gradient pass over a 6-layer stage grows)
+    assert (row["step_time_s"], pinned["step_time_s"]) == pytest.approx((94.02, 94.47), abs=0.005)
     code, out, _ = run(capsys, *bloom, "--top", "1")
     assert "Engine: DeepSpeed pipeline engine: plain 1F1B" in out and "layers per device 5/6×10/5" in out
 

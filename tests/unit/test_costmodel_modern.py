@@ -106,7 +106,7 @@ def test_llama_405b_memory_most_loaded_is_second_device():
     mem = memory_breakdown(m, cfg, 32, MODERN)
     per_layer = activation_bytes_per_layer(8192, 1, 16384, 128, 8, True, "none", m.act_sharded_coeff, True, 8)
     assert mem["activations"] == pytest.approx(per_layer * 8 * (2 * 14 + 7 * 16 + 1) / 8)  # rank 1: 141 layer passes
-    params = device_params(m, cfg, 8, 1)
+    params = device_params(m, cfg, 1)
     assert mem["state"] == training_state_bytes(params, 64, 2, 2, 4)
     gib = [sum(memory_breakdown(m, ParallelConfig(8, 16, 64, 1, 8, "none", True, zero=z), 32, MODERN).values()) / 2**30
            for z in (1, 2)]

@@ -90,7 +90,9 @@ def test_breakdown_adds_up_and_json_keys():
 def test_search_ranks_and_every_result_is_feasible():
     res = search(GPT3, make_cluster("a100-80gb", 64), 128)
     steps = [e.step_time_s for e in res.ranked]
-    assert steps == sorted(steps) and len(steps) == 1356  # 1362 before the last stage held its logits (fp32, tokens × V/t)
+    # 1362 before the last stage held its logits (fp32, tokens × V/t); 1356 before the inventory's parameter count
+    # (learned positions and norms whole over t): 6 layouts within 0.3 GB of 80 GB no longer fit, 2 of them at ZeRO-2 now
+    assert steps == sorted(steps) and len(steps) == 1352
     for e in res.ranked:
         c = e.config
         assert e.fits and c.t * c.p * c.d == 64 and 128 % (c.d * c.micro_batch) == 0 and 96 % c.t == 0

@@ -82,7 +82,7 @@ def test_planner_data_parallel_time_uses_the_same_bytes():
     for zero in (0, 1):
         cfg = ParallelConfig(8, 16, 8, zero=zero)
         e = estimate(GPT3, cluster, cfg, 1536, DEFAULT)
-        params = max(device_params(GPT3, cfg, 6, r) for r in (0, 1, 15))  # the heaviest device: the last (output)
+        params = max(device_params(GPT3, cfg, r) for r in (0, 1, 15))  # the heaviest device: the last (output)
         sent = dp_bytes_at_step_end(params, 8, zero, DEFAULT.grad_bytes, DEFAULT.param_bytes)
         # t·d = 64 ranks span nodes, one rank of the group per node: every ring byte at link_efficiency of 25 GB/s,
         # plus the collective latency and NCCL's 2·7 network hops of 14 µs (an all-reduce, or ZeRO-1's RS + AG)
@@ -92,4 +92,4 @@ def test_planner_data_parallel_time_uses_the_same_bytes():
         sync = table / (25e9 * 0.85) + 20e-6 + 2 * 14e-6
         assert e.time["dp"] == pytest.approx(ring + sync, rel=1e-12)
         # memory: the first device (embedding, p microbatches in flight) is the most loaded
-        assert e.memory["state"] == training_state_bytes(device_params(GPT3, cfg, 6, 0), 8, zero, 2, 2)
+        assert e.memory["state"] == training_state_bytes(device_params(GPT3, cfg, 0), 8, zero, 2, 2)

@@ -74,3 +74,53 @@ def test_bucket_groups_is_the_trainers_grouping():
         module.register_parameter(f"p{i}", p)
     got = [b.numel for b in build_buckets([(0, module)], 4)]
     assert got == [1, 9, 3, 3]  # reversed 1, 9, 2, 1, 3: 1 | 9 | 2 + 1 | 3 (the 3 does not fit with 2 + 1)
+
+
+def test_a_published_run_counts_the_inventory_hand_checked():
+    """GPT-3 at t = 8, p = 16: a layer holds 12h²/t + 7h/t (qkv and fc biases split) + 6h (two LayerNorms and the
+    two row biases, replicated); the first device adds the positions s·h and its V/t rows of the embedding, the
+    last the final norm 2h and the tied copy of the head. Megatron's closed form, (12h² + 13h)/t a layer, divided
+    the replicated 6h by t too (3e-4 of a middle device), and the positions (1.6% of the first device)."""
+    from modelpar.costmodel import ParallelConfig, memory_breakdown
+    from modelpar.costmodel.assumptions import DEFAULT
+    from modelpar.costmodel.inventory import Holding, layer_elements, rank_elements
+    from modelpar.costmodel.memory import device_params
+    from modelpar.costmodel.presets import model_preset
+    from modelpar.costmodel.zero_bytes import training_state_bytes
+
+    gpt3, t, h = model_preset("gpt3-175b"), 8, 12288
+    cfg = ParallelConfig(t, 16, 8)
+    layer = 12 * h * h // t + 7 * h // t + 6 * h
+    table = 51200 // t * h
+    assert [device_params(gpt3, cfg, r) for r in (0, 1, 15)] == [2048 * h + table + 6 * layer, 6 * layer,
+                                                                  6 * layer + 2 * h + table]
+    assert layer_elements(Holding.of(gpt3, cfg)) == layer
+    closed = 6 * (gpt3.layer_params / t)
+    assert device_params(gpt3, cfg, 1) / closed - 1 == pytest.approx(6 * h * (1 - 1 / t) / (gpt3.layer_params / t))
+    assert device_params(gpt3, cfg, 1) / closed - 1 < 3e-4
+    assert rank_elements(Holding.of(gpt3, cfg), 1) == (6 * layer, 0)  # d and cp do not change what a rank holds
+    assert rank_elements(Holding.of(gpt3, ParallelConfig(t, 16, 2, cp=4)), 1) == (6 * layer, 0)
+    state = memory_breakdown(gpt3, cfg, 12, DEFAULT)["state"]
+    assert state == training_state_bytes(2048 * h + table + 6 * layer, 8, 0, 2, 2)  # the first device, 16 B each
+
+
+@pytest.mark.parametrize("v, ep, split", [(1, 1, None), (2, 1, None), (1, 2, (3, 5)), (2, 4, (1, 2, 3, 2))])
+def test_published_and_local_pricers_read_one_inventory(v, ep, split):
+    """``rank_elements`` of a published layout (``Holding``) is ``stage_tensors`` summed over the rank's stages of
+    the same layout as a ``LocalLayout``: one rule for both pricers (MoE layers, experts ÷ ep, interleaving)."""
+    from modelpar.costmodel import ModelSpec, ParallelConfig
+    from modelpar.costmodel.inventory import Holding, rank_elements
+    from modelpar.costmodel.local_memory import LocalLayout
+    from modelpar.costmodel.moe import MoESpec
+
+    moe = MoESpec(experts=8, ffn=16, shared=1, every=2, first_dense=1)
+    model = ModelSpec(8, 32, 4, 16, 128, kv_heads=2, gated_mlp=True, tied_embeddings=False, learned_positions=False,
+                      bias=False, moe=moe)
+    cfg = ParallelConfig(2, 2, 4, v=v, ep=ep, sequence_parallel=True, stage_layers=split)
+    local = LocalLayout(model, t=2, p=2, d=4, v=v, ep=ep, sequence_parallel=True, moe=moe, stage_layers=split)
+    for rank in range(2):
+        tensors = [x for s in range(rank, 2 * v, 2) for x in stage_tensors(local, s)]
+        assert rank_elements(Holding.of(model, cfg), rank) == (sum(x.numel for x in tensors),
+                                                               sum(x.numel for x in tensors if x.expert))
+    if ep > 1:  # the routed experts of rank 0's MoE layers, E/ep of them: reduced over d/ep
+        assert rank_elements(Holding.of(model, cfg), 0)[1] > 0
