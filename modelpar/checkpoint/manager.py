@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from modelpar.checkpoint import store
 from modelpar.checkpoint.lock import DirLock
-from modelpar.checkpoint.shards import ShardedState
+from modelpar.checkpoint.shards import ShardedState, ShardSavePlanner
 from modelpar.distributed.lifeline import end_if_orphaned
 
 __all__ = ["CheckpointManager", "check_fresh", "latest_checkpoint", "load_checkpoint", "read_newest",
@@ -191,6 +191,7 @@ class CheckpointManager:
         self._valid: set[tuple[str, int, int]] = set()  # checkpoints verified in this process (marker identity)
         self._pending: _Pending | None = None  # the save being written in the background (save_async)
         self._writers: Any = None  # the process group of background writes (their collectives run in DCP's thread)
+        self._planner = ShardSavePlanner()  # kept from save to save: an unchanged plan is not made again
         self.write_seconds = 0.0  # how long the last save took from its start to its completion
 
     # --- what counts -------------------------------------------------------------------------------
@@ -333,7 +334,7 @@ class CheckpointManager:
         crcs: dict[str, int] = {}
         failure: BaseException | None = None
         try:
-            crcs = store.write_files(tmp, state, self.group)
+            crcs = store.write_files(tmp, state, self.group, self._planner)
         except (Exception, CheckpointException) as err:  # DCP's (a BaseException) comes on every rank
             failure = err
         path = self._complete(tmp, step, meta, crcs, failure, _nbytes(state))
@@ -350,7 +351,7 @@ class CheckpointManager:
             self._writers = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo")
         tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
         try:
-            crcs = store.start_write(tmp, state, self._writers)
+            crcs = store.start_write(tmp, state, self._writers, self._planner)
         except (Exception, CheckpointException) as err:
             crcs = _failed(err)
         self._pending = _Pending(step, tmp, copy.deepcopy(meta), _nbytes(state), crcs, started)  # as it is now
@@ -378,6 +379,8 @@ class CheckpointManager:
         rank = dist.get_rank(self.group)
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (crcs, failure is not None, nbytes), group=self.group)
+        if any(failed for _, failed, _ in gathered):  # every rank sees it: the plans are made afresh next time
+            self._planner = ShardSavePlanner()
         if rank == 0 and failure is None and any(failed for _, failed, _ in gathered):
             failure = RuntimeError("another rank failed to write its file")
         return Path(_agree(self.group, lambda: self._finish(tmp, step, meta, gathered, failure)))
@@ -421,6 +424,7 @@ class CheckpointManager:
         if pending is not None:
             with contextlib.suppress(BaseException):  # the write is abandoned either way
                 pending.crcs.result(timeout=timeout)
+            self._planner = ShardSavePlanner()  # not the one a write past its timeout may still be using
         if self._writers is not None:  # its gloo threads end with it (a process may train again)
             dist.destroy_process_group(self._writers)
             self._writers = None

@@ -18,6 +18,7 @@ from modelpar.checkpoint import (
     Shard,
     ShardedState,
     check_fresh,
+    checkpoint_problem,
     latest_checkpoint,
     read_full_tensors,
     read_newest,
@@ -71,6 +72,24 @@ def test_the_marker_holds_every_files_size_and_crc32(tmp_path, world):
     for name in files:
         data = (path / name).read_bytes()
         assert marker["files"][name] == len(data) and marker["crc32"][name] == zlib.crc32(data)
+
+
+def test_saves_through_one_manager_hold_their_own_steps_values(tmp_path, world):
+    # from the second save on the plan is reused (ShardSavePlanner): each directory still gets its own files and
+    # .metadata, blocking or in the background, and a changed size is planned again
+    manager = CheckpointManager(tmp_path, group=world, keep=0)
+    try:
+        manager.save(1, state(1.0), {"losses": []})
+        manager.save_async(2, state(2.0), {"losses": []})
+        manager.save_async(3, state(3.0), {"losses": []})
+        manager.finish()
+        manager.save(4, state(4.0, n=20), {"losses": []})
+    finally:
+        manager.close()
+    assert steps(tmp_path) == [f"step_0000000{s}" for s in (1, 2, 3, 4)]
+    for step, n in ((1, 12), (2, 12), (3, 12), (4, 20)):
+        path = tmp_path / f"step_0000000{step}"
+        assert checkpoint_problem(path) == "" and read_full_tensors(path)["w"].tolist() == [float(step)] * n
 
 
 @pytest.mark.parametrize("damage, reason", [
