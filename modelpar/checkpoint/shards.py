@@ -38,6 +38,7 @@ from modelpar._validate import check_int
 __all__ = ["SAVED", "Piece", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "ShardedState", "to_save"]
 
 SAVED = "modelpar"  # the one top-level key of the state dict handed to dcp.save (``to_save``)
+_UNCHANGED = "modelpar: as last time"  # ``SavePlan.planner_data`` of a plan sent empty (``ShardSavePlanner``)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ def to_save(shards: dict[str, Shard]) -> dict[str, Any]:
     return {SAVED: shards}
 
 
+def _as_last_time() -> SavePlan:
+    return SavePlan([], planner_data=_UNCHANGED)
+
+
 def _chunk(piece: Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.tensor.shape)
 
@@ -161,19 +166,20 @@ class ShardSavePlanner(DefaultSavePlanner):
     empty the coordinator sends back empty ones and reuses the global plan and the metadata it made
     last time (no de-duplication, no metadata, small collectives); each rank then writes by its last
     final plan, with this save's data. This is DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=
-    True)``, the same ``SavePlan(usable=False)`` convention), which cannot engage here as DCP has it: its
-    comparison lives in ``DefaultSavePlanner.create_local_plan``, which this planner replaces, and its
-    caches are class-wide dictionaries keyed by the class name, shared by every planner (every group,
-    every model) of a process. Here they are this planner's own. A planning that fails leaves them as
-    they were (a rank's plan counts as sent only in ``finish_plan``); after a failed save the manager
-    drops the planner on every rank.
+    True)``), which cannot engage here as DCP has it: its comparison lives in
+    ``DefaultSavePlanner.create_local_plan``, which this planner replaces, and its caches are class-wide
+    dictionaries keyed by the class name, shared by every planner (every group, every model) of a
+    process. Here they are this planner's own, and an empty plan says "as last time" in its
+    ``planner_data`` (a field every DCP release has; DCP's own ``SavePlan.usable`` came later). A
+    planning that fails leaves them as they were (a rank's plan counts as sent only in ``finish_plan``);
+    after a failed save the manager drops the planner on every rank.
 
     ::
 
         save 1 (or any change)        later saves, nothing changed
-        rank r: plan_r ----------->    rank r: [] (unusable) ------>
+        rank r: plan_r ----------->    rank r: [] "as last time" --->
         coordinator: dedup + metadata  coordinator: last global plan + metadata
-                 <--- final plan_r              <--- [] (unusable): rank r writes by its last final plan
+                 <--- final plan_r              <--- [] "as last time": rank r writes by its last final plan
     """
 
     def __init__(self) -> None:
@@ -197,25 +203,25 @@ class ShardSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items)
         if self._sent is not None and self.plan == self._sent:
             self._trying = None
-            return SavePlan([], usable=False)  # unchanged: the coordinator has it
+            return _as_last_time()  # unchanged: the coordinator has it
         self._trying = self.plan
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        unchanged = [not plan.usable for plan in all_plans]
+        unchanged = [plan.planner_data == _UNCHANGED for plan in all_plans]
         if any(unchanged) and (self._all is None or len(self._all) != len(all_plans)):
             raise RuntimeError("a rank sent an unchanged save plan, but the coordinator holds none for it "
                                "(the ranks' plan caches disagree)")
         if all(unchanged) and self._global is not None:
             self.global_plan, self.metadata = self._global
-            return [SavePlan([], usable=False)] * len(all_plans), self.metadata
+            return [_as_last_time() for _ in all_plans], self.metadata
         merged = [old if same else new for old, new, same in zip(self._all or all_plans, all_plans, unchanged)]
         global_plan, metadata = super().create_global_plan(merged)  # de-duplicated, validated (raises if not)
         self._all, self._global = merged, (global_plan, metadata)
         return global_plan, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        if new_plan.usable:
+        if new_plan.planner_data != _UNCHANGED:
             self._final = new_plan
         elif self._final is None:
             raise RuntimeError("the coordinator sent an unchanged final save plan, but this rank holds none")

@@ -119,16 +119,16 @@ def _two_ranks(value, rows=4):
 def test_an_unchanged_save_plan_is_sent_empty_and_the_last_global_plan_reused():
     planners = [ShardSavePlanner(), ShardSavePlanner()]
     sent, first, metadata = _plan(planners, _two_ranks(1.0))
-    assert [plan.usable for plan in sent] == [True, True]
+    assert [plan.planner_data for plan in sent] == [None, None] and all(plan.items for plan in sent)
     assert sorted((item.index.fqn, tuple(item.index.offset)) for plan in first for item in plan.items) == \
         [("b", ()), ("w", (0,)), ("w", (4,))]  # the replicated scalar written once
     sent, again, same = _plan(planners, _two_ranks(2.0))  # new values, the same boxes: nothing planned again
-    assert [(plan.items, plan.usable) for plan in sent] == [([], False), ([], False)]
+    assert [(plan.items, plan.planner_data) for plan in sent] == [([], "modelpar: as last time")] * 2
     assert again == first and same is metadata
     states = _two_ranks(3.0)
     states[1]["c"] = Shard.whole(torch.zeros(3, dtype=torch.float64))  # an entry only rank 1 holds (ZeRO-1's kind)
     sent, changed, remade = _plan(planners, states)
-    assert [plan.usable for plan in sent] == [False, True]  # rank 0's plan is the coordinator's copy
+    assert [plan.planner_data for plan in sent] == ["modelpar: as last time", None]  # rank 0's: the coordinator's copy
     assert remade is not metadata and sorted(remade.state_dict_metadata) == ["b", "c", "w"]
     assert [item.index.fqn for item in changed[1].items if item.index.fqn == "c"] == ["c"]
     assert [planner.plan for planner in planners] == changed
