@@ -14,10 +14,12 @@
                --overwrite, which removes ours (valid or damaged; under the lock) before the run starts
     launcher   a rank whose launcher has died (``lifeline.launcher_gone``) ends before sealing,
                publishing or pruning: nothing more is written after the launcher's ``kill -9``
-    async      ``save_async``: the state is copied to host memory, written in the background, and sealed,
-               published and pruned by the next ``finish`` (the next save, a stop, the run's end), exactly
-               as ``save`` does: until then it is a hidden temporary directory, and the previous
-               checkpoints are untouched; ``close`` waits for a write in flight and seals nothing
+    async      ``save_async``: the state is copied to host memory, then written, sealed, published and
+               pruned in the background, exactly as ``save`` does it (the same ``_complete``, on a group of
+               its own): until every rank's files are written and checksummed it is a hidden temporary
+               directory, and the previous checkpoints are untouched; the next ``finish`` (the next save,
+               a stop, the run's end) waits for it and raises its error on every rank; ``close`` waits
+               for a write in flight (at most its timeout) and starts nothing more
     lock       ``LOCK``, held by the writing run's rank 0 (``lock.py``); readers take no lock:
                a checkpoint is removed by one rename, so a reader sees it whole or not at all, and
                ``read_newest`` tries again once if it was pruned while being read
@@ -34,10 +36,11 @@ import copy
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,7 +49,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from modelpar.checkpoint import store
 from modelpar.checkpoint.lock import DirLock
-from modelpar.checkpoint.shards import ShardedState
+from modelpar.checkpoint.shards import ShardedState, ShardSavePlanner
 from modelpar.distributed.lifeline import end_if_orphaned
 
 __all__ = ["CheckpointManager", "check_fresh", "latest_checkpoint", "load_checkpoint", "read_newest",
@@ -162,14 +165,14 @@ def _size(path: Path) -> int:
 
 @dataclass
 class _Pending:
-    """A save written in the background: what ``finish`` needs to complete it."""
+    """A save written, then sealed, in the background (``save_async``)."""
 
     step: int
     tmp: Path
     meta: dict[str, Any]
     nbytes: int
-    crcs: Future[dict[str, int]]
     started: float  # time.perf_counter() when it was started
+    done: Future[tuple[str, float]] = field(default_factory=Future)  # (its path, seconds from start to COMPLETE)
 
 
 def _failed(err: BaseException) -> Future[dict[str, int]]:
@@ -191,7 +194,10 @@ class CheckpointManager:
         self._valid: set[tuple[str, int, int]] = set()  # checkpoints verified in this process (marker identity)
         self._pending: _Pending | None = None  # the save being written in the background (save_async)
         self._writers: Any = None  # the process group of background writes (their collectives run in DCP's thread)
+        self._planner = ShardSavePlanner()  # kept from save to save: an unchanged plan is not made again
         self.write_seconds = 0.0  # how long the last save took from its start to its completion
+        self._sealing = threading.Lock()  # held by rank 0 while it seals, publishes and prunes (``_finish``)
+        self._given_up = False  # ``close`` stopped waiting for a background save: it must not seal any more
 
     # --- what counts -------------------------------------------------------------------------------
     def problem(self, path: Path, checksums: bool = True) -> str:
@@ -333,7 +339,7 @@ class CheckpointManager:
         crcs: dict[str, int] = {}
         failure: BaseException | None = None
         try:
-            crcs = store.write_files(tmp, state, self.group)
+            crcs = store.write_files(tmp, state, self.group, self._planner)
         except (Exception, CheckpointException) as err:  # DCP's (a BaseException) comes on every rank
             failure = err
         path = self._complete(tmp, step, meta, crcs, failure, _nbytes(state))
@@ -342,45 +348,60 @@ class CheckpointManager:
 
     def save_async(self, step: int, state: ShardedState, meta: dict[str, Any]) -> Path | None:
         """Collective: ``finish`` the save in flight, then start the save of ``step``: ``state`` is copied to host
-        memory before this returns and written in the background (DCP's ``async_save``); the next ``finish``
-        completes it as ``save`` would. Returns the checkpoint ``finish`` completed now (None: none was in flight)."""
+        memory before this returns, then written (DCP's ``async_save``), sealed, published and pruned in the
+        background, as ``save`` does, the collectives on a group of their own. Returns the checkpoint ``finish``
+        completed now (None: none was in flight)."""
         done = self.finish()
         started = time.perf_counter()
         if self._writers is None:  # collective, once: the background writes' own group
             self._writers = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo")
         tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
+        pending = _Pending(step, tmp, copy.deepcopy(meta), _nbytes(state), started)  # meta as it is now
         try:
-            crcs = store.start_write(tmp, state, self._writers)
+            written = store.start_write(tmp, state, self._writers, self._planner)
         except (Exception, CheckpointException) as err:
-            crcs = _failed(err)
-        self._pending = _Pending(step, tmp, copy.deepcopy(meta), _nbytes(state), crcs, started)  # as it is now
+            written = _failed(err)
+        self._pending = pending
+        written.add_done_callback(lambda crcs: self._complete_in_background(pending, crcs))
         return done
 
-    def finish(self) -> Path | None:
-        """Collective: wait for the save in flight (``save_async``), then seal, publish and prune as ``save`` does;
-        its path (None: none in flight). A failed write is the same ValueError as ``save``'s, on every rank."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
+    def _complete_in_background(self, pending: _Pending, written: Future[dict[str, int]]) -> None:
+        """In the writing thread, once this rank's files are written: ``_complete`` over the writers' group."""
         crcs: dict[str, int] = {}
         failure: BaseException | None = None
         try:
-            crcs = pending.crcs.result()
+            crcs = written.result()
         except (Exception, CheckpointException) as err:
             failure = err
-        path = self._complete(pending.tmp, pending.step, pending.meta, crcs, failure, pending.nbytes)
-        self.write_seconds = time.perf_counter() - pending.started
-        return path
+        try:
+            path = self._complete(pending.tmp, pending.step, pending.meta, crcs, failure, pending.nbytes,
+                                  self._writers)
+            pending.done.set_result((str(path), time.perf_counter() - pending.started))
+        except BaseException as err:  # a future's callback must not raise: the error goes to ``finish``
+            pending.done.set_exception(err)
+
+    def finish(self) -> Path | None:
+        """Wait for the save in flight (``save_async``) to be written, sealed, published and pruned; its path (None:
+        none in flight). A failed write is the same ValueError as ``save``'s, on every rank (they agreed on it)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path, self.write_seconds = pending.done.result()
+        return Path(path)
 
     def _complete(self, tmp: Path, step: int, meta: dict[str, Any], crcs: dict[str, int],
-                  failure: BaseException | None, nbytes: int) -> Path:
-        """Collective: every rank's outcome gathered, then rank 0 seals, publishes and prunes (``_finish``)."""
-        rank = dist.get_rank(self.group)
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (crcs, failure is not None, nbytes), group=self.group)
+                  failure: BaseException | None, nbytes: int, group: Any = None) -> Path:
+        """Collective over ``group`` (default: the manager's): every rank's outcome gathered, then rank 0 seals,
+        publishes and prunes (``_finish``)."""
+        group = self.group if group is None else group
+        rank = dist.get_rank(group)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (crcs, failure is not None, nbytes), group=group)
+        if any(failed for _, failed, _ in gathered):  # every rank sees it: the plans are made afresh next time
+            self._planner = ShardSavePlanner()
         if rank == 0 and failure is None and any(failed for _, failed, _ in gathered):
             failure = RuntimeError("another rank failed to write its file")
-        return Path(_agree(self.group, lambda: self._finish(tmp, step, meta, gathered, failure)))
+        return Path(_agree(group, lambda: self._finish(tmp, step, meta, gathered, failure)))
 
     def _mkdir(self) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -388,7 +409,15 @@ class CheckpointManager:
 
     def _finish(self, tmp: Path, step: int, meta: dict[str, Any], gathered: list[Any],
                 failure: BaseException | None) -> str:
-        """Rank 0: seal and publish the written files, then prune; or remove them and say why not."""
+        """Rank 0: seal and publish the written files, then prune; or remove them and say why not. Never once
+        ``close`` has given up waiting for it (the directory's lock may be another run's by then)."""
+        with self._sealing:
+            if self._given_up and failure is None:
+                failure = RuntimeError("the run closed the checkpoint directory before this save was complete")
+            return self._seal_or_remove(tmp, step, meta, gathered, failure)
+
+    def _seal_or_remove(self, tmp: Path, step: int, meta: dict[str, Any], gathered: list[Any],
+                        failure: BaseException | None) -> str:
         final = store.final_path(self.root, step)
         if failure is None:
             try:
@@ -415,12 +444,17 @@ class CheckpointManager:
         return str(final)
 
     def close(self, timeout: float = 60.0) -> None:
-        """Release the lock (rank 0; a no-op elsewhere), once a write in flight has ended (at most ``timeout`` s);
-        it is not sealed: its temporary directory is removed by the next run (a stop completes it first: ``finish``)."""
+        """Release the lock (rank 0; a no-op elsewhere), once a save in flight has ended (at most ``timeout`` s).
+        It ends complete if every rank's write succeeded in time (an error raised meanwhile on the ranks does not stop
+        it: it holds the state of a step that completed); one still running then is never sealed: its temporary
+        directory is removed by the next run."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            with contextlib.suppress(BaseException):  # the write is abandoned either way
-                pending.crcs.result(timeout=timeout)
+            with contextlib.suppress(BaseException):  # not waited for further either way
+                pending.done.result(timeout=timeout)
+            with self._sealing:
+                self._given_up = not pending.done.done()
+            self._planner = ShardSavePlanner()  # not the one a write past its timeout may still be using
         if self._writers is not None:  # its gloo threads end with it (a process may train again)
             dist.destroy_process_group(self._writers)
             self._writers = None

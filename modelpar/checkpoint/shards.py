@@ -35,7 +35,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from modelpar._compat import read_items_for_chunks
 from modelpar._validate import check_int
 
-__all__ = ["Piece", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "ShardedState"]
+__all__ = ["SAVED", "Piece", "Shard", "ShardLoadPlanner", "ShardSavePlanner", "ShardedState", "to_save"]
+
+SAVED = "modelpar"  # the one top-level key of the state dict handed to dcp.save (``to_save``)
+_UNCHANGED = "modelpar: as last time"  # ``SavePlan.planner_data`` of a plan sent empty (``ShardSavePlanner``)
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,18 @@ class ShardedState:
             destination.copy_(source)
 
 
+def to_save(shards: dict[str, Shard]) -> dict[str, Any]:
+    """``{name: Shard}`` as the state dict ``ShardSavePlanner`` saves: under one key, ``SAVED``. DCP wraps every
+    top-level entry of a saved state dict in a logging call of its own (``_stateful_to_state_dict``: a message dict
+    with a fresh uuid and two records at DEBUG, the level DCP's logger is set to), tens of µs per entry and save
+    on a rank's 130 entries; one key costs one. The checkpoint is the same: the planner names the entries."""
+    return {SAVED: shards}
+
+
+def _as_last_time() -> SavePlan:
+    return SavePlan([], planner_data=_UNCHANGED)
+
+
 def _chunk(piece: Piece) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(piece.offsets), sizes=piece.tensor.shape)
 
@@ -143,14 +158,40 @@ def _piece(shards: dict[str, Shard], index: MetadataIndex) -> torch.Tensor:
 
 
 class ShardSavePlanner(DefaultSavePlanner):
-    """DCP save planner for a ``{name: Shard}`` dict: one write item per box; a box held by several ranks
-    is written once (DCP's de-duplication balances the bytes each rank writes)."""
+    """DCP save planner for a ``{name: Shard}`` dict (given as ``to_save(shards)``): one write item per box; a box
+    held by several ranks is written once (DCP's de-duplication balances the bytes each rank writes).
+
+    One planner may save again and again (``CheckpointManager`` keeps one): from the second save on, a
+    rank whose plan equals the one it sent last sends an empty plan instead, and when every rank's is
+    empty the coordinator sends back empty ones and reuses the global plan and the metadata it made
+    last time (no de-duplication, no metadata, small collectives); each rank then writes by its last
+    final plan, with this save's data. This is DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=
+    True)``), which cannot engage here as DCP has it: its comparison lives in
+    ``DefaultSavePlanner.create_local_plan``, which this planner replaces, and its caches are class-wide
+    dictionaries keyed by the class name, shared by every planner (every group, every model) of a
+    process. Here they are this planner's own, and an empty plan says "as last time" in its
+    ``planner_data`` (a field every DCP release has; DCP's own ``SavePlan.usable`` came later). A
+    planning that fails leaves them as they were (a rank's plan counts as sent only in ``finish_plan``);
+    after a failed save the manager drops the planner on every rank.
+
+    ::
+
+        save 1 (or any change)        later saves, nothing changed
+        rank r: plan_r ----------->    rank r: [] "as last time" --->
+        coordinator: dedup + metadata  coordinator: last global plan + metadata
+                 <--- final plan_r              <--- [] "as last time": rank r writes by its last final plan
+    """
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._sent: SavePlan | None = None  # the local plan of the last planning that completed
+        self._trying: SavePlan | None = None  # this planning's local plan, until it completes
+        self._final: SavePlan | None = None  # this rank's final plan from the last planning
+        self._all: list[SavePlan] | None = None  # coordinator: every rank's local plan, as last planned
+        self._global: tuple[list[SavePlan], Metadata] | None = None  # coordinator: the global plan and metadata
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        self.shards: dict[str, Shard] = state_dict
+        self.shards: dict[str, Shard] = state_dict[SAVED]  # ``to_save``
         self.state_dict = {}
         self.is_coordinator = is_coordinator
 
@@ -160,6 +201,33 @@ class ShardSavePlanner(DefaultSavePlanner):
                                                        properties=TensorProperties.create_from_tensor(piece.tensor)))
                  for name, shard in self.shards.items() for piece in shard.pieces]
         self.plan = SavePlan(items)
+        if self._sent is not None and self.plan == self._sent:
+            self._trying = None
+            return _as_last_time()  # unchanged: the coordinator has it
+        self._trying = self.plan
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        unchanged = [plan.planner_data == _UNCHANGED for plan in all_plans]
+        if any(unchanged) and (self._all is None or len(self._all) != len(all_plans)):
+            raise RuntimeError("a rank sent an unchanged save plan, but the coordinator holds none for it "
+                               "(the ranks' plan caches disagree)")
+        if all(unchanged) and self._global is not None:
+            self.global_plan, self.metadata = self._global
+            return [_as_last_time() for _ in all_plans], self.metadata
+        merged = [old if same else new for old, new, same in zip(self._all or all_plans, all_plans, unchanged)]
+        global_plan, metadata = super().create_global_plan(merged)  # de-duplicated, validated (raises if not)
+        self._all, self._global = merged, (global_plan, metadata)
+        return global_plan, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if new_plan.planner_data != _UNCHANGED:
+            self._final = new_plan
+        elif self._final is None:
+            raise RuntimeError("the coordinator sent an unchanged final save plan, but this rank holds none")
+        if self._trying is not None:
+            self._sent, self._trying = self._trying, None
+        self.plan = self._final
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from modelpar.checkpoint.shards import Shard, ShardedState, ShardLoadPlanner, ShardSavePlanner
+from modelpar.checkpoint.shards import Shard, ShardedState, ShardLoadPlanner, ShardSavePlanner, to_save
 
 __all__ = ["FORMAT", "MARKER", "META", "checkpoint_problem", "checkpoint_step", "checkpoints", "file_crc32",
            "final_path", "foreign", "is_checkpoint", "leftovers", "load_into", "publish", "read_full_tensors",
@@ -201,10 +201,11 @@ def remove_leftovers(root: str | os.PathLike) -> list[Path]:
     return found
 
 
-def write_files(tmp: Path, state: ShardedState, group: Any) -> dict[str, int]:
+def write_files(tmp: Path, state: ShardedState, group: Any, planner: ShardSavePlanner | None = None) -> dict[str, int]:
     """Collective over ``group``: DCP-save ``state`` (this rank's shards) into directory ``tmp``; return
-    the CRC-32 of the files this rank wrote (``__<rank>_*``; rank 0 also ``.metadata``), read back once."""
-    dcp.save(state.shards, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardSavePlanner(),
+    the CRC-32 of the files this rank wrote (``__<rank>_*``; rank 0 also ``.metadata``), read back once.
+    ``planner``: one kept from the previous save reuses its plan where nothing changed (``ShardSavePlanner``)."""
+    dcp.save(to_save(state.shards), storage_writer=dcp.FileSystemWriter(str(tmp)), planner=planner or ShardSavePlanner(),
              process_group=group)  # returns once every rank's file and the .metadata are written
     return _own_crcs(tmp, dist.get_rank(group))
 
@@ -216,12 +217,12 @@ def _own_crcs(tmp: Path, rank: int) -> dict[str, int]:
 
 
 class _HostCopy(AsyncStager):
-    """DCP's staging step for a ``{name: Shard}`` dict: every box copied to host memory before ``stage`` returns."""
+    """DCP's staging step for ``to_save(shards)``: every box copied to host memory before ``stage`` returns."""
 
     _synchronize_after_execute = False  # the copy is made in ``stage``: nothing to wait for afterwards
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return ShardedState(state_dict).snapshot().shards
+        return {key: ShardedState(shards).snapshot().shards for key, shards in state_dict.items()}
 
     def synchronize_staging(self) -> None:
         pass
@@ -230,13 +231,15 @@ class _HostCopy(AsyncStager):
         pass
 
 
-def start_write(tmp: Path, state: ShardedState, group: Any) -> Future[dict[str, int]]:
+def start_write(tmp: Path, state: ShardedState, group: Any,
+                planner: ShardSavePlanner | None = None) -> Future[dict[str, int]]:
     """Collective over ``group``: ``write_files`` in the background. ``state`` is copied to host memory before this
     returns (training may change it at once); DCP's ``async_save`` writes the copy in a thread of its own, whose
-    collectives use ``group``: give it a group nothing else uses meanwhile. The future: this rank's CRC-32s."""
+    collectives use ``group``: give it a group nothing else uses meanwhile. The future: this rank's CRC-32s.
+    ``planner`` as for ``write_files``; it is used in that thread until the future is done."""
     rank = dist.get_rank(group)
-    upload = dcp.async_save(state.shards, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ShardSavePlanner(),
-                            process_group=group, async_stager=_HostCopy())
+    upload = dcp.async_save(to_save(state.shards), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                            planner=planner or ShardSavePlanner(), process_group=group, async_stager=_HostCopy())
     crcs: Future[dict[str, int]] = Future()
 
     def read_back(done: Any) -> None:  # in the writing thread: the checksums are read there too

@@ -7,6 +7,7 @@ test_checkpoint_safety_cli.py.
 
 import json
 import re
+import threading
 import zlib
 
 import pytest
@@ -18,10 +19,12 @@ from modelpar.checkpoint import (
     Shard,
     ShardedState,
     check_fresh,
+    checkpoint_problem,
     latest_checkpoint,
     read_full_tensors,
     read_newest,
     save_checkpoint,
+    store,
 )
 from modelpar.checkpoint.store import MARKER
 from modelpar.distributed import free_port
@@ -71,6 +74,24 @@ def test_the_marker_holds_every_files_size_and_crc32(tmp_path, world):
     for name in files:
         data = (path / name).read_bytes()
         assert marker["files"][name] == len(data) and marker["crc32"][name] == zlib.crc32(data)
+
+
+def test_saves_through_one_manager_hold_their_own_steps_values(tmp_path, world):
+    # from the second save on the plan is reused (ShardSavePlanner): each directory still gets its own files and
+    # .metadata, blocking or in the background, and a changed size is planned again
+    manager = CheckpointManager(tmp_path, group=world, keep=0)
+    try:
+        manager.save(1, state(1.0), {"losses": []})
+        manager.save_async(2, state(2.0), {"losses": []})
+        manager.save_async(3, state(3.0), {"losses": []})
+        manager.finish()
+        manager.save(4, state(4.0, n=20), {"losses": []})
+    finally:
+        manager.close()
+    assert steps(tmp_path) == [f"step_0000000{s}" for s in (1, 2, 3, 4)]
+    for step, n in ((1, 12), (2, 12), (3, 12), (4, 20)):
+        path = tmp_path / f"step_0000000{step}"
+        assert checkpoint_problem(path) == "" and read_full_tensors(path)["w"].tolist() == [float(step)] * n
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -160,6 +181,42 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_removes_the_partial_one(t
         assert steps(disk) == ["step_00000001"]  # no partial directory left
         assert latest_checkpoint(disk) == first
         assert read_full_tensors(first)["w"].tolist() == [1.0] * 20_000
+
+
+def test_a_full_disk_under_an_async_save_is_the_same_error_at_the_next_finish(tmp_path, world):
+    # sealed (or not) in the background: the error comes from finish, and the previous checkpoint stays
+    with tmpfs(tmp_path / "disk", size="400k") as disk:
+        manager = CheckpointManager(disk, group=world, keep=0)
+        try:
+            manager.save_async(1, state(1.0, n=20_000), {"losses": []})
+            assert manager.finish() == disk / "step_00000001"
+            manager.save_async(2, state(2.0, n=30_000), {"losses": []})
+            with pytest.raises(ValueError, match=r"^no space left on device writing checkpoint step 2 to "):
+                manager.finish()
+        finally:
+            manager.close()
+        assert steps(disk) == ["step_00000001"]
+        assert read_full_tensors(disk / "step_00000001")["w"].tolist() == [1.0] * 20_000
+
+
+def test_an_async_save_that_close_stops_waiting_for_is_never_sealed(tmp_path, world, monkeypatch):
+    manager = CheckpointManager(tmp_path, group=world, keep=0)
+    release, read_back = threading.Event(), store._own_crcs
+
+    def held(tmp, rank):  # the write's checksums, read in the writing thread once the test says so
+        assert release.wait(60)
+        return read_back(tmp, rank)
+
+    monkeypatch.setattr(store, "_own_crcs", held)
+    manager.save_async(1, state(1.0), {"losses": []})
+    pending = manager._pending
+    manager.close(timeout=0.2)  # the write is held: close gives up on it
+    release.set()
+    error = pending.done.exception(timeout=60)  # rank 0 refused to seal it, and removed it
+    assert re.fullmatch(r"writing checkpoint step 1 to .* failed \(RuntimeError: the run closed the checkpoint "
+                        r"directory before this save was complete\); the previous checkpoints are kept", str(error))
+    assert not store.step_dirs(tmp_path)  # never published: at most its temporary directory is left
+    assert steps(tmp_path) == [p.name for p in store.leftovers(tmp_path)]
 
 
 def test_overwrite_removes_only_modelpar_checkpoints(tmp_path, world):

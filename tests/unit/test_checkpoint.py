@@ -29,7 +29,7 @@ from modelpar.checkpoint import (
 )
 from modelpar.checkpoint.lock import lock_holder
 from modelpar.checkpoint.manager import checkpoint_at
-from modelpar.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner
+from modelpar.checkpoint.shards import ShardLoadPlanner, ShardSavePlanner, to_save
 from modelpar.checkpoint.store import MARKER, is_checkpoint, leftovers, remove_leftovers
 from modelpar.checkpoint.store import seal as _seal
 from modelpar.tensor_parallel import ParamLayout, shard_tensor
@@ -72,7 +72,8 @@ def test_a_name_held_twice_is_saved_once_and_loaded_into_both():
 def _dcp_save(shards, path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # one process, no process group: what we mean
-        dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(path)), planner=ShardSavePlanner(), no_dist=True)
+        dcp.save(to_save(shards), storage_writer=dcp.FileSystemWriter(str(path)), planner=ShardSavePlanner(),
+                 no_dist=True)
 
 
 def _dcp_load(shards, path):
@@ -95,6 +96,50 @@ def test_dcp_moves_boxes_from_any_split_to_any_other(tmp_path):
     whole = torch.zeros(24, 2, dtype=torch.float64)  # read on one process
     _dcp_load({"qkv": Shard.whole(whole)}, tmp_path)
     assert torch.equal(whole, qkv)
+
+
+def _plan(planners, states):
+    """One DCP planning of ``states`` (rank r's ``{name: Shard}``) by ``planners`` (rank 0 coordinates), by hand:
+    the local plans sent, each rank's final plan, the metadata."""
+    sent = []
+    for rank, (planner, shards) in enumerate(zip(planners, states)):
+        planner.set_up_planner(to_save(shards), is_coordinator=rank == 0)
+        sent.append(planner.create_local_plan())
+    back, metadata = planners[0].create_global_plan(sent)
+    return sent, [planner.finish_plan(plan) for planner, plan in zip(planners, back)], metadata
+
+
+def _two_ranks(value, rows=4):
+    """Rank r: half r of a (2·rows,) tensor and a replicated scalar (de-duplicated: one rank writes it)."""
+    full = torch.full((2 * rows,), value, dtype=torch.float64)
+    return [{"w": Shard.split(full[r * rows:(r + 1) * rows].clone(), 0, r, 2), "b": Shard.whole(torch.tensor(value))}
+            for r in range(2)]
+
+
+def test_an_unchanged_save_plan_is_sent_empty_and_the_last_global_plan_reused():
+    planners = [ShardSavePlanner(), ShardSavePlanner()]
+    sent, first, metadata = _plan(planners, _two_ranks(1.0))
+    assert [plan.planner_data for plan in sent] == [None, None] and all(plan.items for plan in sent)
+    assert sorted((item.index.fqn, tuple(item.index.offset)) for plan in first for item in plan.items) == \
+        [("b", ()), ("w", (0,)), ("w", (4,))]  # the replicated scalar written once
+    sent, again, same = _plan(planners, _two_ranks(2.0))  # new values, the same boxes: nothing planned again
+    assert [(plan.items, plan.planner_data) for plan in sent] == [([], "modelpar: as last time")] * 2
+    assert again == first and same is metadata
+    states = _two_ranks(3.0)
+    states[1]["c"] = Shard.whole(torch.zeros(3, dtype=torch.float64))  # an entry only rank 1 holds (ZeRO-1's kind)
+    sent, changed, remade = _plan(planners, states)
+    assert [plan.planner_data for plan in sent] == ["modelpar: as last time", None]  # rank 0's: the coordinator's copy
+    assert remade is not metadata and sorted(remade.state_dict_metadata) == ["b", "c", "w"]
+    assert [item.index.fqn for item in changed[1].items if item.index.fqn == "c"] == ["c"]
+    assert [planner.plan for planner in planners] == changed
+
+
+def test_a_rank_that_sends_an_unchanged_plan_the_coordinator_lacks_is_an_error():
+    planners = [ShardSavePlanner(), ShardSavePlanner()]
+    _plan(planners, _two_ranks(1.0))
+    planners[0] = ShardSavePlanner()  # a coordinator that forgot (a save failed and it was replaced alone)
+    with pytest.raises(RuntimeError, match="the ranks' plan caches disagree"):
+        _plan(planners, _two_ranks(2.0))
 
 
 # --- which checkpoint counts -----------------------------------------------------------------------------
