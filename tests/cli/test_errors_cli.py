@@ -65,7 +65,7 @@ def test_a_model_that_cannot_fit_is_refused_with_the_figure(capsys, monkeypatch,
     # 51.6 G parameters; fp32: weights 4 + gradients 4 + AdamW 8 bytes each; t = 2, p = 2: half the layers
     # and the embedding with the positions (the first stage), split two ways, on the busiest rank
     err = one_line(capsys, "train", ["--hidden", "8192", "--layers", "64", "--no-progress"])
-    assert err == ("the model does not fit: 4 ranks here need at least 824.8 GB for their weights, gradients and "
+    assert err == ("the model does not fit: 4 ranks here need at least 824.9 GB for their weights, gradients and "
                    "AdamW state (206.2 GB each; 51,551,158,272 parameters, fp32, t=2 p=2 d=1), this machine has "
                    "24.0 GB; use a smaller model or more machines")
     model = ModelConfig(hidden=8192, layers=64)
@@ -73,7 +73,7 @@ def test_a_model_that_cannot_fit_is_refused_with_the_figure(capsys, monkeypatch,
     busiest = (32 * per_layer + (model.padded_vocab_size + model.seq_len) * 8192) / 2 * 16
     assert f"({busiest / 1e9:,.1f} GB each" in err
     assert one_line(capsys, "train", ["--hidden", "1048576", "--no-progress"]).startswith(
-        "the model does not fit: 4 ranks here need at least 844,436.5 GB")
+        "the model does not fit: 4 ranks here need at least 844,439.1 GB")
     preflight.check_memory(TrainConfig(), 4)  # the default model fits
     with pytest.raises(ValueError, match=r"each rank needs at least 206.2 GB .* a GPU here has 80.0 GB"):
         preflight.check_memory(TrainConfig(model=model), 1, device_bytes=80 * 10**9)
