@@ -53,16 +53,20 @@ class Holding(NamedTuple):
     ep: int = 1
     sequence_parallel: bool = False
     stage_layers: tuple[int, ...] | None = None
-    moe: MoESpec | None = None
 
     @classmethod
     def of(cls, model: ModelSpec, cfg: ParallelConfig) -> Holding:
         """What ``cfg`` holds of ``model``: its t, p, v, ep, sequence parallelism and stage split."""
-        return cls(model, cfg.t, cfg.p, cfg.v, cfg.ep, cfg.sequence_parallel, cfg.stage_layers, model.moe)
+        return cls(model, cfg.t, cfg.p, cfg.v, cfg.ep, cfg.sequence_parallel, cfg.stage_layers)
 
     @property
     def stages(self) -> int:
         return self.p * self.v
+
+    @property
+    def moe(self) -> MoESpec | None:
+        """The model's mixture of experts (``LocalLayout`` has the field; here it is the model's)."""
+        return self.model.moe
 
 
 if TYPE_CHECKING:

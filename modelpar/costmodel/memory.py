@@ -25,7 +25,6 @@ __all__ = [
     "device_elements",
     "device_params",
     "end_working_bytes",
-    "expert_params",
     "in_flight",
     "layerwise_stage_gb",
     "mean_device_params",
@@ -85,8 +84,9 @@ def in_flight(p: int, v: int, m: int, rank: int) -> float:
 
 def device_elements(model: ModelSpec, cfg: ParallelConfig, ranks: Iterable[int], uniform: bool = False
                     ) -> dict[int, tuple[float, float]]:
-    """(``device_params``, ``expert_params``) of each pipeline device of ``ranks``, from one look-up of the
-    inventory each."""
+    """(``device_params``, of which the routed expert weights under ep > 1, reduced over the d·cp/ep replicas
+    holding them; 0 under the reference's ``uniform`` count) of each pipeline device of ``ranks``, from one
+    look-up of the inventory each."""
     if uniform:
         return dict.fromkeys(ranks, (model.params / (cfg.t * cfg.p), 0.0))
     held, out = Holding.of(model, cfg), {}
@@ -113,13 +113,6 @@ def mean_device_params(model: ModelSpec, cfg: ParallelConfig, uniform: bool = Fa
     if uniform:
         return model.params / (cfg.t * cfg.p)
     return total_elements(Holding.of(model, cfg)) / cfg.p
-
-
-def expert_params(model: ModelSpec, cfg: ParallelConfig, rank: int, uniform: bool = False) -> float:
-    """The routed experts' weights among ``device_params`` under ep > 1 (``inventory.rank_elements``): E/ep of them
-    per MoE layer, whole over t (the trainer's layout, Megatron's expert-tensor-parallel size 1); their gradients
-    are reduced over d·cp/ep. 0 at ep = 1 (reduced with the rest) and under the reference's ``uniform`` count."""
-    return device_elements(model, cfg, (rank,), uniform)[rank][1]
 
 
 def moe_activation_delta(model: ModelSpec, cfg: ParallelConfig) -> float:
