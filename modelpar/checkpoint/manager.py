@@ -356,14 +356,36 @@ class CheckpointManager:
         if self._writers is None:  # collective, once: the background writes' own group
             self._writers = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo")
         tmp = Path(_agree(self.group, lambda: str(store.scratch(self._mkdir(), step))))
+        staged = self._staged(state, tmp, step)
         pending = _Pending(step, tmp, copy.deepcopy(meta), _nbytes(state), started)  # meta as it is now
         try:
-            written = store.start_write(tmp, state, self._writers, self._planner)
+            written = store.start_write(tmp, staged, self._writers, self._planner)
         except (Exception, CheckpointException) as err:
             written = _failed(err)
         self._pending = pending
         written.add_done_callback(lambda crcs: self._complete_in_background(pending, crcs))
         return done
+
+    def _staged(self, state: ShardedState, tmp: Path, step: int) -> ShardedState:
+        """Collective: ``state`` copied to host memory on every rank, or, where one rank's copy fails (host memory
+        full), the same ValueError on every rank and ``tmp`` removed: no rank starts a background write the others
+        would wait for."""
+        staged, error = None, ""
+        try:
+            staged = state.snapshot()
+        except Exception as err:  # e.g. "DefaultCPUAllocator: can't allocate memory"
+            error = _first_line(err)
+        errors: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(rank, text) for rank, text in enumerate(errors) if text]
+        if not failed:
+            assert staged is not None
+            return staged
+        if dist.get_rank(self.group) == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rank, text = failed[0]
+        raise ValueError(f"copying checkpoint step {step} to host memory failed on rank {rank} ({text}); the previous "
+                         "checkpoints are kept")
 
     def _complete_in_background(self, pending: _Pending, written: Future[dict[str, int]]) -> None:
         """In the writing thread, once this rank's files are written: ``_complete`` over the writers' group."""

@@ -216,13 +216,14 @@ def _own_crcs(tmp: Path, rank: int) -> dict[str, int]:
     return {p.name: file_crc32(p) for p in mine}
 
 
-class _HostCopy(AsyncStager):
-    """DCP's staging step for ``to_save(shards)``: every box copied to host memory before ``stage`` returns."""
+class _AlreadyStaged(AsyncStager):
+    """DCP's staging step for a state already copied to host memory (``ShardedState.snapshot``, taken and agreed on
+    by every rank before the write starts): nothing left to copy, nothing to wait for."""
 
-    _synchronize_after_execute = False  # the copy is made in ``stage``: nothing to wait for afterwards
+    _synchronize_after_execute = False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return {key: ShardedState(shards).snapshot().shards for key, shards in state_dict.items()}
+        return state_dict
 
     def synchronize_staging(self) -> None:
         pass
@@ -231,15 +232,15 @@ class _HostCopy(AsyncStager):
         pass
 
 
-def start_write(tmp: Path, state: ShardedState, group: Any,
+def start_write(tmp: Path, staged: ShardedState, group: Any,
                 planner: ShardSavePlanner | None = None) -> Future[dict[str, int]]:
-    """Collective over ``group``: ``write_files`` in the background. ``state`` is copied to host memory before this
-    returns (training may change it at once); DCP's ``async_save`` writes the copy in a thread of its own, whose
+    """Collective over ``group``: ``write_files`` of ``staged`` (a host copy, ``ShardedState.snapshot``: training may
+    change the originals at once) in the background: DCP's ``async_save`` writes it in a thread of its own, whose
     collectives use ``group``: give it a group nothing else uses meanwhile. The future: this rank's CRC-32s.
     ``planner`` as for ``write_files``; it is used in that thread until the future is done."""
     rank = dist.get_rank(group)
-    upload = dcp.async_save(to_save(state.shards), storage_writer=dcp.FileSystemWriter(str(tmp)),
-                            planner=planner or ShardSavePlanner(), process_group=group, async_stager=_HostCopy())
+    upload = dcp.async_save(to_save(staged.shards), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                            planner=planner or ShardSavePlanner(), process_group=group, async_stager=_AlreadyStaged())
     crcs: Future[dict[str, int]] = Future()
 
     def read_back(done: Any) -> None:  # in the writing thread: the checksums are read there too

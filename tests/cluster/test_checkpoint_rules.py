@@ -1,5 +1,6 @@
 """The checkpoint directory's rules in one process (``CheckpointManager``): what counts, what is pruned,
-what a fresh run meets, checksums, a full disk, a reader racing a pruning writer.
+what a fresh run meets, checksums, a full disk, a reader racing a pruning writer; and, on the shared
+two ranks, an asynchronous save that fails on one rank only.
 
 The command-line cases (real runs, damaged and full directories, two runs at once) are in
 test_checkpoint_safety_cli.py.
@@ -7,6 +8,7 @@ test_checkpoint_safety_cli.py.
 
 import json
 import re
+import resource
 import threading
 import zlib
 
@@ -217,6 +219,41 @@ def test_an_async_save_that_close_stops_waiting_for_is_never_sealed(tmp_path, wo
                         r"directory before this save was complete\); the previous checkpoints are kept", str(error))
     assert not store.step_dirs(tmp_path)  # never published: at most its temporary directory is left
     assert steps(tmp_path) == [p.name for p in store.leftovers(tmp_path)]
+
+
+def _async_save_without_host_memory_on_rank_1(root):
+    """Both ranks save 400 MB asynchronously; rank 1's address space has room for 100 MB more: its host copy fails."""
+    rank = dist.get_rank()
+    big = ShardedState()
+    big.add("model.w", Shard.split(torch.full((100_000_000,), 1.0, dtype=torch.float64), 0, rank, 2))
+    manager = CheckpointManager(root, group=dist.group.WORLD, keep=0)
+    manager.open()
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        manager.save_async(1, state(1.0), {"losses": []})  # a small one first: this save is in flight below
+        if rank == 1:
+            status = open("/proc/self/status").read()
+            mapped = int(re.search(r"VmSize:\s+(\d+) kB", status).group(1)) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (mapped + 100_000_000, limits[1]))
+        try:
+            manager.save_async(2, big, {"losses": []})
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, limits)
+        return "saved"
+    except ValueError as err:
+        return str(err)
+    finally:
+        manager.close()
+
+
+def test_an_async_save_whose_host_copy_fails_on_one_rank_is_the_same_error_on_every_rank(c2, tmp_path):
+    # the copy is agreed on before any rank starts writing: no rank waits for a write the other never started
+    errors = c2.run(_async_save_without_host_memory_on_rank_1, str(tmp_path))
+    assert errors[0] == errors[1]
+    assert re.fullmatch(r"copying checkpoint step 2 to host memory failed on rank 1 \(RuntimeError: .*can't allocate "
+                        r"memory.*\); the previous checkpoints are kept", errors[0])
+    assert steps(tmp_path) == ["step_00000001"]  # the save before it completed; nothing of step 2 is left
+    assert read_full_tensors(tmp_path / "step_00000001")["w"].tolist() == [1.0] * 12
 
 
 def test_overwrite_removes_only_modelpar_checkpoints(tmp_path, world):
