@@ -7,7 +7,8 @@ sealed in the background). A step's cost is its measured step time plus the time
 (``TrainResult.save_stalls``); the first ``--skip`` steps (warm-up) and the run's final save (always blocking) are
 left out. Printed: the median and mean cost per step of each and their ratios to no saving (with an interval, the
 mean is the one that counts: it spreads each save's cost and the slowdown of the steps it overlaps over the
-interval), the median stall and the median time from a save's start to its COMPLETE marker. ``--repeat`` runs the
+interval), the median stall and the median time from a save's start to its COMPLETE marker, and, for the
+interval, how much longer the steps after a save are (where the background write runs). ``--repeat`` runs the
 whole set that many times, interleaved (the ratios are then over all the repeats' steps): the machine's load drifts.
 
     python benchmarks/async_checkpoint.py [--steps 40] [--skip 2] [--every 10] [--repeat 1] [--out bench-async]
@@ -40,6 +41,12 @@ def costs(result: TrainResult, skip: int, every: int) -> list[float]:
     return [t + s for t, s in zip(result.step_times, stalls)][skip:]
 
 
+def after_saves(result: TrainResult, every: int, reach: int = 3) -> list[list[float]]:
+    """Seconds of the 1st, 2nd, ... ``reach``-th step after each periodic save (where the background write runs)."""
+    saves = range(every, len(result.step_times) - 1, every)  # a save after step k: the next step has index k
+    return [[result.step_times[k + i] for k in saves if k + i < len(result.step_times)] for i in range(reach)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -56,6 +63,7 @@ def main() -> None:
     steps: dict[str, list[float]] = {name: [] for name in variants}
     stalls: dict[str, list[float]] = {name: [] for name in variants}
     writes: dict[str, list[float]] = {name: [] for name in variants}
+    later: dict[str, list[list[float]]] = {name: [[], [], []] for name in variants}
     for _ in range(args.repeat):
         for i, (name, cfg) in enumerate(variants.items()):
             if cfg.checkpoint_every:
@@ -66,6 +74,9 @@ def main() -> None:
             steps[name] += costs(result, args.skip, cfg.checkpoint_every)
             stalls[name] += result.save_stalls[:-1]
             writes[name] += result.save_writes
+            if cfg.checkpoint_every > 1:
+                for into, got in zip(later[name], after_saves(result, cfg.checkpoint_every)):
+                    into += got
     shutil.rmtree(args.out, ignore_errors=True)
     plain = steps["no saving"]
     print(f"default run ({base.layout()}, {args.steps} steps, first {args.skip} left out, {args.repeat} "
@@ -79,6 +90,11 @@ def main() -> None:
         write = statistics.median(writes[name]) if writes[name] else 0.0
         print(f"{name:32} {1e3 * median:10.1f} {1e3 * mean:10.1f} {median / statistics.median(plain):15.3f} "
               f"{mean / statistics.fmean(plain):13.3f} {1e3 * stall:9.1f} {1e3 * write:9.1f}")
+    base_ms = 1e3 * statistics.median(plain)
+    for name, rows in later.items():
+        if rows[0]:
+            extra = ", ".join(f"{1e3 * statistics.median(r) - base_ms:+.1f}" for r in rows)
+            print(f"{name}: the 1st, 2nd and 3rd step after a save, median ms beside no saving's: {extra}")
 
 
 if __name__ == "__main__":
