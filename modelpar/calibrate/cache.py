@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpar.calibrate.compute import cpu_model
+from modelpar.calibrate.machine_load import busy_warning
 from modelpar.costmodel.profiles import profile_cache_dir
 
 __all__ = ["NO_CALIBRATE_ENV", "SHORT_BUDGET_S", "MachineProfile", "cache_path", "machine_profile"]
@@ -99,10 +100,12 @@ def machine_profile(cfg: Any, log: Any = None) -> MachineProfile:
     path = cache_path(cfg)
     if path.exists():
         try:
-            load_profile(path)
-            return MachineProfile(str(path), "calibrated once for this machine, cached")
+            busy = busy_warning(load_profile(path).cpu_busy)
         except ValueError:
             pass  # another torch or a torn file: measured again below
+        else:
+            again = f"; {busy}: delete {path} to measure again" if busy else ""
+            return MachineProfile(str(path), f"calibrated once for this machine, cached{again}")
     from modelpar.calibrate.run import calibrate
 
     start = time.perf_counter()
@@ -112,4 +115,8 @@ def machine_profile(cfg: Any, log: Any = None) -> MachineProfile:
                         f"this-machine-{platform.node() or 'host'}", _run_grid(cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path)
+    busy = busy_warning(profile.cpu_busy)
+    if busy and log is not None:
+        log(f"warning: this machine's profile was {busy} (cached all the same; delete {path} to measure again "
+            f"when the machine is quiet)")
     return MachineProfile(str(path), f"calibrated for this machine just now, {time.perf_counter() - start:.0f} s, cached")

@@ -8,6 +8,7 @@ The profile (JSON) is what ``modelpar plan --hardware`` and ``modelpar train --h
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     budget = check_number("--budget", args.budget, 0.0, strict=True)
 
     from modelpar.calibrate import calibrate
+    from modelpar.calibrate.machine_load import busy_warning
 
     start = time.perf_counter()
     profile = calibrate(ranks, dtypes, budget, args.name)
@@ -56,4 +58,8 @@ def run(args: argparse.Namespace) -> int:
           f"best matmul {peak}, element-wise {profile.hbm_tb_s * 1e3:.1f} GB/s, "
           f"{sum(len(s) for op in profile.collectives.values() for s in op.values())} collective fits; "
           f"{time.perf_counter() - start:.0f} s -> {args.out}")
+    busy = busy_warning(profile.cpu_busy)
+    if busy:
+        print(f"modelpar calibrate: warning: the profile was {busy}; measure again when the machine is quiet",
+              file=sys.stderr)
     return 0

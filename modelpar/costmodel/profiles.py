@@ -112,6 +112,8 @@ class HardwareProfile:
     #         sharded over t ranks, its collectives included (absent from profiles measured before)
     runtime_s: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [per action, per step]
     optimizer: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [latency_s, per_tensor_s, GB/s]
+    cpu_busy: float | None = None  # share of the CPUs busy with other work just before it was measured
+    #         (``calibrate.machine_load``; None: unknown, or a table entry)
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, ("cpu", "cuda", "gpu"))
@@ -120,6 +122,8 @@ class HardwareProfile:
         check_int("devices_per_node", self.devices_per_node, minimum=1)
         if not 0 < check_number("matmul_ceiling", self.matmul_ceiling, strict=True) <= 1:
             raise ValueError(f"matmul_ceiling must be in (0, 1], got {self.matmul_ceiling}")
+        if self.cpu_busy is not None and not 0 <= check_number("cpu_busy", self.cpu_busy) <= 1:
+            raise ValueError(f"cpu_busy must be in [0, 1], got {self.cpu_busy}")
         if not self.peak_tflops:
             raise ValueError("peak_tflops must name at least one dtype, got {}")
         for dtype, value in self.peak_tflops.items():

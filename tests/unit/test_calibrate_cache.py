@@ -5,7 +5,8 @@ of a one-process run (seconds); the cache is a tmp directory (conftest points ev
 import dataclasses
 
 from modelpar.calibrate.cache import NO_CALIBRATE_ENV, cache_path, machine_profile
-from modelpar.costmodel.profiles import load_profile
+from modelpar.calibrate.machine_load import BUSY_WARNING, busy_warning, cpu_busy_share
+from modelpar.costmodel.profiles import load_profile, save_profile
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
 from modelpar.training.prediction import predict_run
@@ -28,17 +29,43 @@ def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monke
     first = machine_profile(CFG, heard.append)
     path = cache_path(CFG)
     assert first.hardware == str(path) and path.parent == tmp_path / "modelpar" and "just now" in first.how
-    assert len(heard) == 1 and "calibrating this machine" in heard[0]
     profile = load_profile(path)
+    assert "calibrating this machine" in heard[0]
+    busy = busy_warning(profile.cpu_busy)  # the machine's other work, if any, is said once after the measurement
+    assert heard[1:] == ([f"warning: this machine's profile was {busy} (cached all the same; delete {path} to "
+                          "measure again when the machine is quiet)"] if busy else [])
+    said = len(heard)
     rows = profile.layer_rows("fp32", 1)  # the run's own layer shape alone: hidden 32, 2 × 16 tokens a micro-batch
     assert [(r[0], r[2], r[3]) for r in rows] == [(32, 16, 32)]
     stamp = path.stat().st_mtime_ns
     again = machine_profile(CFG, heard.append)
-    assert again.hardware == str(path) and again.how == "calibrated once for this machine, cached"
-    assert len(heard) == 1 and path.stat().st_mtime_ns == stamp  # nothing measured again
+    assert again.hardware == str(path) and again.how.startswith("calibrated once for this machine, cached")
+    assert len(heard) == said and path.stat().st_mtime_ns == stamp  # nothing measured again
     assert predict_run(dataclasses.replace(CFG, hardware=again.hardware)).step_time_s > 0
     other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, hidden=64))
     assert cache_path(other) != path  # another layer shape: another file (its own short calibration)
+    assert profile.cpu_busy is None or 0 <= profile.cpu_busy <= 1  # read before the calibration's processes
+    save_profile(dataclasses.replace(profile, cpu_busy=0.62), path)  # as if measured beside other work
+    flagged = machine_profile(CFG, heard.append)
+    assert flagged.how == ("calibrated once for this machine, cached; measured while 62% of the CPUs were busy with "
+                           f"other work: its step times are priced slow: delete {path} to measure again")
+    assert len(heard) == said  # still nothing measured again: the user decides
+    save_profile(dataclasses.replace(profile, cpu_busy=0.1), path)  # quiet: no word of it
+    assert machine_profile(CFG).how == "calibrated once for this machine, cached"
+
+
+def test_the_busy_share_is_the_non_idle_ticks_of_the_window():
+    ticks = iter([(1000, 600), (1200, 650)])  # 200 ticks, 50 idle: 75% busy
+    assert cpu_busy_share(0.0, lambda: next(ticks)) == 0.75
+    assert cpu_busy_share(0.0, lambda: (5, 5)) is None  # no ticks passed
+    def unreadable() -> tuple[int, int]:
+        raise OSError("no /proc/stat")
+    assert cpu_busy_share(0.0, unreadable) is None
+    real = cpu_busy_share(0.05)
+    assert real is None or 0 <= real <= 1
+    assert busy_warning(None) is None and busy_warning(BUSY_WARNING) is None
+    assert busy_warning(0.62) == ("measured while 62% of the CPUs were busy with other work: its step times are "
+                                  "priced slow")
 
 
 

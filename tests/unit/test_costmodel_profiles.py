@@ -111,7 +111,10 @@ def test_other_torch_bad_values_and_gpu_together(tmp_path, capsys):
     data = measured().to_json()
     data["matmul"] = {"fp32": {"1": [[256, 128, -1, 0.1]]}}
     bad.write_text(json.dumps(data))
+    busy = tmp_path / "busy.json"
+    busy.write_text(json.dumps({**measured().to_json(), "cpu_busy": 1.5}))
     for args, message in (([str(other)], "measured with torch 0.0.1"), ([str(bad)], "matmul[fp32][1] points"),
+                          ([str(busy)], "cpu_busy must be in [0, 1], got 1.5"),
                           ([str(other), "--gpu", "h100-sxm"], "give one"),
                           ([str(tmp_path / "missing.json")], "No such file")):
         code = main(["plan", "--model", "gpt3-175b", "--gpus", "8", "--batch", "8", "--hardware", *args])

@@ -1,0 +1,44 @@
+"""How busy this machine's CPUs are with other work, read just before a calibration.
+
+A profile measured on cores that other processes share prices the machine slower than it runs when quiet, and a
+cached profile is reused by every later run (``calibrate.cache``): seen here, a run predicted 58% too slow after its
+profile was measured beside another session's tests. The calibration records the share (``HardwareProfile.cpu_busy``)
+and says so when it is high, with how to measure again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+__all__ = ["BUSY_WARNING", "busy_warning", "cpu_busy_share"]
+
+BUSY_WARNING = 0.25  # share of the CPUs busy with other work above which a calibration is flagged
+
+
+def _proc_stat() -> tuple[int, int]:
+    """(all CPU time, idle time) in clock ticks since boot: /proc/stat's first line (user nice system idle iowait irq
+    softirq steal; guest time is inside user already)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return sum(ticks), ticks[3] + ticks[4]
+
+
+def cpu_busy_share(window_s: float = 0.5, read: Callable[[], tuple[int, int]] = _proc_stat) -> float | None:
+    """The share (0 to 1) of this machine's CPU time spent outside idle during ``window_s`` in which this process
+    sleeps: other processes' work. None where it cannot be read (no /proc/stat)."""
+    try:
+        total0, idle0 = read()
+        time.sleep(window_s)
+        total1, idle1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = total1 - total0
+    return None if total <= 0 else min(1.0, max(0.0, 1 - (idle1 - idle0) / total))
+
+
+def busy_warning(share: float | None) -> str | None:
+    """What to say of a profile measured with ``share`` of the CPUs busy with other work, or None (quiet, unknown)."""
+    if share is None or share <= BUSY_WARNING:
+        return None
+    return f"measured while {100 * share:.0f}% of the CPUs were busy with other work: its step times are priced slow"
