@@ -9,6 +9,7 @@ from modelpar.calibrate import build_profile, default_ranks
 from modelpar.calibrate.busy import BUSY_OPS
 from modelpar.calibrate.comm import fit_line, measured_cost, non_decreasing
 from modelpar.calibrate.compute import gemm_shapes
+from modelpar.calibrate.machine_load import busy_warning
 from modelpar.cli import main
 from modelpar.costmodel.profiles import installed_torch, load_profile
 
@@ -61,8 +62,13 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     """Two local gloo ranks, a tiny time budget: every table is there, and `plan --hardware` uses the file."""
     out = tmp_path / "hw.json"
     assert main(["calibrate", "--out", str(out), "--ranks", "1,2", "--budget", "0.001"]) == 0
-    assert "modelpar calibrate:" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "modelpar calibrate:" in said.out
     p = load_profile(out)
+    assert p.cpu_busy is None or 0 <= p.cpu_busy <= 1  # other work on the CPUs before it measured (machine_load)
+    busy = busy_warning(p.cpu_busy)
+    assert said.err == (f"modelpar calibrate: warning: the profile was {busy}; measure again when the machine is "
+                        "quiet\n" if busy else "")
     data = json.loads(out.read_text())
     assert data["version"] == 2 and data["torch"] == installed_torch() and p.device == "cpu" and p.backend == "gloo"
     assert set(p.matmul["fp32"]) == {"1", "2"} and len(p.matmul["fp32"]["1"]) == len(gemm_shapes("cpu"))
