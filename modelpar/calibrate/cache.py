@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from modelpar.calibrate.compute import cpu_model
-from modelpar.calibrate.machine_load import busy_warning
-from modelpar.costmodel.profiles import profile_cache_dir
+from modelpar.costmodel.profiles import busy_warning, profile_cache_dir
 
 __all__ = ["NO_CALIBRATE_ENV", "SHORT_BUDGET_S", "MachineProfile", "cache_path", "machine_profile"]
 

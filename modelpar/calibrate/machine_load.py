@@ -3,7 +3,7 @@
 A profile measured on cores that other processes share prices the machine slower than it runs when quiet, and a
 cached profile is reused by every later run (``calibrate.cache``): seen here, a run predicted 44% too slow after its
 profile was measured beside another session's tests. The calibration records the share (``HardwareProfile.cpu_busy``)
-and says so when it is high, with how to measure again.
+and says so when it is high (``profiles.busy_warning``), with how to measure again.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-__all__ = ["BUSY_WARNING", "busy_warning", "cpu_busy_share"]
-
-BUSY_WARNING = 0.25  # share of the CPUs busy with other work above which a calibration is flagged
+__all__ = ["cpu_busy_share"]
 
 
 def _proc_stat() -> tuple[int, int]:
@@ -35,10 +33,3 @@ def cpu_busy_share(window_s: float = 0.5, read: Callable[[], tuple[int, int]] = 
         return None
     total = total1 - total0
     return None if total <= 0 else min(1.0, max(0.0, 1 - (idle1 - idle0) / total))
-
-
-def busy_warning(share: float | None) -> str | None:
-    """What to say of a profile measured with ``share`` of the CPUs busy with other work, or None (quiet, unknown)."""
-    if share is None or share <= BUSY_WARNING:
-        return None
-    return f"measured while {100 * share:.0f}% of the CPUs were busy with other work: its step times are priced slow"

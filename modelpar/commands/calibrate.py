@@ -36,7 +36,7 @@ def _ints(flag: str, text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from modelpar._validate import check_choice, check_number, check_output_path
-    from modelpar.costmodel.profiles import DTYPES, save_profile
+    from modelpar.costmodel.profiles import DTYPES, busy_warning, save_profile
 
     check_output_path("--out", args.out, (".json",))
     ranks = sorted(set(_ints("--ranks", args.ranks))) if args.ranks else None
@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> int:
     budget = check_number("--budget", args.budget, 0.0, strict=True)
 
     from modelpar.calibrate import calibrate
-    from modelpar.calibrate.machine_load import busy_warning
 
     start = time.perf_counter()
     profile = calibrate(ranks, dtypes, budget, args.name)

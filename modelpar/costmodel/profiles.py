@@ -30,9 +30,9 @@ from typing import Any
 
 from modelpar._validate import check_choice, check_int, check_number
 
-__all__ = ["BUSY_OPS", "COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION", "CollectiveCost",
-           "HardwareProfile", "check_torch", "load_profile", "node_profile", "profile_cache_dir", "profile_source",
-           "save_profile"]
+__all__ = ["BUSY_OPS", "BUSY_WARNING", "COLLECTIVES", "DTYPES", "LINKS", "PROFILE_FORMAT", "PROFILE_VERSION",
+           "CollectiveCost", "HardwareProfile", "busy_warning", "check_torch", "load_profile", "node_profile",
+           "profile_cache_dir", "profile_source", "save_profile"]
 
 PROFILE_FORMAT = "modelpar-hardware-profile"
 PROFILE_VERSION = 2  # 2: the trainer's own work measured whole (layer, ends, blockwise, runtime_s, optimizer)
@@ -381,6 +381,16 @@ def node_profile(name: str, peak_tflops: float, memory_gb: float, hbm_tb_s: floa
     return HardwareProfile(name=name, device="gpu", backend="-", memory_gb=memory_gb, devices_per_node=gpus_per_node,
                            peak_tflops={"bf16": peak_tflops}, intra_node_gbps=intra_node_gbps,
                            inter_node_gbps=inter_node_gbps, hbm_tb_s=hbm_tb_s, matmul_ceiling=matmul_ceiling)
+
+
+BUSY_WARNING = 0.25  # share of the CPUs busy with other work above which a measured profile is flagged
+
+
+def busy_warning(share: float | None) -> str | None:
+    """What to say of a profile measured with ``share`` of the CPUs busy with other work, or None (quiet, unknown)."""
+    if share is None or share <= BUSY_WARNING:
+        return None
+    return f"measured while {100 * share:.0f}% of the CPUs were busy with other work: its step times are priced slow"
 
 
 def profile_cache_dir() -> str:

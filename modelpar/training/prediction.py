@@ -21,7 +21,7 @@ from typing import Any
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, layout_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, batch_view_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
-from modelpar.costmodel.profiles import HardwareProfile, load_profile, profile_source
+from modelpar.costmodel.profiles import HardwareProfile, busy_warning, load_profile, profile_source
 from modelpar.costmodel.specs import PLANNED_RECOMPUTE
 from modelpar.schedules import Schedule
 from modelpar.schedules.memory import peak_held_bytes
@@ -155,6 +155,21 @@ def _cores_shared(cfg: TrainConfig, profile: HardwareProfile) -> str | None:
     return f"{ranks} ranks on {cores} cores: the step time is the least certain prediction (docs/calibrate.md)"
 
 
+def step_time_caveats(cfg: TrainConfig, profile: HardwareProfile) -> list[tuple[str, str]]:
+    """Why this run's predicted step time is less certain than usual, as summary rows under it: ranks sharing
+    cores, a profile measured beside other work (``profiles.busy_warning``), a compiled run priced as eager."""
+    rows = []
+    shared = _cores_shared(cfg, profile)
+    if shared:
+        rows.append(("  cores shared", shared))
+    busy = busy_warning(profile.cpu_busy)
+    if busy:
+        rows.append(("  profile", busy))
+    if cfg.compile:
+        rows.append(("  compiled", "priced as the eager run: the cost model does not price --compile yet"))
+    return rows
+
+
 def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """Predicted vs measured (step time, bubble, rank 0's bytes) as summary rows, also in metrics.jsonl."""
     from modelpar.training.metrics import append_record
@@ -189,7 +204,6 @@ def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[s
     source = (f"{profile.name} ({profile_source(cfg.hardware, list(PROFILES))})" if cfg.hardware else
               "no profile: memory only, no step time (--no-calibrate; modelpar calibrate, then --hardware)")
     lines.insert(0, ("prediction from", source))
-    shared = _cores_shared(cfg, profile)
-    if shared and "step_time_s" in rows:
-        lines.insert(2, ("  cores shared", shared))
+    if "step_time_s" in rows:
+        lines[2:2] = step_time_caveats(cfg, profile)
     return lines, {"hardware": profile.name if cfg.hardware else None, "source": source, **rows}

@@ -9,9 +9,8 @@ from modelpar.calibrate import build_profile, default_ranks
 from modelpar.calibrate.busy import BUSY_OPS
 from modelpar.calibrate.comm import fit_line, measured_cost, non_decreasing
 from modelpar.calibrate.compute import gemm_shapes
-from modelpar.calibrate.machine_load import busy_warning
 from modelpar.cli import main
-from modelpar.costmodel.profiles import installed_torch, load_profile
+from modelpar.costmodel.profiles import busy_warning, installed_torch, load_profile
 
 
 def test_fit_line_hand_checked():

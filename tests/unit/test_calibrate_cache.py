@@ -5,8 +5,8 @@ of a one-process run (seconds); the cache is a tmp directory (conftest points ev
 import dataclasses
 
 from modelpar.calibrate.cache import NO_CALIBRATE_ENV, cache_path, machine_profile
-from modelpar.calibrate.machine_load import BUSY_WARNING, busy_warning, cpu_busy_share
-from modelpar.costmodel.profiles import load_profile, save_profile
+from modelpar.calibrate.machine_load import cpu_busy_share
+from modelpar.costmodel.profiles import BUSY_WARNING, busy_warning, load_profile, save_profile
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
 from modelpar.training.prediction import predict_run
@@ -69,9 +69,10 @@ def test_the_busy_share_is_the_non_idle_ticks_of_the_window():
 
 
 
-def test_a_cpu_run_with_more_ranks_than_cores_is_flagged_as_the_least_certain(monkeypatch):
+def test_a_less_certain_step_time_says_why_beside_it(monkeypatch):
+    """Ranks sharing cores, a profile measured beside other work, a compiled run priced as eager."""
     from modelpar.costmodel.presets import CPU_DEFAULT, PROFILES
-    from modelpar.training.prediction import _cores_shared
+    from modelpar.training.prediction import _cores_shared, step_time_caveats
 
     four = dataclasses.replace(CFG, tp=2, pp=2).check()
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -79,7 +80,14 @@ def test_a_cpu_run_with_more_ranks_than_cores_is_flagged_as_the_least_certain(mo
     cpu, gpu = CPU_DEFAULT, PROFILES["h100-sxm"]
     assert _cores_shared(four, cpu) == ("4 ranks on 2 cores: the step time is the least certain prediction "
                                         "(docs/calibrate.md)")
+    assert step_time_caveats(four, cpu) == [("  cores shared", _cores_shared(four, cpu))]
     assert _cores_shared(CFG, cpu) is None  # one rank
     assert _cores_shared(four, gpu) is None  # a GPU run: its host cores do not compute
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: 2 of the 4 ranks on this node
     assert _cores_shared(four, cpu) is None
+    assert step_time_caveats(four, cpu) == []
+    busy, compiled = dataclasses.replace(cpu, cpu_busy=0.5), dataclasses.replace(CFG, compile=True)
+    assert step_time_caveats(compiled, busy) == [
+        ("  profile", "measured while 50% of the CPUs were busy with other work: its step times are priced slow"),
+        ("  compiled", "priced as the eager run: the cost model does not price --compile yet")]
+    assert step_time_caveats(CFG, gpu) == []
