@@ -12,7 +12,12 @@
    ``torch.cuda.max_memory_allocated``), with the MAPE of each, then `modelpar plan --validate-local`'s table.
 
     python benchmarks/gpu_calibrate.py                   # a GPU: calibrate, then 12 configurations
+    python benchmarks/gpu_calibrate.py --compile --profile gpu_profile.json   # the same 12 compiled, on that profile
     python benchmarks/gpu_calibrate.py --smoke           # any machine: tiny models, 2 configurations (checks the script)
+
+``--compile`` runs the configurations with each transformer block compiled (``TrainConfig.compile``), the
+compile time left out (the median step after the first); the cost model prices them as the eager runs
+(the summary's ``  compiled`` row), so its MAPE says how far that is on this GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.distributed as dist
 from modelpar.calibrate import calibrate
 from modelpar.calibrate.model_kernels import measure_model_kernels
 from modelpar.calibrate.validate_local import LocalCase, format_report
-from modelpar.costmodel.profiles import save_profile
+from modelpar.costmodel.profiles import busy_warning, load_profile, save_profile
 from modelpar.distributed import free_port
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
@@ -36,19 +41,19 @@ from modelpar.training.dispatch import count_dispatch
 from modelpar.training.prediction import predict_run
 
 
-def _cases(smoke: bool) -> list[LocalCase]:
+def _cases(smoke: bool, compiled: bool = False) -> list[LocalCase]:
     models = {"llama-h512": ModelConfig(arch="llama", hidden=512, heads=8, kv_heads=2, layers=8, seq_len=512),
               "llama-h1024": ModelConfig(arch="llama", hidden=1024, heads=16, kv_heads=4, layers=8, seq_len=1024)}
     if smoke:
         models = {"tiny": ModelConfig(arch="llama", hidden=64, heads=4, kv_heads=2, layers=2, seq_len=32)}
     base = TrainConfig(tp=1, pp=1, dp=1, steps=3 if smoke else 8, batch_size=16, eval_every=0, eval_batches=1,
-                       warmup=1, precision="fp32" if smoke else "bf16")
+                       warmup=1, precision="fp32" if smoke else "bf16", compile=compiled)
     out = []
     for name, model in models.items():
         for m in ((2,) if smoke else (1, 2, 4)):
             for recompute in ("none", "full"):
-                out.append(LocalCase(name, dataclasses.replace(base, model=model, microbatches=m, recompute=recompute)
-                                     .check(1), False))
+                cfg = dataclasses.replace(base, model=model, microbatches=m, recompute=recompute).check(1)
+                out.append(LocalCase(name + (" compiled" if compiled else ""), cfg, False))
     return out
 
 
@@ -61,16 +66,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models on this machine's CPU (or GPU), 2 configurations")
     ap.add_argument("--out", default="gpu_profile.json", help="where to write the profile")
+    ap.add_argument("--compile", action="store_true", help="the configurations with each block compiled (--compile)")
+    ap.add_argument("--profile", help="price on this profile (an earlier run's --out) instead of calibrating again")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise SystemExit("gpu_calibrate.py: no GPU here; run with --smoke to check the script on this machine")
-    profile = calibrate(ranks=[1], dtypes=("fp32",) if not cuda else None, budget_s=0.02 if args.smoke else 0.05)
-    save_profile(profile, args.out)
+    if args.profile:
+        profile, args.out = load_profile(args.profile), args.profile
+    else:
+        profile = calibrate(ranks=[1], dtypes=("fp32",) if not cuda else None, budget_s=0.02 if args.smoke else 0.05)
+        save_profile(profile, args.out)
     print(f"profile: {args.out} ({profile.name}, peak {profile.peak_tflops}, host {1e6 * (profile.launch(1) or 0):.1f} "
           "us per dispatched op)", flush=True)
+    if busy_warning(profile.cpu_busy):
+        print(f"  warning: the profile was {busy_warning(profile.cpu_busy)}", flush=True)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    cases = _cases(args.smoke)
+    cases = _cases(args.smoke, args.compile)
     for name, cfg in {c.model: c.cfg for c in cases}.items():
         ops = count_dispatch(cfg.model, cfg.precision, cfg.loss_chunk > 0)
         kernels = measure_model_kernels(cfg.model, cfg.batch_size // cfg.microbatches, device, cfg.precision)
@@ -104,7 +116,8 @@ def main() -> None:
             print(f"  {case.name}: {1e3 * pred.step_time_s:.1f} ms predicted, {1e3 * case.measured['step_time_s']:.1f} "
                   f"ms measured ({100 * (pred.step_time_s / case.measured['step_time_s'] - 1):+.1f}%){peak}", flush=True)
             done.append(case)
-        print(f"step-time MAPE {_mape(steps)} over {len(steps)} configurations; peak allocated memory MAPE "
+        what = " (compiled, priced as eager)" if args.compile else ""
+        print(f"step-time MAPE {_mape(steps)} over {len(steps)} configurations{what}; peak allocated memory MAPE "
               f"{_mape(peaks)}" + ("" if cuda else " (no GPU: not measured)"))
         print(format_report(done, profile))
     finally:

@@ -10,6 +10,8 @@
 #   dualpipe   benchmarks/gpu_dualpipe_overlap.py: DualPipe-V's pairs on two streams against back to back (issue 39)
 #   single1b   benchmarks/gpu_single.py at 1.06B: --compile, fp8 and the compiled anchor
 #   fp8curve   benchmarks/gpu_fp8_curve.py: fp8's loss curve beside two bf16 seeds
+#   compiled   benchmarks/gpu_calibrate.py --compile on calibrate's profile: the same configurations with each
+#              block compiled, priced as eager (how far that is; issue 38)
 # STEPS picks and orders them (default: all, in this order); a step whose time limit no longer fits in
 # BUDGET_S (default 540 s: a device call may run 600) is skipped and named, so one call never runs past its
 # limit and loses the logs. Figures and logs go to $OUT (default ./gpu-out). From the repository root:
@@ -17,7 +19,7 @@
 #   STEPS="single1b fp8curve" bash benchmarks/gpu_session.sh         # the rest, in a second call
 set -uo pipefail
 OUT=${OUT:-gpu-out}
-STEPS=${STEPS:-tests calibrate single355 dualpipe single1b fp8curve}
+STEPS=${STEPS:-tests calibrate single355 dualpipe single1b fp8curve compiled}
 BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -48,6 +50,8 @@ for s in $STEPS; do
     single1b) step single1b "${BENCH_1B_S:-220}" python3 benchmarks/gpu_single.py --sizes 1b \
       --json "$OUT/gpu_single_1b.json" --runs "${RUNS_1B:-modelpar --compile,modelpar --compile fp8,anchor compiled}" ;;
     fp8curve) step fp8curve "${FP8_S:-200}" python3 benchmarks/gpu_fp8_curve.py --json "$OUT/fp8_curve.json" ;;
-    *) echo "unknown step '$s'; known: tests calibrate single355 dualpipe single1b fp8curve"; exit 2 ;;
+    compiled) step compiled "${COMPILED_S:-300}" python3 benchmarks/gpu_calibrate.py --compile \
+      --profile "$OUT/gpu_profile.json" ;;
+    *) echo "unknown step '$s'; known: tests calibrate single355 dualpipe single1b fp8curve compiled"; exit 2 ;;
   esac
 done
