@@ -64,5 +64,5 @@ def measure_model_kernels(cfg: ModelConfig, micro_batch: int, device: torch.devi
     adamw = _timed(opt.step, device)
     weights = torch.randn(n, device=device)
     cast = _timed(lambda: weights.to(dtype), device) if dtype != torch.float32 else 0.0
-    return {"attention_forward_s": attention_f, "attention_backward_s": attention_fb - attention_f,
+    return {"attention_forward_s": attention_f, "attention_backward_s": max(0.0, attention_fb - attention_f),
             "adamw_step_s": adamw, "weight_casts_s": cast}
