@@ -8,7 +8,8 @@ layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rul
 chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
 own choices (``TrainConfig``'s schedule and ZeRO lists) and its ``TrainConfig.check`` accepts or
 refuses each candidate, so a new capability there is a new entry here. The axes' values and rules (t, cp, p,
-the microbatch counts, ep, SP, ZeRO) are ``costmodel.axes``', which ``search.py`` iterates too; which of them
+the microbatch counts, ep, SP, ZeRO) and the loop over them (``axes.walk``, in the order ``axes.LOCAL``) are
+``costmodel.axes``', which ``search.py`` walks too (``_Trainer`` holds this planner's hooks); which of them
 the trainer runs together (ZeRO with ep, ...) is ``accept``'s. Pure Python.
 
 ``auto`` among the schedules: for each (t, p, d, m, recomputation, SP, ZeRO) with p > 1, the

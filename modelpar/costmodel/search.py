@@ -9,7 +9,9 @@ Context parallelism (cp > 1: the divisors of the GPUs left by t whose 2·cp chun
 ``cp_comm`` "ring" unless pinned) is searched when no layout without it fits, or when ``cp`` is
 pinned: like ZeRO's higher stages it buys memory (activations ÷ cp) with communication, so it is
 worth it for sequences whose activations do not fit otherwise (Megatron-core's advice for CP).
-Each axis's values and rule come from ``costmodel.axes``, which ``local_search`` iterates too.
+The axes, their values and the one loop over them (``axes.walk``, in the order ``axes.PUBLISHED``) are
+``costmodel.axes``', which ``local_search`` walks too; this file's are the hooks (``_Published``): the pins, the
+rules above with their reasons, the prunings and the leaf that prices a ``ParallelConfig`` of the chosen values.
 """
 
 from __future__ import annotations
@@ -167,13 +169,16 @@ class _Published(Planner):
         values = axis.values(c)
         if name == "sequence_parallel":
             return [x for x in values if pin in (None, x)]
-        if name == "cp":  # every cp's p pins refused before any d is tried (the order of the examples)
-            values = _pinned("cp", pin, list(values), self.res, self._of("cp", c))
-            n, t = self.cluster.gpus, c["t"]
-            self._stages = {cc: _pinned("p", self.pins["p"], divisors(n // (t * cc)), self.res,
-                                        f"the {n // (t * cc)} GPUs left by t·cp = {t * cc}") for cc in values}
-            return values
+        if name == "cp":
+            return self._contexts(_pinned("cp", pin, list(values), self.res, self._of("cp", c)), c["t"])
         return _pinned(name, pin, list(values), self.res, self._of(name, c)) if name in _REFUSED else values
+
+    def _contexts(self, cps: list[int], t: int) -> list[int]:
+        """``cps``, having found the p to try at each (a refused p pin counted for every cp before any d is tried)."""
+        n = self.cluster.gpus
+        self._stages = {cp: _pinned("p", self.pins["p"], divisors(n // (t * cp)), self.res,
+                                    f"the {n // (t * cp)} GPUs left by t·cp = {t * cp}") for cp in cps}
+        return cps
 
     def _of(self, name: str, c: Chosen) -> str:
         """What a refused pin of ``name`` does not divide."""
