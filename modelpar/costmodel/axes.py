@@ -136,25 +136,17 @@ class Planner:
         raise NotImplementedError
 
 
-def _merge(a: Outcome, b: Outcome) -> Outcome:
-    """Outcome of a loop so far: True if anything fitted, False if something was priced, else None."""
-    if a or b:
-        return True
-    return False if a is False or b is False else None
-
-
 def walk(planner: Planner, chosen: Chosen, depth: int = 0) -> tuple[Outcome, str | None]:
-    """Try every value of ``planner.order[depth:]`` after ``chosen``; the outcome and the outer loop to end, if any."""
-    if depth == len(planner.order):
-        return planner.leaf(chosen), None
-    name = planner.order[depth]
+    """Try every value of ``planner.order[depth:]`` after ``chosen``; the outcome (True if any layout fitted, False
+    if one was priced and none fitted, None if none was priced) and the outer loop to end, if any."""
+    name, last = planner.order[depth], depth + 1 == len(planner.order)
     outcome: Outcome = None
     for index, value in enumerate(planner.options(AXES[name], chosen)):
         chosen[name] = value
         if not planner.valid(name, chosen):
             continue
-        got, end = walk(planner, chosen, depth + 1)
-        outcome = _merge(outcome, got)
+        got, end = (planner.leaf(chosen), None) if last else walk(planner, chosen, depth + 1)
+        outcome = True if got or outcome else False if got is False or outcome is False else None
         end = end or planner.ends(name, index, got)
         if end == name:
             break

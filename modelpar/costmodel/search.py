@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
-from modelpar.costmodel.axes import AXES, PUBLISHED, Axis, Chosen, Outcome, Planner, divisors, heads_split, shards, walk
+from modelpar.costmodel.axes import PUBLISHED, Axis, Chosen, Outcome, Planner, divisors, heads_split, shards, walk
 from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
 from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
@@ -154,16 +154,21 @@ class _Published(Planner):
         self.split, self.res = stage_layers, SearchResult([])
         self.limit = a.memory_limit(cluster.gpu.memory_gb)
         self._stages: dict[int, list[int]] = {}  # cp -> the p to try at the current t
+        self._zeros: dict[int, list[int]] = {}  # d -> the ZeRO stages to try
+        self._v: dict[int, list[int]] = {}  # p -> the v to try
+        self._fields = tuple(n for n in self.order if n != "zero")
+        self._checked: ParallelConfig | None = None  # the layout ``check_config`` passed at the current v
 
     def options(self, axis: Axis, c: Chosen) -> Sequence[Any]:
         """The axis's values, or its pin: t, cp, p, ep and b refuse a pin that is not among them."""
-        name, pin = axis.name, self.pins.get(axis.name)
+        name = axis.name
+        if name == "zero":
+            return self._zero(c["d"])
+        if name == "v":
+            return self._v[c["p"]] if c["p"] in self._v else self._v.setdefault(c["p"], self._chunks(c["p"]))
         if name == "p":
             return self._stages[c["cp"]]
-        if name == "v":
-            return self._chunks(c["p"])
-        if name == "zero":  # ZeRO-1 is never slower than ZeRO-0 and holds less: ZeRO-0 only if pinned; over d, not d·cp
-            return [pin] if pin is not None else [z for z in ZERO_STAGES[1:] if shards(z, c["d"])] or [0]
+        pin = self.pins.get(name)
         if pin is not None and name in ("recompute", "cp_comm"):
             return [pin]
         values = axis.values(c)
@@ -187,6 +192,14 @@ class _Published(Planner):
         if name == "cp":
             return f"the {self.cluster.gpus // c['t']} GPUs left by t = {c['t']} into 2·cp chunks of s = {self.model.seq}"
         return f"d = {c['d']} and the experts" if name == "ep" else f"batch/d = {self.batch // c['d']}"
+
+    def _zero(self, d: int) -> list[int]:
+        """The ZeRO stages to try at d: ZeRO-1 is never slower than ZeRO-0 and holds less, so ZeRO-0 only if pinned
+        (or at d = 1); sharded over d, not d·cp (at d = 1 a context-parallel layout is not sharded here)."""
+        if d not in self._zeros:
+            pin = self.pins["zero"]
+            self._zeros[d] = [pin] if pin is not None else [z for z in ZERO_STAGES[1:] if shards(z, d)] or [0]
+        return self._zeros[d]
 
     def _chunks(self, p: int) -> list[int]:
         """The v to try at ``p``: pinned by ``stage_layers`` or ``v``, else ``chunk_counts``."""
@@ -225,13 +238,13 @@ class _Published(Planner):
         m, p, v = self.batch // (c["d"] * c["micro_batch"]), c["p"], c["v"]
         if v > 1 and m % p:
             return "interleave", f"v = {v} needs microbatches ({m}) divisible by p = {p}"
-        zero = self.options(AXES["zero"], c)[0]
-        reason = check_config(self.model, self.cluster, self._config(c, zero), self.batch, self.a)
+        self._checked = self._config(c, self._zero(c["d"])[0])
+        reason = check_config(self.model, self.cluster, self._checked, self.batch, self.a)
         return ("layers", reason) if reason else None
 
     def _config(self, c: Chosen, zero: int) -> ParallelConfig:
         """The layout of the chosen values at ZeRO stage ``zero``."""
-        return ParallelConfig(stage_layers=self.split, **{n: c[n] for n in self.order if n != "zero"}, zero=zero)
+        return ParallelConfig(stage_layers=self.split, zero=zero, **{n: c[n] for n in self._fields})
 
     def ends(self, name: str, index: int, outcome: Outcome) -> str | None:
         """A fitting ZeRO stage ends the ZeRO loop; nothing fitting at the first v (the fewest microbatches in flight:
@@ -242,7 +255,8 @@ class _Published(Planner):
 
     def leaf(self, c: Chosen) -> Outcome:
         """Price the layout if it fits; else count it under memory and keep the leanest."""
-        cfg = self._config(c, c["zero"])
+        checked = self._checked  # zero follows v: the layout checked there, at its first stage
+        cfg = checked if checked is not None and checked.zero == c["zero"] else self._config(c, c["zero"])
         memory = memory_breakdown(self.model, cfg, self.batch // (cfg.d * cfg.micro_batch), self.a)
         need, res = sum(memory.values()), self.res
         if need <= self.limit:
