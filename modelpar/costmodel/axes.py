@@ -137,8 +137,8 @@ class Planner:
 
 
 def walk(planner: Planner, chosen: Chosen, depth: int = 0) -> tuple[Outcome, str | None]:
-    """Try every value of ``planner.order[depth:]`` after ``chosen``; the outcome (True if any layout fitted, False
-    if one was priced and none fitted, None if none was priced) and the outer loop to end, if any."""
+    """Try every value of ``planner.order[depth:]`` after ``chosen`` (filled in place); the outcome (True if any
+    layout fitted, False if one was priced and none fitted, None if none was priced) and the outer loop to end."""
     name, last = planner.order[depth], depth + 1 == len(planner.order)
     outcome: Outcome = None
     for index, value in enumerate(planner.options(AXES[name], chosen)):

@@ -157,7 +157,7 @@ class _Published(Planner):
         self._zeros: dict[int, list[int]] = {}  # d -> the ZeRO stages to try
         self._v: dict[int, list[int]] = {}  # p -> the v to try
         self._fields = tuple(n for n in self.order if n != "zero")
-        self._checked: ParallelConfig | None = None  # the layout ``check_config`` passed at the current v
+        self._checked: ParallelConfig | None = None  # the layout ``check_config`` saw at the current v
 
     def options(self, axis: Axis, c: Chosen) -> Sequence[Any]:
         """The axis's values, or its pin: t, cp, p, ep and b refuse a pin that is not among them."""
@@ -165,7 +165,7 @@ class _Published(Planner):
         if name == "zero":
             return self._zero(c["d"])
         if name == "v":
-            return self._v[c["p"]] if c["p"] in self._v else self._v.setdefault(c["p"], self._chunks(c["p"]))
+            return self._chunks(c["p"])
         if name == "p":
             return self._stages[c["cp"]]
         pin = self.pins.get(name)
@@ -203,10 +203,11 @@ class _Published(Planner):
 
     def _chunks(self, p: int) -> list[int]:
         """The v to try at ``p``: pinned by ``stage_layers`` or ``v``, else ``chunk_counts``."""
-        if self.split is not None:
-            return [len(self.split) // p]
-        pin = self.pins["v"]
-        return [pin] if pin is not None else chunk_counts(self.model.layers, p, self.a.interleaving, self.a.uniform_stages)
+        if p not in self._v:
+            pin, a = self.pins["v"], self.a
+            self._v[p] = ([len(self.split) // p] if self.split is not None else [pin] if pin is not None
+                          else chunk_counts(self.model.layers, p, a.interleaving, a.uniform_stages))
+        return self._v[p]
 
     def valid(self, name: str, c: Chosen) -> bool:
         """Megatron's rules: heads at t; the d pin, the layers and the batch at d; interleaving and
