@@ -8,7 +8,8 @@ layouts are those ``specs.check_trainer_context`` accepts (the trainer's own rul
 chunks, ZeRO 0 or 1, s/cp over t under sequence parallelism); the command fills it from the trainer's
 own choices (``TrainConfig``'s schedule and ZeRO lists) and its ``TrainConfig.check`` accepts or
 refuses each candidate, so a new capability there is a new entry here. The axes' values and rules (t, cp, p,
-the microbatch counts, ep, SP, ZeRO) are ``costmodel.axes``', which ``search.py`` iterates too; which of them
+the microbatch counts, ep, SP, ZeRO) and the loop over them (``axes.walk``, in the order ``axes.LOCAL``) are
+``costmodel.axes``', which ``search.py`` walks too (``_Trainer`` holds this planner's hooks); which of them
 the trainer runs together (ZeRO with ep, ...) is ``accept``'s. Pure Python.
 
 ``auto`` among the schedules: for each (t, p, d, m, recomputation, SP, ZeRO) with p > 1, the
@@ -20,12 +21,12 @@ allows; the trainer rebuilds the same one from ``LocalLayout.memory_limit`` (``l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from modelpar.costmodel.allocator import allocator_bytes
-from modelpar.costmodel.axes import batch_splits, context_splits, divisors, expert_splits, sequence_parallel_choices, shards
+from modelpar.costmodel.axes import LOCAL, Axis, Chosen, Outcome, Planner, walk
 from modelpar.costmodel.inventory import stage_tensors
 from modelpar.costmodel.local import LocalPrediction, auto_schedule, predict_local
 from modelpar.costmodel.local_memory import LocalLayout, activation_bytes, state_bytes
@@ -60,12 +61,56 @@ class LocalPlan:
     tried: int
 
 
-def _contexts(world: int, seq: int, caps: Capabilities) -> Iterator[tuple[int, str]]:
-    """(cp, mode) pairs to try: cp = 1, and every other of ``axes.context_splits`` with each of ``caps.cp_comms``."""
-    yield 1, "ring"
-    for cp in context_splits(world, seq):
-        if cp > 1:
-            yield from ((cp, mode) for mode in caps.cp_comms)
+def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalLayout) -> Iterator[LocalLayout]:
+    """Every (t, cp, p, d, schedule, v, m, recompute, SP, ZeRO, ep) of ``caps`` on ``world`` ranks, ``base``'s other
+    fields."""
+    trainer = _Trainer(model, batch, caps, base)
+    walk(trainer, {"world": world, "batch": batch, "seq": model.seq, "moe": base.moe})
+    yield from trainer.found
+
+
+class _Trainer(Planner):
+    """The trainer's walk of the axes: ``caps`` narrows them, the schedule registry's rules, no pruning; the leaf
+    keeps each layout whose ZeRO buckets and context parallelism the trainer runs."""
+
+    order = LOCAL
+
+    def __init__(self, model: ModelSpec, batch: int, caps: Capabilities, base: LocalLayout) -> None:
+        self.model, self.batch, self.caps, self.base = model, batch, caps, base
+        self.found: list[LocalLayout] = []
+
+    def options(self, axis: Axis, c: Chosen) -> Sequence[Any]:
+        """The axis's values as ``caps`` narrows them (cp > 1: each of its modes; the schedules' own v)."""
+        name, caps, values = axis.name, self.caps, axis.values(c)
+        if name == "cp_comm":
+            return values if c["cp"] == 1 else caps.cp_comms
+        if name == "v":
+            return _chunk_choices(c["schedule"], caps)
+        if name == "microbatches":
+            return [m for m in values if m <= caps.max_microbatches]
+        if name == "sequence_parallel":
+            return values if caps.sequence_parallel else (False,)
+        if name == "zero":  # ``caps.zero``'s that shard over ranks (``axes.shards``)
+            return [z for z in caps.zero if z in values]
+        return {"schedule": caps.schedules, "recompute": caps.recompute}.get(name, values)
+
+    def valid(self, name: str, c: Chosen) -> bool:
+        """d divides the batch; one stage runs one schedule (every schedule is the same loop); the layers fill the
+        p·v chunks (auto: its v is chosen in ``plan_local``); the schedule takes (p, m, v)."""
+        if name == "d":
+            return self.batch % c["d"] == 0
+        if name == "schedule":
+            return c["p"] > 1 or c["schedule"] == BASELINE
+        if name == "v":
+            return self.model.layers % (c["p"] * c["v"]) == 0 or c["schedule"] == "auto"
+        return _builds(c["schedule"], c["p"], c["microbatches"], c["v"]) if name == "microbatches" else True
+
+    def leaf(self, c: Chosen) -> Outcome:
+        """Keep the layout if the trainer runs its ZeRO buckets and its context parallelism."""
+        run = replace(self.base, model=self.model, batch=self.batch, **{n: c[n] for n in self.order})
+        if _shards_fit(run) and _context_runs(self.model, run.cp, run.zero, run.t, run.sequence_parallel):
+            self.found.append(run)
+        return None
 
 
 def _context_runs(model: ModelSpec, cp: int, zero: int, t: int, sp: bool) -> bool:
@@ -74,41 +119,6 @@ def _context_runs(model: ModelSpec, cp: int, zero: int, t: int, sp: bool) -> boo
     except ValueError:
         return False
     return True
-
-
-def layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalLayout) -> Iterator[LocalLayout]:
-    """Every (t, cp, p, d, schedule, v, m, recompute, SP, ZeRO) of ``caps`` on ``world`` ranks, ``base``'s other
-    fields."""
-    for t in divisors(world):
-        for cp, mode in _contexts(world // t, model.seq, caps):
-            yield from _layouts(model, world, batch, caps, replace(base, cp=cp, cp_comm=mode), t)
-
-
-def _layouts(model: ModelSpec, world: int, batch: int, caps: Capabilities, base: LocalLayout,
-             t: int) -> Iterator[LocalLayout]:
-    """``layouts`` at ``t`` and ``base``'s cp."""
-    for p in divisors(world // (t * base.cp)):
-        d = world // (t * base.cp * p)
-        if batch % d:
-            continue
-        for schedule in caps.schedules:
-            if p == 1 and schedule != BASELINE:
-                continue  # one stage: every schedule is the same loop
-            for v in _chunk_choices(schedule, caps):
-                if model.layers % (p * v) and schedule != "auto":  # auto: its v is chosen in plan_local
-                    continue
-                for m in (x for x in batch_splits(batch, d) if x <= caps.max_microbatches):
-                    if not _builds(schedule, p, m, v):
-                        continue
-                    for rc in caps.recompute:
-                        for sp in (sequence_parallel_choices(t) if caps.sequence_parallel else (False,)):
-                            for zero, ep in ((z, e) for z in caps.zero if shards(z, d * base.cp)
-                                             for e in expert_splits(base.moe, d)):
-                                run = replace(base, model=model, t=t, p=p, d=d, schedule=schedule, v=v,
-                                              microbatches=m, batch=batch, recompute=rc, sequence_parallel=sp,
-                                              zero=zero, ep=ep)
-                                if _shards_fit(run) and _context_runs(model, base.cp, zero, t, sp):
-                                    yield run
 
 
 def _chunk_choices(schedule: str, caps: Capabilities) -> tuple[int, ...]:

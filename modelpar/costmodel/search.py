@@ -9,27 +9,23 @@ Context parallelism (cp > 1: the divisors of the GPUs left by t whose 2·cp chun
 ``cp_comm`` "ring" unless pinned) is searched when no layout without it fits, or when ``cp`` is
 pinned: like ZeRO's higher stages it buys memory (activations ÷ cp) with communication, so it is
 worth it for sequences whose activations do not fit otherwise (Megatron-core's advice for CP).
-Each axis's values and rule come from ``costmodel.axes``, which ``local_search`` iterates too.
+The axes, their values and the one loop over them (``axes.walk``, in the order ``axes.PUBLISHED``) are
+``costmodel.axes``', which ``local_search`` walks too; this file's are the hooks (``_Published``): the pins, the
+rules above with their reasons, the prunings and the leaf that prices a ``ParallelConfig`` of the chosen values.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from modelpar.costmodel.assumptions import DEFAULT, Assumptions
-from modelpar.costmodel.axes import (
-    batch_splits,
-    context_splits,
-    divisors,
-    expert_splits,
-    heads_split,
-    sequence_parallel_choices,
-    shards,
-)
+from modelpar.costmodel.axes import PUBLISHED, Axis, Chosen, Outcome, Planner, divisors, heads_split, shards, walk
 from modelpar.costmodel.estimate import Estimate, check_config, estimate_checked
 from modelpar.costmodel.memory import memory_breakdown
-from modelpar.costmodel.specs import PLANNED_RECOMPUTE, ClusterSpec, ModelSpec, ParallelConfig
+from modelpar.costmodel.specs import ClusterSpec, ModelSpec, ParallelConfig
 from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
 __all__ = ["SearchResult", "chunk_counts", "fitting_gpu_counts", "search"]
@@ -134,85 +130,143 @@ def _search(model: ModelSpec, cluster: ClusterSpec, batch: int, assumptions: Ass
             sequence_parallel: bool | None, zero: int | None, stage_layers: tuple[int, ...] | None, cp: int | None,
             cp_comm: str, ep: int | None = None) -> SearchResult:
     """``search`` at ``cp`` (None: every cp whose 2·cp chunks split the sequence)."""
-    a, n, res = assumptions, cluster.gpus, SearchResult([])
-    recomputes = list(PLANNED_RECOMPUTE) if recompute is None else [recompute]
-    for tt in _pinned("t", t, divisors(n), res, f"the {n} GPUs"):
-        heads = heads_split(model, tt)
-        if heads:
-            res.reject("heads", heads)
-            continue
-        sps = [x for x in sequence_parallel_choices(tt) if sequence_parallel in (None, x)]
-        splits = context_splits(n // tt, model.seq)  # 2·cp chunks of s
-        cps = _pinned("cp", cp, splits, res, f"the {n // tt} GPUs left by t = {tt} into 2·cp chunks of s = {model.seq}")
-        layouts = [(c, q) for c in cps
-                   for q in _pinned("p", p, divisors(n // (tt * c)), res, f"the {n // (tt * c)} GPUs left by t·cp = {tt * c}")]
-        for cc, pp in layouts:
-            dd = n // (tt * cc * pp)
-            if d is not None and dd != d:
-                res.reject("pins", f"d = {d} but t·cp·p = {tt * cc * pp} leaves d = {dd} on {n} GPUs")
-                continue
-            if pp > model.layers + 2 or (stage_layers is not None and len(stage_layers) % pp) or (
-                    a.uniform_stages and model.layers % pp):  # the reference's model: equal stages only
-                res.reject("layers", f"p = {pp} stages cannot hold the {model.layers} layers"
-                           + (f" as {len(stage_layers)} chunks" if stage_layers is not None else ""))
-                continue
-            if batch % dd:
-                res.reject("batch", f"d = {dd} does not divide batch ({batch})")
-                continue
-            if stage_layers is not None:
-                chunks = [len(stage_layers) // pp]
-            else:
-                chunks = [v] if v is not None else chunk_counts(model.layers, pp, a.interleaving, a.uniform_stages)
-            # ZeRO-1 is never slower than ZeRO-0 (its optimizer updates a 1/d shard) and holds less: ZeRO-0 only if
-            # pinned; over d replicas (not d·cp: at d = 1 a context-parallel layout is not sharded here)
-            zeros = [zero] if zero is not None else [z for z in ZERO_STAGES[1:] if shards(z, dd)] or [0]
-            experts = expert_splits(model.moe, dd)
-            for rc, sp, ee in ((rc, sp, ee) for rc in recomputes for sp in sps
-                               for ee in _pinned("ep", ep, experts, res, f"d = {dd} and the experts")):
-                for b in _pinned("micro_batch", micro_batch, batch_splits(batch, dd), res, f"batch/d = {batch // dd}"):
-                    dims = (tt, pp, dd, b, rc, sp, stage_layers, cc, cp_comm, ee)
-                    if _search_chunks(model, cluster, batch, a, res, dims, chunks, zeros):
-                        break  # a larger micro-batch needs at least as much memory
-    res.ranked.sort(key=lambda e: (e.step_time_s, e.memory_gb))
-    return res
+    pins = {"t": t, "p": p, "d": d, "micro_batch": micro_batch, "v": v, "recompute": recompute,
+            "sequence_parallel": sequence_parallel, "zero": zero, "cp": cp, "cp_comm": cp_comm, "ep": ep}
+    walker = _Published(model, cluster, batch, assumptions, pins, stage_layers)
+    walk(walker, {"world": cluster.gpus, "batch": batch, "seq": model.seq, "moe": model.moe})
+    walker.res.ranked.sort(key=lambda e: (e.step_time_s, e.memory_gb))
+    return walker.res
 
 
-def _search_chunks(model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, res: SearchResult,
-                   dims: tuple[int, int, int, int, str, bool, tuple[int, ...] | None, int, str, int], chunks: list[int],
-                   zeros: list[int]) -> bool:
-    """Try each chunk count v and ZeRO stage for one (t, p, d, b, recompute, sp); True if nothing fit at the first v.
+_REFUSED = ("t", "ep", "micro_batch")  # besides cp and p: pins that are refused with a reason when not a value
 
-    A ZeRO stage above the first in ``zeros`` is tried only when the one below does not fit: sharding
-    more costs traffic, so it is worth it only for memory.
-    """
-    tt, pp, dd, b, rc, sp, split, cc, comm, ee = dims
-    m = batch // (dd * b)
-    for vv in chunks:
-        if vv > 1 and m % pp:
-            res.reject("interleave", f"v = {vv} needs microbatches ({m}) divisible by p = {pp}")
-            continue
-        reason = check_config(model, cluster, ParallelConfig(tt, pp, dd, b, vv, rc, sp, zeros[0], split, cc, comm, ee),
-                              batch, a)
-        if reason:  # the same for every ZeRO stage
-            res.reject("layers", reason)
-            continue
-        fitted = False
-        for zz in zeros:
-            cfg = ParallelConfig(tt, pp, dd, b, vv, rc, sp, zz, split, cc, comm, ee)
-            memory = memory_breakdown(model, cfg, m, a)
-            need = sum(memory.values())
-            if need <= a.memory_limit(cluster.gpu.memory_gb):
-                res.ranked.append(estimate_checked(model, cluster, cfg, batch, a, memory))
-                fitted = True
-                break
-            elif not fitted:
-                res.reject("memory", f"{_short(cfg)} needs {need / 1e9:.1f} GB > "
-                           f"{a.memory_limit(cluster.gpu.memory_gb) / 1e9:.0f} GB")
-                if res.leanest is None or need < sum(res.leanest.memory.values()):
-                    res.leanest = estimate_checked(model, cluster, cfg, batch, a, memory)
-        if not fitted and vv == chunks[0]:
-            return True  # the first v holds the fewest microbatches in flight (1F1B's p < p + (p − 1)/v)
-    return False
+
+class _Published(Planner):
+    """Megatron's walk of the axes: pins refused with a reason, rules counted by reason, and its pruning: a micro-batch
+    that does not fit at the first v ends the b loop (a larger one needs at least as much memory), a ZeRO stage above
+    the first tried only when the one below does not fit (sharding more costs traffic: worth it only for memory)."""
+
+    order = PUBLISHED
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, batch: int, a: Assumptions, pins: dict[str, Any],
+                 stage_layers: tuple[int, ...] | None) -> None:
+        self.model, self.cluster, self.batch, self.a, self.pins = model, cluster, batch, a, pins
+        self.split, self.res = stage_layers, SearchResult([])
+        self.limit = a.memory_limit(cluster.gpu.memory_gb)
+        self._stages: dict[int, list[int]] = {}  # cp -> the p to try at the current t
+        self._zeros: dict[int, list[int]] = {}  # d -> the ZeRO stages to try
+        self._v: dict[int, list[int]] = {}  # p -> the v to try
+        self._fields = tuple(n for n in self.order if n != "zero")
+        self._checked: ParallelConfig | None = None  # the layout ``check_config`` saw at the current v
+
+    def options(self, axis: Axis, c: Chosen) -> Sequence[Any]:
+        """The axis's values, or its pin: t, cp, p, ep and b refuse a pin that is not among them."""
+        name = axis.name
+        if name == "zero":
+            return self._zero(c["d"])
+        if name == "v":
+            return self._chunks(c["p"])
+        if name == "p":
+            return self._stages[c["cp"]]
+        pin = self.pins.get(name)
+        if pin is not None and name in ("recompute", "cp_comm"):
+            return [pin]
+        values = axis.values(c)
+        if name == "sequence_parallel":
+            return [x for x in values if pin in (None, x)]
+        if name == "cp":
+            return self._contexts(_pinned("cp", pin, list(values), self.res, self._of("cp", c)), c["t"])
+        return _pinned(name, pin, list(values), self.res, self._of(name, c)) if name in _REFUSED else values
+
+    def _contexts(self, cps: list[int], t: int) -> list[int]:
+        """``cps``, having found the p to try at each (a refused p pin counted for every cp before any d is tried)."""
+        n = self.cluster.gpus
+        self._stages = {cp: _pinned("p", self.pins["p"], divisors(n // (t * cp)), self.res,
+                                    f"the {n // (t * cp)} GPUs left by t·cp = {t * cp}") for cp in cps}
+        return cps
+
+    def _of(self, name: str, c: Chosen) -> str:
+        """What a refused pin of ``name`` does not divide."""
+        if name == "t":
+            return f"the {self.cluster.gpus} GPUs"
+        if name == "cp":
+            return f"the {self.cluster.gpus // c['t']} GPUs left by t = {c['t']} into 2·cp chunks of s = {self.model.seq}"
+        return f"d = {c['d']} and the experts" if name == "ep" else f"batch/d = {self.batch // c['d']}"
+
+    def _zero(self, d: int) -> list[int]:
+        """The ZeRO stages to try at d: ZeRO-1 is never slower than ZeRO-0 and holds less, so ZeRO-0 only if pinned
+        (or at d = 1); sharded over d, not d·cp (at d = 1 a context-parallel layout is not sharded here)."""
+        if d not in self._zeros:
+            pin = self.pins["zero"]
+            self._zeros[d] = [pin] if pin is not None else [z for z in ZERO_STAGES[1:] if shards(z, d)] or [0]
+        return self._zeros[d]
+
+    def _chunks(self, p: int) -> list[int]:
+        """The v to try at ``p``: pinned by ``stage_layers`` or ``v``, else ``chunk_counts``."""
+        if p not in self._v:
+            pin, a = self.pins["v"], self.a
+            self._v[p] = ([len(self.split) // p] if self.split is not None else [pin] if pin is not None
+                          else chunk_counts(self.model.layers, p, a.interleaving, a.uniform_stages))
+        return self._v[p]
+
+    def valid(self, name: str, c: Chosen) -> bool:
+        """Megatron's rules: heads at t; the d pin, the layers and the batch at d; interleaving and
+        ``check_config`` at v (the same for every ZeRO stage). A refusal is counted by its reason."""
+        why = self._heads(c) if name == "t" else self._grid(c) if name == "d" else self._chunk(c) if name == "v" else None
+        if why is not None:
+            self.res.reject(*why)
+        return why is None
+
+    def _heads(self, c: Chosen) -> tuple[str, str] | None:
+        heads = heads_split(self.model, c["t"])
+        return ("heads", heads) if heads else None
+
+    def _grid(self, c: Chosen) -> tuple[str, str] | None:
+        """Why the (t, cp, p, d) grid fails: a d pin, stages that cannot hold the layers, d not dividing the batch."""
+        n, t, cp, p, d, split, layers = self.cluster.gpus, c["t"], c["cp"], c["p"], c["d"], self.split, self.model.layers
+        if self.pins["d"] is not None and d != self.pins["d"]:
+            return "pins", f"d = {self.pins['d']} but t·cp·p = {t * cp * p} leaves d = {d} on {n} GPUs"
+        if p > layers + 2 or (split is not None and len(split) % p) or (
+                self.a.uniform_stages and layers % p):  # the reference's model: equal stages only
+            return "layers", (f"p = {p} stages cannot hold the {layers} layers"
+                              + (f" as {len(split)} chunks" if split is not None else ""))
+        if self.batch % d:
+            return "batch", f"d = {d} does not divide batch ({self.batch})"
+        return None
+
+    def _chunk(self, c: Chosen) -> tuple[str, str] | None:
+        """Why v fails: interleaving needs microbatches divisible by p; else ``check_config``'s reason."""
+        m, p, v = self.batch // (c["d"] * c["micro_batch"]), c["p"], c["v"]
+        if v > 1 and m % p:
+            return "interleave", f"v = {v} needs microbatches ({m}) divisible by p = {p}"
+        self._checked = self._config(c, self._zero(c["d"])[0])
+        reason = check_config(self.model, self.cluster, self._checked, self.batch, self.a)
+        return ("layers", reason) if reason else None
+
+    def _config(self, c: Chosen, zero: int) -> ParallelConfig:
+        """The layout of the chosen values at ZeRO stage ``zero``."""
+        return ParallelConfig(stage_layers=self.split, zero=zero, **{n: c[n] for n in self._fields})
+
+    def ends(self, name: str, index: int, outcome: Outcome) -> str | None:
+        """A fitting ZeRO stage ends the ZeRO loop; nothing fitting at the first v (the fewest microbatches in flight:
+        1F1B's p < p + (p − 1)/v) ends the micro-batch loop."""
+        if name == "zero" and outcome:
+            return "zero"
+        return "micro_batch" if name == "v" and index == 0 and outcome is False else None
+
+    def leaf(self, c: Chosen) -> Outcome:
+        """Price the layout if it fits; else count it under memory and keep the leanest."""
+        checked = self._checked  # zero follows v: the layout checked there, at its first stage
+        cfg = checked if checked is not None and checked.zero == c["zero"] else self._config(c, c["zero"])
+        memory = memory_breakdown(self.model, cfg, self.batch // (cfg.d * cfg.micro_batch), self.a)
+        need, res = sum(memory.values()), self.res
+        if need <= self.limit:
+            res.ranked.append(estimate_checked(self.model, self.cluster, cfg, self.batch, self.a, memory))
+            return True
+        res.reject("memory", f"{_short(cfg)} needs {need / 1e9:.1f} GB > {self.limit / 1e9:.0f} GB")
+        if res.leanest is None or need < sum(res.leanest.memory.values()):
+            res.leanest = estimate_checked(self.model, self.cluster, cfg, self.batch, self.a, memory)
+        return False
 
 
 def _short(cfg: ParallelConfig) -> str:
