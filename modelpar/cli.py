@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.owns_process = argv is None  # the command line's own process (it exits after this), not a call from Python
     try:
         return int(args.func(args) or 0)
     except ValueError as err:  # bad input: one line, exit code 2, no traceback

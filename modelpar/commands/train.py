@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the types only: importing them loads torch, which other com
     from modelpar.commands.train_options import RunOptions
     from modelpar.training import TrainConfig
     from modelpar.training.loop import TrainResult
+    from modelpar.training.stopping import LateSignals
 
 
 class _TrainParser(argparse.ArgumentParser):
@@ -161,8 +162,23 @@ def run(args: argparse.Namespace) -> int:
         torn = read_metrics(options.out)[1]
         if torn and os.environ.get("RANK", "0") == "0":
             print(f"modelpar train: warning: {torn}", file=sys.stderr, flush=True)
-    with out_lock(options.out, first=not is_torchrun() or os.environ.get("RANK") == "0"):
-        return _run(cfg, options)
+    if is_torchrun():
+        with out_lock(options.out, first=os.environ.get("RANK") == "0"):
+            return _run(cfg, options, None)
+    from modelpar.training.stopping import LateSignals
+
+    # once the ranks are gone a signal cuts nothing short (docs/stopping.md): recorded from the moment the launcher's
+    # relay lets go of the signals (run_local starts it) through the summary and the lock's release; the command
+    # line's own process keeps recording them until it exits (``owns_process``: a Ctrl-C while it exits, its
+    # outcome said and its helpers stopping, printed a second line or a traceback), a caller's gets its handlers back
+    late = LateSignals(cfg)
+    try:
+        with out_lock(options.out, first=True):
+            code = _run(cfg, options, late)
+        return late.exit_code(code, lambda line: print(f"modelpar train: {line}", file=sys.stderr, flush=True))
+    finally:
+        if not getattr(args, "owns_process", False):
+            late.close()
 
 
 def _planned(cfg: TrainConfig, args: argparse.Namespace) -> TrainConfig:
@@ -222,7 +238,8 @@ def _ranks_here(cfg: TrainConfig) -> tuple[int, int | None]:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None
 
 
-def _run(cfg: TrainConfig, options: RunOptions) -> int:
+def _run(cfg: TrainConfig, options: RunOptions, late: LateSignals | None) -> int:
+    """The run, under torchrun (``late`` None) or on local processes, and its report; its exit code."""
     import os
 
     from rich.console import Console
@@ -241,17 +258,7 @@ def _run(cfg: TrainConfig, options: RunOptions) -> int:
         result = run_in_process(cfg, report, backend=None if options.backend == "auto" else options.backend)
         first = os.environ["RANK"] == "0"  # global rank 0 speaks for the run
     else:
-        from modelpar.training.stopping import LateSignals
-
-        # once the ranks are gone a signal cuts nothing short (docs/stopping.md): recorded from the moment the
-        # launcher's relay lets go of the signals (run_local starts it) to the end of the summary
-        late = LateSignals(cfg)
-        try:
-            result, first = run_local(cfg, report, console, progress=options.progress, late=late), True
-            code = _report(cfg, options, result, report, first)
-        finally:
-            late.close()
-        return late.exit_code(code, lambda line: print(f"modelpar train: {line}", file=sys.stderr, flush=True))
+        result, first = run_local(cfg, report, console, progress=options.progress, late=late), True
     return _report(cfg, options, result, report, first)
 
 

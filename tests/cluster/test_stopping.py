@@ -7,8 +7,10 @@ module-wide LocalCluster. Killing the launcher with `kill -9` is in test_distrib
 cases are in test_stopping_torchrun.py.
 """
 
+import contextlib
 import dataclasses
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -246,6 +248,27 @@ def test_two_ctrl_c_0_3_s_apart_are_one_line_and_leave_no_process(start_cli, tmp
     _no_traceback(err)
     assert code == EXIT_INTERRUPTED and len(err) == 2 and err[1].startswith("modelpar train: ")
     assert "interrupted (SIGINT) at step" in err[1] or "stopped at once during step" in err[1]
+
+
+def test_a_ctrl_c_the_moment_the_stop_line_is_out_changes_nothing(start_cli, tmp_path):
+    """The second Ctrl-C just after the launcher said where the run stopped, while it releases its lock and exits:
+    it printed a second line, "interrupted (SIGINT)" (the default handler's, back once the run was reported; three
+    runs of three). The command line's process now records such signals until it exits."""
+    proc = start_cli()
+    wait_until(lambda: latest_checkpoint(tmp_path / "ckpt"), "the first checkpoint", alive=lambda: proc.poll() is None)
+    os.killpg(proc.pid, signal.SIGINT)
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put(None)], daemon=True).start()
+    err, deadline = [], time.monotonic() + 120
+    while (line := lines.get(timeout=max(0.1, deadline - time.monotonic()))) is not None:
+        err.append(line.rstrip("\n"))
+        if "interrupted (SIGINT) at step" in line:
+            with contextlib.suppress(ProcessLookupError):  # gone already: nothing left to test, the lines still are
+                os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == EXIT_INTERRUPTED
+    wait_until(lambda: not _session(proc.pid), f"every process of the session of {proc.pid} to exit", timeout=10, poll=0.1)
+    _no_traceback(err)
+    assert len(err) == 2 and "interrupted (SIGINT) at step" in err[1], err
 
 
 def test_a_second_sigterm_ends_every_rank_and_exits_75(start_cli, tmp_path):
