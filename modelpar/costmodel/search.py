@@ -173,7 +173,10 @@ class _Published(Planner):
             return [pin]
         values = axis.values(c)
         if name == "sequence_parallel":
-            return [x for x in values if pin in (None, x)]
+            kept = [x for x in values if pin in (None, x)]
+            if not kept:  # pinned on at t = 1: nothing to split over (said, as other pins are)
+                self.res.reject("pins", f"sequence parallelism needs t > 1 to split over, got t = {c['t']}")
+            return kept
         if name == "cp":
             return self._contexts(_pinned("cp", pin, list(values), self.res, self._of("cp", c)), c["t"])
         return _pinned(name, pin, list(values), self.res, self._of(name, c)) if name in _REFUSED else values

@@ -121,3 +121,12 @@ def test_the_published_search_counts_its_refusals_by_reason():
     assert not res.ranked and res.rejected == Counter(heads=1, pins=414)
     assert res.example["pins"] == "micro_batch = 7 does not divide batch/d = 24"
     assert PUBLISHED[-3:] == ("micro_batch", "v", "zero")  # the order its pruning needs
+
+
+def test_a_sequence_parallel_pin_at_t_1_is_refused_with_its_reason():
+    """It gave nothing and no reason ("no layout matches the pinned values"); now it is counted like other pins."""
+    gpt3, cluster = model_preset("gpt3-175b"), make_cluster("a100-80gb", 64)
+    res = search(gpt3, cluster, 64, t=1, sequence_parallel=True)
+    assert not res.ranked and set(res.rejected) == {"pins"}
+    assert res.example == {"pins": "sequence parallelism needs t > 1 to split over, got t = 1"}
+    assert search(gpt3, cluster, 64, t=2, sequence_parallel=True).rejected["pins"] == 0  # t = 2 has a group
