@@ -79,8 +79,8 @@ def main() -> None:
         save_profile(profile, args.out)
     print(f"profile: {args.out} ({profile.name}, peak {profile.peak_tflops}, host {1e6 * (profile.launch(1) or 0):.1f} "
           "us per dispatched op)", flush=True)
-    if busy_warning(profile.cpu_busy):
-        print(f"  warning: the profile was {busy_warning(profile.cpu_busy)}", flush=True)
+    if busy := busy_warning(profile.cpu_busy):
+        print(f"  warning: the profile was {busy}", flush=True)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     cases = _cases(args.smoke, args.compile)
     for name, cfg in {c.model: c.cfg for c in cases}.items():

@@ -27,6 +27,7 @@ name in the orders. Pure Python.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,8 +115,9 @@ PUBLISHED = ("t", "cp", "cp_comm", "p", "d", "recompute", "sequence_parallel", "
 LOCAL = ("t", "cp", "cp_comm", "p", "d", "schedule", "v", "microbatches", "recompute", "sequence_parallel", "zero", "ep")
 
 
-class Planner:
-    """The hooks of one walk; the defaults try every value of every axis and end no loop early."""
+class Planner(ABC):
+    """The hooks of one walk; the defaults try every value of every axis and end no loop early. A planner is its
+    ``order`` and its ``leaf`` at least."""
 
     order: tuple[str, ...] = ()
 
@@ -131,9 +133,9 @@ class Planner:
         """The loop that ``outcome`` of value number ``index`` of ``name`` ends: ``name``'s, an outer one's, or none."""
         return None
 
+    @abstractmethod
     def leaf(self, chosen: Chosen) -> Outcome:
         """Build (and price) the layout of the chosen values."""
-        raise NotImplementedError
 
 
 def walk(planner: Planner, chosen: Chosen, depth: int = 0) -> tuple[Outcome, str | None]:
