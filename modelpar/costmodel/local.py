@@ -76,6 +76,7 @@ from modelpar.schedules.kinds import KINDS, kind_times
 from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, loop_map, v_map
+from modelpar.simulate.shared_cores import replay_shared
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
@@ -451,8 +452,17 @@ def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tup
             redo = sec.a2a_forward if run.recompute == "full" else 0.0  # the recomputed forward's, in the backward
             comm[Kind.F][s] = n * sec.a2a_forward
             comm[Kind.B][s] = comm[Kind.I][s] = n * (sec.a2a_backward + redo)
-    starts, ends = replay_times(schedule, durations, transfer, comm)
+    if _cores_shared(run, hw) and not any(schedule.overlapped):  # idle ranks' cores go to those computing
+        starts, ends = replay_shared(schedule, durations, transfer, run.world // schedule.num_ranks, hw.cores)
+    else:
+        starts, ends = replay_times(schedule, durations, transfer, comm)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
+
+
+def _cores_shared(run: LocalLayout, hw: HardwareProfile) -> bool:
+    """Whether ``run``'s processes outnumber the CPU's cores: its actions are priced as if every process computed
+    (``core_share``), and the pipeline is timed by ``simulate.shared_cores.replay_shared``."""
+    return hw.device == "cpu" and 0 < hw.cores < run.world
 
 
 def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
