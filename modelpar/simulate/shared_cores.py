@@ -45,11 +45,10 @@ def replay_shared(schedule: Schedule, durations: Mapping[Kind, Sequence[float]],
     standing for ``group`` processes and ``cores`` cores shared by those computing (``speed``).
 
     ``durations[kind][stage]``: an action's seconds with every process computing; ``transfer_in[s]``: a tensor's
-    time from stage s − 1 to s. For a schedule ``validate`` accepts (no overlapped pairs: their halves share one
-    rank's time, ``replay_times``); ValueError if it cannot finish.
+    time from stage s − 1 to s. An overlapped F&B pair (DualPipe) runs its halves back to back, as a CPU does (its
+    ranks have no communication beside compute to hide: ``replay_times`` with no ``comm``). For a schedule
+    ``validate`` accepts; ValueError if it cannot finish.
     """
-    if any(schedule.overlapped):
-        raise ValueError("replay_shared times one action per rank at a time; this schedule overlaps pairs")
     D, S = schedule.num_ranks, schedule.num_stages
     world = D * group
     made = producers(schedule.style)

@@ -18,15 +18,14 @@ from modelpar.simulate.shared_cores import replay_shared, speed
 
 
 def _schedules():
-    """Every registry schedule that builds at (K, M, v), DualPipe-V's overlapped pairs left out."""
+    """Every registry schedule that builds at (K, M, v)."""
     for name in schedule_names():
         for ranks, microbatches, chunks in ((2, 4, None), (4, 8, None), (4, 8, 2)):
             try:
                 schedule = get_schedule(name, ranks=ranks, microbatches=microbatches, chunks=chunks)
             except ValueError:
                 continue  # v fixed by the schedule
-            if not any(schedule.overlapped):
-                yield pytest.param(schedule, id=f"{name}-K{ranks}-M{microbatches}-v{chunks or 1}")
+            yield pytest.param(schedule, id=f"{name}-K{ranks}-M{microbatches}-v{chunks or 1}")
 
 
 SCHEDULES = list(_schedules())
@@ -88,13 +87,6 @@ def test_shared_cores_never_slower_than_priced_nor_faster_than_the_cores_allow(s
     assert step <= priced_step + 1e-9
     assert step >= priced_step / speed(1, world, cores) - 1e-9
     assert step >= work * group / world - 1e-9  # the cores' seconds: work·(cores/world)·group / cores
-
-
-def test_overlapped_pairs_are_refused():
-    schedule = get_schedule("dualpipe-v", ranks=2, microbatches=4)
-    durations, transfer = _costs(schedule)
-    with pytest.raises(ValueError, match="overlaps pairs"):
-        replay_shared(schedule, durations, transfer, group=1, cores=1)
 
 
 TINY = ModelConfig(hidden=32, heads=4, layers=4, seq_len=16).spec()
