@@ -62,14 +62,14 @@ def _splits(world: int) -> Iterator[tuple[int, int, int]]:
 def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> list[LocalCase]:
     """The configurations: the whole grid for process counts up to ``full_grid_up_to`` (default: the cores),
     with ZeRO-1, 2 and 3 where d > 1 (the larger model, 1F1B, m = 4, no recomputation) and at 2 ranks cp = 2
-    (ring, both models, m = 2 and 4), and a smaller one
-    (1F1B, m = 4, no recomputation, the larger model) above it."""
+    (ring, both models, m = 2 and 4), and a smaller one above it (m = 4, no recomputation, the larger model; 1F1B,
+    and GPipe where p > 1: whose pipelines leave ranks idle, their cores to the others, ``simulate.shared_cores``)."""
     out = []
     limit = cores if full_grid_up_to is None else full_grid_up_to
     for world in ranks:
         full = world <= limit
         for t, p, d in _splits(world):
-            schedules = (["1f1b", "gpipe"] if full else ["1f1b"]) if p > 1 else ["1f1b"]
+            schedules = ["1f1b", "gpipe"] if p > 1 else ["1f1b"]  # GPipe: the longest fill and drain
             for name, model in MODELS.items() if full else [("h128", MODELS["h128"])]:
                 for schedule in schedules:
                     for m in ((2, 4) if full else (4,)):

@@ -31,6 +31,7 @@ def test_the_grid_on_two_cores():
     shared = [c for c in grid if c.shared]
     assert {(c.cfg.tp, c.cfg.pp, c.cfg.dp) for c in shared} == {(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1),
                                                                  (4, 1, 1)}
+    assert {c.cfg.schedule for c in shared if c.cfg.pp > 1} == {"1f1b", "gpipe"} and len(shared) == 9
     assert len({c.name for c in grid}) == len(grid)
 
 
