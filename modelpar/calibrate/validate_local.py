@@ -63,7 +63,7 @@ def cases(ranks: list[int], cores: int, full_grid_up_to: int | None = None) -> l
     """The configurations: the whole grid for process counts up to ``full_grid_up_to`` (default: the cores),
     with ZeRO-1, 2 and 3 where d > 1 (the larger model, 1F1B, m = 4, no recomputation) and at 2 ranks cp = 2
     (ring, both models, m = 2 and 4), and a smaller one above it (m = 4, no recomputation, the larger model; 1F1B,
-    and GPipe where p > 1: whose pipelines leave ranks idle, their cores to the others, ``simulate.shared_cores``)."""
+    and GPipe where p > 1: the longest fill and drain, whose idle ranks leave their cores to the others)."""
     out = []
     limit = cores if full_grid_up_to is None else full_grid_up_to
     for world in ranks:

@@ -21,9 +21,7 @@ bucket as ``training.zero_grads``/``zero_params`` issue them): every backward re
 stage's buckets, ZeRO-3 all-gathers them before every forward and backward (once per step without
 resharding), ZeRO-1 and 2 all-gather the parameters after the step; each collective is priced
 exposed, in the action that issues it (gloo reduces on the cores that compute). More ranks than
-cores (``local_compute.core_share``): compute measured with fewer processes slows by ranks / max(measured, cores),
-the price of an action while every process computes; the pipeline is then timed with the idle ranks' cores
-going to those computing (``simulate.shared_cores``).
+cores (``local_compute.core_share``): compute measured with fewer processes slows by ranks / max(measured, cores).
 
 Context parallelism (cp > 1): GEMMs, element-wise work and the tensor-parallel and point-to-point
 messages are those of a rank's s/cp tokens, attention still sees the whole sequence per token
@@ -78,7 +76,6 @@ from modelpar.schedules.kinds import KINDS, kind_times
 from modelpar.schedules.registry import schedule_entry
 from modelpar.schedules.replay import replay_times
 from modelpar.schedules.schedule import Schedule, loop_map, v_map
-from modelpar.simulate.shared_cores import replay_shared
 from modelpar.simulate.synthesis import StageCosts, synthesize
 from modelpar.simulate.timeline import Timeline
 
@@ -454,17 +451,8 @@ def _timeline(run: LocalLayout, hw: HardwareProfile) -> tuple[Schedule, list[tup
             redo = sec.a2a_forward if run.recompute == "full" else 0.0  # the recomputed forward's, in the backward
             comm[Kind.F][s] = n * sec.a2a_forward
             comm[Kind.B][s] = comm[Kind.I][s] = n * (sec.a2a_backward + redo)
-    if _cores_shared(run, hw):  # the idle ranks' cores go to those computing (a CPU: no comm hidden in pairs)
-        starts, ends = replay_shared(schedule, durations, transfer, run.world // schedule.num_ranks, hw.cores)
-    else:
-        starts, ends = replay_times(schedule, durations, transfer, comm)
+    starts, ends = replay_times(schedule, durations, transfer, comm)
     return schedule, costs, dp_stage, Timeline(schedule.actions, starts, ends, schedule)
-
-
-def _cores_shared(run: LocalLayout, hw: HardwareProfile) -> bool:
-    """Whether ``run``'s processes outnumber the CPU's cores: its actions are priced as if every process computed
-    (``core_share``), and the pipeline is timed by ``simulate.shared_cores.replay_shared``."""
-    return hw.device == "cpu" and 0 < hw.cores < run.world
 
 
 def predicted_timeline(run: LocalLayout, hw: HardwareProfile) -> Timeline:
