@@ -42,7 +42,7 @@ from modelpar.calibrate.layers import (
     measure_tp_layers,
     only_grid,
 )
-from modelpar.calibrate.machine_load import cpu_busy_share
+from modelpar.calibrate.machine_load import busier, cpu_busy_share
 from modelpar.costmodel.profiles import HardwareProfile, installed_torch
 from modelpar.training.dispatch import measure_launch
 
@@ -227,7 +227,7 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
     whole-work tables at ``grid`` alone if given (one run's shapes: ``calibrate.cache``)."""
     from modelpar.distributed import init_from_env, is_torchrun
 
-    busy: float | None = None  # the share of the CPUs other work keeps busy (outside torchrun, before any process of ours starts)
+    busy: float | None = None  # the share of the CPUs other work keeps busy (outside torchrun, before and after our processes)
     if is_torchrun():
         init_from_env(timeout=300.0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -237,11 +237,13 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
         found = {local: mine}
         backend = str(dist.get_backend())
     elif torch.cuda.is_available():
-        dtypes, busy = dtypes or ("bf16", "fp32"), cpu_busy_share()
+        dtypes, before = dtypes or ("bf16", "fp32"), cpu_busy_share()
         found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid)}, "nccl"
+        busy = busier(before, cpu_busy_share())
     else:
-        dtypes, busy = dtypes or ("fp32",), cpu_busy_share()
+        dtypes, before = dtypes or ("fp32",), cpu_busy_share()
         found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid), "gloo"
+        busy = busier(before, cpu_busy_share())  # its processes have ended: what still runs is other work
     return replace(build_profile(found, backend, name), cpu_busy=busy)
 
 

@@ -112,7 +112,7 @@ class HardwareProfile:
     #         sharded over t ranks, its collectives included (absent from profiles measured before)
     runtime_s: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [per action, per step]
     optimizer: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [latency_s, per_tensor_s, GB/s]
-    cpu_busy: float | None = None  # share of the CPUs busy with other work just before it was measured
+    cpu_busy: float | None = None  # share of the CPUs busy with other work just before or just after it was measured
     #         (``calibrate.machine_load``; None: unknown, or a table entry)
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from modelpar.calibrate.cache import NO_CALIBRATE_ENV, cache_path, machine_profile
-from modelpar.calibrate.machine_load import cpu_busy_share
+from modelpar.calibrate.machine_load import busier, cpu_busy_share
 from modelpar.costmodel.profiles import BUSY_WARNING, busy_warning, load_profile, save_profile
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
@@ -26,15 +26,18 @@ def test_no_calibration_where_the_run_opts_out_or_names_its_profile():
 def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(NO_CALIBRATE_ENV)
+    readings = iter([0.0, 0.8])  # quiet before; other work began during the calibration and still runs after it
+    monkeypatch.setattr("modelpar.calibrate.run.cpu_busy_share", lambda: next(readings))
     heard: list[str] = []
     first = machine_profile(CFG, heard.append)
     path = cache_path(CFG)
     assert first.hardware == str(path) and path.parent == tmp_path / "modelpar" and "just now" in first.how
     profile = load_profile(path)
     assert "calibrating this machine" in heard[0]
-    busy = busy_warning(profile.cpu_busy)  # the machine's other work, if any, is said once after the measurement
-    assert heard[1:] == ([f"warning: this machine's profile was {busy} (cached all the same; delete {path} to "
-                          "measure again when the machine is quiet)"] if busy else [])
+    assert profile.cpu_busy == 0.8 and next(readings, None) is None  # read before and after: the larger kept
+    busy = busy_warning(profile.cpu_busy)  # said once, after the measurement
+    assert heard[1:] == [f"warning: this machine's profile was {busy} (cached all the same; delete {path} to "
+                         "measure again when the machine is quiet)"]
     said = len(heard)
     rows = profile.layer_rows("fp32", 1)  # the run's own layer shape alone: hidden 32, 2 × 16 tokens a micro-batch
     assert [(r[0], r[2], r[3]) for r in rows] == [(32, 16, 32)]
@@ -45,7 +48,6 @@ def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monke
     assert predict_run(dataclasses.replace(CFG, hardware=again.hardware)).step_time_s > 0
     other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, hidden=64))
     assert cache_path(other) != path  # another layer shape: another file (its own short calibration)
-    assert (profile.cpu_busy is not None) == os.path.exists("/proc/stat")  # read before the calibration's processes
     save_profile(dataclasses.replace(profile, cpu_busy=0.62), path)  # as if measured beside other work
     flagged = machine_profile(CFG, heard.append)
     assert flagged.how == ("calibrated once for this machine, cached; measured while 62% of the CPUs were busy with "
@@ -64,6 +66,8 @@ def test_the_busy_share_is_the_non_idle_ticks_of_the_window():
     assert cpu_busy_share(0.0, unreadable) is None
     assert (cpu_busy_share(0.05) is not None) == os.path.exists("/proc/stat")  # the real file parses
     assert busy_warning(None) is None and busy_warning(BUSY_WARNING) is None
+    assert (busier(0.1, 0.7), busier(0.7, 0.1), busier(None, 0.3), busier(0.3, None), busier(None, None)) == \
+        (0.7, 0.7, 0.3, 0.3, None)
     assert busy_warning(0.62) == ("measured while 62% of the CPUs were busy with other work: its step times are "
                                   "priced slow")
 
