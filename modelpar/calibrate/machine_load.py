@@ -5,8 +5,8 @@ cached profile is reused by every later run (``calibrate.cache``): seen here, a 
 beside another session's tests, 174 quiet. The calibration records the share (``HardwareProfile.cpu_busy``)
 and says so when it is high (``profiles.busy_warning``), with how to measure again. It reads it twice, before its
 processes start and after they end (``busier``): work that begins during a calibration is still running just after
-it (seen: another session's test suite starting 10 s into a 35 s calibration, 0% busy before, the layer measured
-1.34x the quiet profile's).
+it (seen, likely so: a first run's short calibration read 0% busy before it, as another session began running
+tests, and measured the layer 1.34x the quiet profile's).
 """
 
 from __future__ import annotations
