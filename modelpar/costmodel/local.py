@@ -266,7 +266,8 @@ def tp_layer_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, floa
     (``tp_layer``: the trainer's layer sharded over a pair, collectives inside), what those measurements cost
     beyond that price at their shapes, interpolated to the run's (``local_compute.interpolate``; none with
     sequence parallelism, which issues other collectives, or outside the grid). At a measured shape with
-    t = 2 the layer costs what it measured."""
+    t = 2 the layer costs what it measured. A measurement far below the price (a noisy short calibration) never
+    takes the backward under its own weight-gradient part: the split backward's I = B − W stays ≥ 0."""
     forward, backward, layer = _priced_tp_layer(run, hw)
     table = hw.tp_layer.get(table_dtype(run), {})
     rows = [r for r in hw.tp_layer_rows(table_dtype(run), run.world) if r[0] == run.t and r[3] == run.model.seq]
@@ -285,7 +286,7 @@ def tp_layer_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, floa
     if missed is None:
         return forward, backward, layer
     share = core_share(run, hw, table)
-    return max(0.0, forward + missed[0] * share), max(0.0, backward + missed[1] * share), layer
+    return max(0.0, forward + missed[0] * share), max(layer.weight, backward + missed[1] * share), layer
 
 
 def cp_layer_seconds(run: LocalLayout, hw: HardwareProfile, block_s: float) -> tuple[float, float]:

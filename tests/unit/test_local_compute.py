@@ -185,3 +185,18 @@ def test_a_measured_tensor_parallel_layer_is_priced_as_measured():
     four = dataclasses.replace(run, t=4, batch=16)
     assert tp_layer_seconds(four, TP_HW) == _priced_tp_layer(four, TP_HW)
     assert predict_local(run, TP_HW).step_time_s != predict_local(run, dataclasses.replace(TP_HW, tp_layer={})).step_time_s
+
+
+def test_a_measured_layer_far_below_its_price_keeps_the_backward_above_its_weight_part():
+    """A short calibration measured the t = 2 layer's backward at a tenth of its price (seen: the README's first
+    run stopped with "input_grad[0] must be >= 0.0"): the backward is clamped at its weight-gradient part, so a
+    split backward's I = B − W is never negative and the run is priced."""
+    from modelpar.costmodel.local import stage_costs, tp_layer_seconds
+
+    run = dataclasses.replace(RUN, t=2, p=2, microbatches=2, batch=16)
+    fast = [[*r[:5], r[5], r[6] / 100, *r[7:]] for r in TP_LAYER]
+    hw = dataclasses.replace(TP_HW, tp_layer={"fp32": {"2": fast}})
+    _, backward, layer = tp_layer_seconds(run, hw)
+    assert backward == layer.weight > 0
+    costs = stage_costs(run, hw)
+    assert min(costs.input_grad) >= 0 and predict_local(run, hw).step_time_s > 0
