@@ -78,7 +78,7 @@ def _eager_under_compile() -> None:
 
     if not getattr(MoE.forward, "_modelpar_eager", False):
         forward = torch.compiler.disable(MoE.forward)
-        forward._modelpar_eager = True  # type: ignore[attr-defined]
+        forward._modelpar_eager = True
         MoE.forward = forward  # type: ignore[method-assign]
 
 
