@@ -32,6 +32,7 @@ from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
 from modelpar.training.faults import INJECT_NONFINITE
 from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+from tests.cli.test_launcher import alive, descendants
 
 # The tiny run of every case, as flags (for the command line) and as the config they make.
 FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
@@ -207,10 +208,16 @@ def _session(sid: int) -> list[str]:
 
 
 def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(c2, start_cli, tmp_path):
+    """Also: nothing of the run outlives the launcher (ranks, forkserver, resource tracker), checked the moment its
+    exit is seen (it waited for them all); the run that test_launcher used to start for that alone is this one."""
     proc = start_cli()
     ckpt = tmp_path / "ckpt"
     wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
+    everything = descendants(proc.pid)  # ranks, forkserver, resource tracker
+    assert sum(name.startswith("modelpar-rank") for name in everything.values()) == 2 and len(everything) >= 4
     proc.send_signal(signal.SIGTERM)  # `kill PID`: the launcher only; it relays to its ranks
+    proc.wait(timeout=120)  # the exit first: reading stderr to its end would also wait for what inherited it
+    assert alive(everything) == []
     code, err = finish(proc)
     assert code == EXIT_PREEMPTED
     step = int(re.fullmatch(rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 400; checkpoint written: "
