@@ -172,7 +172,9 @@ class MoE(nn.Module):
         self.stats = None
         return out
 
-    @torch.compiler.disable  # --compile: routing has data-dependent sizes and host reads; it runs eagerly
+    # --compile: routing has data-dependent sizes and host reads; it runs eagerly (``eager_under_compile``,
+    # applied by ``modelpar.training.compile`` when it compiles: the decorator imports dynamo, seconds of CPU in
+    # every process that imports the model, the launcher's included)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         logits = self.router(x)

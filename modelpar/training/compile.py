@@ -70,11 +70,24 @@ def compiled_blocks(module: nn.Module) -> Iterator[nn.Module]:
     yield from layers.values() if isinstance(layers, nn.ModuleDict) else ()
 
 
+def _eager_under_compile() -> None:
+    """What must run eagerly inside a compiled forward: the experts' routing (data-dependent sizes, host reads).
+    Marked here, the first time anything is compiled, not where it is defined: ``torch.compiler.disable`` imports
+    dynamo, seconds of CPU in every process that imports the model."""
+    from modelpar.model.moe import MoE
+
+    if not getattr(MoE.forward, "_modelpar_eager", False):
+        forward = torch.compiler.disable(MoE.forward)
+        forward._modelpar_eager = True
+        MoE.forward = forward  # type: ignore[method-assign]
+
+
 def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",
                    split_backward: bool = False) -> CompileClock:
     """Compile the forward of every block of ``modules`` in place (names, parameters and hooks unchanged);
     return the clock that counts the seconds spent compiling from now on. ``split_backward``: the schedule
     runs I and W apart, so a block's compiled backward may run twice."""
+    _eager_under_compile()
     if split_backward:
         keep_compiled_backward_buffers()
     clock = CompileClock()
@@ -88,6 +101,7 @@ def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",
 def compile_stages(modules: Mapping[int, nn.Module], backend: str = "inductor") -> CompileClock:
     """Compile the forward of every stage of ``modules`` whole, in place (names, parameters and hooks unchanged);
     return the clock that counts the seconds spent compiling from now on."""
+    _eager_under_compile()
     clock = CompileClock()
     clock.start()
     for module in modules.values():

@@ -49,6 +49,9 @@ def saved_bytes(cfg: TrainConfig, stages: dict[int, nn.Module], loss_fn: Any, tp
                 seen[storage.data_ptr()] = storage.nbytes()
             return x.detach()  # never unpacked (no backward); x itself, a node's own output, would make a cycle
 
+        if cfg.compile:  # the hook runs eagerly: traced, dynamo guarded on each storage's address and recompiled it
+            pack = torch.compiler.disable(pack)
+
         before = offload.reading.bytes if offload is not None else 0
         x = _inputs(cfg, stage, tp, device)
         if stage:

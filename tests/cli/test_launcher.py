@@ -1,9 +1,10 @@
 """The local launcher (`python -m modelpar train`) under real signals: what the user sees, and what is left.
 
 Each test starts the command in a session of its own, provokes the failure for real (kill -9 of a
-rank, Ctrl-C while the forkserver imports torch or while the ranks build their model, SIGTERM),
+rank, Ctrl-C while the forkserver imports torch or while the ranks build their model),
 and checks the exit code, the one line, and that no process of the run outlives the launcher.
-Every wait has a deadline and checks that the command is still running.
+Every wait has a deadline and checks that the command is still running. SIGTERM to the launcher alone (nothing
+of the run outlives it) is checked on the run of test_stopping's SIGTERM test, which also resumes from it.
 """
 
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from modelpar.training.faults import SLOW_INIT
-from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopController
+from modelpar.training.stopping import EXIT_INTERRUPTED, StopController
 
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
@@ -138,18 +139,6 @@ def test_ctrl_c_during_a_long_initialisation_stops_at_once(tmp_path):
         "modelpar train: stopped at once before training started; no complete checkpoint")
     assert not any("Traceback" in line for line in err), "\n".join(err)
     assert left == []
-
-
-def test_nothing_of_the_run_outlives_the_launcher(tmp_path):
-    proc = start(tmp_path, "--dp", "2", "--batch-size", "4", "--steps", "100000", "--checkpoint-dir",
-                 str(tmp_path / "ck"), "--checkpoint-every", "1")
-    wait_for(proc, "a first checkpoint", lambda: list((tmp_path / "ck").glob("step_*")))
-    everything = descendants(proc.pid)  # ranks, forkserver, resource tracker
-    assert sum(name.startswith("modelpar-rank") for name in everything.values()) == 2 and len(everything) >= 4
-    proc.send_signal(signal.SIGTERM)  # preempted: the launcher alone
-    code, _, left = finish(proc, everything)
-    assert code == EXIT_PREEMPTED
-    assert left == []  # checked the moment the launcher's exit is seen: it waited for them all
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
 from modelpar.training.faults import INJECT_NONFINITE
 from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
+from tests.cli.test_launcher import alive, descendants
 
 # The tiny run of every case, as flags (for the command line) and as the config they make.
 FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
@@ -206,24 +207,17 @@ def _session(sid: int) -> list[str]:
     return subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
 
 
-def test_ctrl_c_stops_every_rank_with_one_line_and_no_temporary_directory(start_cli, tmp_path):
-    proc = start_cli()
-    ckpt = tmp_path / "ckpt"
-    wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
-    code, err = finish(proc)
-    assert code == EXIT_INTERRUPTED
-    step = int(re.fullmatch(r"modelpar train: interrupted \(SIGINT\) at step (\d+) of 400; last complete checkpoint: "
-                            rf"{re.escape(str(ckpt))}/step_(\d+) \(resume continues from there\)", err[-1])[1])
-    assert len(err) == 2 and steps_saved(ckpt)[-1] <= step  # the banner, then the one line
-    assert not list(ckpt.glob(".*"))
-
-
 def test_sigterm_to_the_launcher_saves_at_the_next_step_and_exits_75(c2, start_cli, tmp_path):
+    """Also: nothing of the run outlives the launcher (ranks, forkserver, resource tracker), checked the moment its
+    exit is seen (it waited for them all); the run that test_launcher used to start for that alone is this one."""
     proc = start_cli()
     ckpt = tmp_path / "ckpt"
     wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
+    everything = descendants(proc.pid)  # ranks, forkserver, resource tracker
+    assert sum(name.startswith("modelpar-rank") for name in everything.values()) == 2 and len(everything) >= 4
     proc.send_signal(signal.SIGTERM)  # `kill PID`: the launcher only; it relays to its ranks
+    proc.wait(timeout=120)  # the exit first: reading stderr to its end would also wait for what inherited it
+    assert alive(everything) == []
     code, err = finish(proc)
     assert code == EXIT_PREEMPTED
     step = int(re.fullmatch(rf"modelpar train: preempted \(SIGTERM\) at step (\d+) of 400; checkpoint written: "
@@ -250,13 +244,17 @@ def test_two_ctrl_c_0_3_s_apart_are_one_line_and_leave_no_process(start_cli, tmp
     assert "interrupted (SIGINT) at step" in err[1] or "stopped at once during step" in err[1]
 
 
-def test_a_ctrl_c_the_moment_the_stop_line_is_out_changes_nothing(start_cli, tmp_path):
-    """The second Ctrl-C just after the launcher said where the run stopped, while it releases its lock and exits:
-    it printed a second line, "interrupted (SIGINT)" (the default handler's, back once the run was reported; three
-    runs of three). The command line's process now records such signals until it exits."""
+def test_ctrl_c_stops_every_rank_with_one_line_and_a_second_the_moment_it_is_out_changes_nothing(start_cli, tmp_path):
+    """Ctrl-C (the whole foreground process group): every rank stops, one line says where, no temporary directory.
+
+    One run for two checks (a launcher start is seconds of the suite's CPU): the second Ctrl-C lands just after the
+    launcher said where the run stopped, while it releases its lock and exits. It printed a second line,
+    "interrupted (SIGINT)" (the default handler's, back once the run was reported; three runs of three). The
+    command line's process now records such signals until it exits, so the run ends as after one Ctrl-C."""
     proc = start_cli()
-    wait_until(lambda: latest_checkpoint(tmp_path / "ckpt"), "the first checkpoint", alive=lambda: proc.poll() is None)
-    os.killpg(proc.pid, signal.SIGINT)
+    ckpt = tmp_path / "ckpt"
+    wait_until(lambda: latest_checkpoint(ckpt), "the first checkpoint", alive=lambda: proc.poll() is None)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground process group
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=lambda: [*map(lines.put, proc.stderr), lines.put(None)], daemon=True).start()
     err, deadline = [], time.monotonic() + 120
@@ -268,7 +266,11 @@ def test_a_ctrl_c_the_moment_the_stop_line_is_out_changes_nothing(start_cli, tmp
     assert proc.wait(timeout=60) == EXIT_INTERRUPTED
     wait_until(lambda: not _session(proc.pid), f"every process of the session of {proc.pid} to exit", timeout=10, poll=0.1)
     _no_traceback(err)
-    assert len(err) == 2 and "interrupted (SIGINT) at step" in err[1], err
+    assert len(err) == 2, err  # the banner, then the one line
+    step = int(re.fullmatch(r"modelpar train: interrupted \(SIGINT\) at step (\d+) of 400; last complete checkpoint: "
+                            rf"{re.escape(str(ckpt))}/step_(\d+) \(resume continues from there\)", err[-1])[1])
+    assert steps_saved(ckpt)[-1] <= step
+    assert not list(ckpt.glob(".*"))
 
 
 def test_a_second_sigterm_ends_every_rank_and_exits_75(start_cli, tmp_path):
