@@ -19,6 +19,7 @@ import pytest
 
 from modelpar.training.faults import SLOW_INIT
 from modelpar.training.stopping import EXIT_INTERRUPTED, StopController
+from tests._ranks import alive, descendants
 
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
@@ -45,39 +46,6 @@ def wait_for(proc: subprocess.Popen, what: str, ready, poll: float = POLL) -> ob
         time.sleep(poll)
     proc.kill()
     pytest.fail(f"no {what} within {DEADLINE:g} s")
-
-
-def processes() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, name) of every process, from /proc."""
-    out = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as f:
-                    stat = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
-            out[int(pid)] = (int(ppid), state, name)
-    return out
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> name of every live process below ``pid``."""
-    table, found, frontier = processes(), {}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, state, name) in table.items():
-            if ppid == parent and state != "Z" and child not in found:
-                found[child] = name
-                frontier.append(child)
-    return found
-
-
-def alive(pids) -> list[int]:
-    table = processes()
-    return [p for p in pids if p in table and table[p][1] != "Z"]
 
 
 def ranks_of(proc: subprocess.Popen, n: int) -> dict[int, int] | None:

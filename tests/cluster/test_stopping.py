@@ -32,7 +32,7 @@ from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig, train
 from modelpar.training.faults import INJECT_NONFINITE
 from modelpar.training.stopping import EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PREEMPTED
-from tests.cli.test_launcher import alive, descendants
+from tests._ranks import alive, descendants
 
 # The tiny run of every case, as flags (for the command line) and as the config they make.
 FLAGS = ["--tp", "1", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16",
