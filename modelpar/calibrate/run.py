@@ -227,7 +227,7 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
     whole-work tables at ``grid`` alone if given (one run's shapes: ``calibrate.cache``)."""
     from modelpar.distributed import init_from_env, is_torchrun
 
-    busy: float | None = None  # the share of the CPUs other work keeps busy (outside torchrun, before and after our processes)
+    busy: float | None = None  # the share of the CPUs other work keeps busy (unknown under torchrun)
     if is_torchrun():
         init_from_env(timeout=300.0)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -236,14 +236,15 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
         mine = measure_rank(dtypes, None, local, True, budget_s, grid=grid)
         found = {local: mine}
         backend = str(dist.get_backend())
-    elif torch.cuda.is_available():
-        dtypes, before = dtypes or ("bf16", "fp32"), cpu_busy_share()
-        found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid)}, "nccl"
-        busy = busier(before, cpu_busy_share())
     else:
-        dtypes, before = dtypes or ("fp32",), cpu_busy_share()
-        found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid), "gloo"
-        busy = busier(before, cpu_busy_share())  # its processes have ended: what still runs is other work
+        before = cpu_busy_share()  # before any process of ours starts
+        if torch.cuda.is_available():
+            dtypes = dtypes or ("bf16", "fp32")
+            found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid)}, "nccl"
+        else:
+            dtypes = dtypes or ("fp32",)
+            found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid), "gloo"
+        busy = busier(before, cpu_busy_share())  # ours have ended: what still runs is other work
     return replace(build_profile(found, backend, name), cpu_busy=busy)
 
 

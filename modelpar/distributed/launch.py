@@ -41,7 +41,7 @@ __all__ = ["LocalCluster", "RankError", "free_port", "init_from_env", "is_torchr
 
 # Imported once by the forkserver, before it forks any rank: a rank starts with them in memory instead of
 # importing them itself (about 1.3 s of CPU per rank for the training stack, docs/processes.md).
-# torch._dynamo: a rank imports it anyway when it builds its model (torch's reference ops import it), 1-2 s of CPU
+# torch._dynamo: a rank imports it anyway when it builds its optimizer (AdamW's add_param_group does), 1-2 s of CPU
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "modelpar.distributed.launch", "modelpar.distributed._forkserver"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

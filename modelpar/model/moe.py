@@ -172,9 +172,9 @@ class MoE(nn.Module):
         self.stats = None
         return out
 
-    # --compile: routing has data-dependent sizes and host reads; it runs eagerly (``eager_under_compile``,
-    # applied by ``modelpar.training.compile`` when it compiles: the decorator imports dynamo, seconds of CPU in
-    # every process that imports the model, the launcher's included)
+    # --compile: routing has data-dependent sizes and host reads; it runs eagerly (``torch.compiler.disable``,
+    # applied by ``modelpar.training.compile._eager_under_compile`` when it compiles: the decorator imports
+    # dynamo, seconds of CPU in every process that imports the model, the launcher's included)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         logits = self.router(x)

@@ -188,9 +188,9 @@ def test_a_measured_tensor_parallel_layer_is_priced_as_measured():
 
 
 def test_a_measured_layer_far_below_its_price_keeps_the_backward_above_its_weight_part():
-    """A short calibration measured the t = 2 layer's backward at a tenth of its price (seen: the README's first
-    run stopped with "input_grad[0] must be >= 0.0"): the backward is clamped at its weight-gradient part, so a
-    split backward's I = B − W is never negative and the run is priced."""
+    """A short calibration measured the t = 2 layer's backward far below its price (seen: the README's first run
+    stopped with "input_grad[0] must be >= 0.0"; here a hundredth of the table's): the backward is clamped at its
+    weight-gradient part, so a split backward's I = B − W is never negative and the run is priced."""
     from modelpar.costmodel.local import stage_costs, tp_layer_seconds
 
     run = dataclasses.replace(RUN, t=2, p=2, microbatches=2, batch=16)
