@@ -13,6 +13,7 @@ is from the fastest measured; and the measurement's own noise (its steps' spread
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -112,33 +113,41 @@ def spread(times: list[float]) -> float:
 
 def validate_local(todo: list[LocalCase], profile: HardwareProfile, progress: Any = None,
                    rounds: int = 1) -> list[LocalCase]:
-    """Run every case (one cluster per process count) ``rounds`` times, one round of all its cases after the other,
-    and fill in predicted and measured figures: the step is the median of the rounds' medians (``round_steps``),
-    ``step_spread`` the first round's steps' ``spread``."""
+    """Run every case (one cluster per process count, all started first) ``rounds`` times and fill in predicted and
+    measured figures: the step is the median of the rounds' medians (``round_steps``), ``step_spread`` the first
+    round's steps' ``spread``. A round goes through every process count in turn (1, 2, 4, then 1, 2, 4 again): a
+    VM's speed drifts over minutes, and one process count's cases measured in one stretch moved all its rows one
+    way against the other count's (the one-rank rows +24 … +53% in one validation, −3 … −22% in the next)."""
     from modelpar.distributed import LocalCluster
     from modelpar.training.prediction import predict_run
 
-    for world in sorted({c.cfg.dims.world_size for c in todo}):
-        mine = [c for c in todo if c.cfg.dims.world_size == world]
-        with LocalCluster(world, timeout=300.0, run_timeout=None) as cluster:
-            for case in mine:
-                pred = predict_run(case.cfg, profile)
-                case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,
-                                  **{f"{k}_bytes": v for k, v in pred.memory.items()}}
-                case.measured, case.round_steps = {}, []
-            for _ in range(rounds):
-                for case in mine:
-                    times, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
-                    case.round_steps.append(statistics.median(times))
-                    first = case.measured.get("step_spread")  # the first round's, computed once
-                    case.measured = {"step_time_s": statistics.median(case.round_steps),
-                                     "step_spread": spread(times) if first is None else first,
-                                     "bubble": bubble if bubble is not None else 0.0,
-                                     "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
-                                     "activations_bytes": act or 0.0}
+    worlds = sorted({c.cfg.dims.world_size for c in todo})
+    for case in todo:
+        pred = predict_run(case.cfg, profile)
+        case.predicted = {"step_time_s": pred.step_time_s, "bubble": pred.bubble,
+                          **{f"{k}_bytes": v for k, v in pred.memory.items()}}
+        case.measured, case.round_steps = {}, []
+    with contextlib.ExitStack() as stack:
+        clusters = {w: stack.enter_context(LocalCluster(w, timeout=300.0, run_timeout=None)) for w in worlds}
+        for _ in range(rounds):
+            for world in worlds:
+                for case in (c for c in todo if c.cfg.dims.world_size == world):
+                    _measure(case, clusters[world])
                     if progress is not None:
                         progress(case)
     return todo
+
+
+def _measure(case: LocalCase, cluster: Any) -> None:
+    """One more round of ``case`` on ``cluster``: its median step joins ``round_steps``."""
+    times, bubble, params, grads, state, act = cluster.run(_run_rank, case.cfg)[0]
+    case.round_steps.append(statistics.median(times))
+    first = case.measured.get("step_spread")  # the first round's, computed once
+    case.measured = {"step_time_s": statistics.median(case.round_steps),
+                     "step_spread": spread(times) if first is None else first,
+                     "bubble": bubble if bubble is not None else 0.0,
+                     "parameters_bytes": params, "gradients_bytes": grads, "optimizer_bytes": state,
+                     "activations_bytes": act or 0.0}
 
 
 def repeatability(done: list[LocalCase]) -> float | None:

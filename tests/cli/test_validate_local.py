@@ -66,8 +66,13 @@ def test_the_measurements_own_noise_hand_checked():
     assert "its rounds 8.0% from their median" in format_report([a, b], CPU_DEFAULT)
 
 
-def test_two_real_runs_have_exact_state_bytes():
-    done = validate_local([c for c in cases([1], 2) if c.model == "h64"][:2], CPU_DEFAULT, rounds=2)
+def test_real_runs_go_round_the_process_counts_and_have_exact_state_bytes():
+    """Two rounds of two one-rank cases and a two-rank one: each round runs every process count in turn."""
+    events = []
+    todo = [c for c in cases([1], 2) if c.model == "h64"][:2] + [
+        next(c for c in cases([2], 2) if c.model == "h64" and c.cfg.dp == 2)]
+    done = validate_local(todo, CPU_DEFAULT, lambda c: events.append(c.cfg.dims.world_size), rounds=2)
+    assert events == [1, 1, 2] * 2
     for c in done:
         assert c.measured["step_time_s"] == statistics.median(c.round_steps) > 0 and len(c.round_steps) == 2
         assert c.measured["step_spread"] >= 0
