@@ -11,13 +11,14 @@
    step and the peak allocated memory (``LocalPrediction.allocated_bytes`` against
    ``torch.cuda.max_memory_allocated``), with the MAPE of each, then `modelpar plan --validate-local`'s table.
 
-    python benchmarks/gpu_calibrate.py                   # a GPU: calibrate, then 12 configurations
+    python benchmarks/gpu_calibrate.py --measure-compiled  # a GPU: calibrate (the compiled layer too), 12 configurations
     python benchmarks/gpu_calibrate.py --compile --profile gpu_profile.json   # the same 12 compiled, on that profile
     python benchmarks/gpu_calibrate.py --smoke           # any machine: tiny models, 2 configurations (checks the script)
 
 ``--compile`` runs the configurations with each transformer block compiled (``TrainConfig.compile``), the
-compile time left out (the median step after the first); the cost model prices them as the eager runs
-(the summary's ``  compiled`` row), so its MAPE says how far that is on this GPU.
+compile time left out (the median step after the first). The cost model prices their layers from the profile's
+compiled layer (``layer_compiled``: ``modelpar calibrate --compile``, here ``--measure-compiled`` or ``--compile``
+without ``--profile``); on a profile without it, as the eager runs (the summary's ``  compiled`` row says which).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_profile.json", help="where to write the profile")
     ap.add_argument("--compile", action="store_true", help="the configurations with each block compiled (--compile)")
     ap.add_argument("--profile", help="price on this profile (an earlier run's --out) instead of calibrating again")
+    ap.add_argument("--measure-compiled", action="store_true",
+                    help="calibrate the compiled layer too (as modelpar calibrate --compile), for --compile runs later")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -75,7 +78,8 @@ def main() -> None:
     if args.profile:
         profile, args.out = load_profile(args.profile), args.profile
     else:
-        profile = calibrate(ranks=[1], dtypes=("fp32",) if not cuda else None, budget_s=0.02 if args.smoke else 0.05)
+        profile = calibrate(ranks=[1], dtypes=("fp32",) if not cuda else None, budget_s=0.02 if args.smoke else 0.05,
+                            compiled=args.measure_compiled or args.compile)
         save_profile(profile, args.out)
     print(f"profile: {args.out} ({profile.name}, peak {profile.peak_tflops}, host {1e6 * (profile.launch(1) or 0):.1f} "
           "us per dispatched op)", flush=True)
@@ -116,7 +120,10 @@ def main() -> None:
             print(f"  {case.name}: {1e3 * pred.step_time_s:.1f} ms predicted, {1e3 * case.measured['step_time_s']:.1f} "
                   f"ms measured ({100 * (pred.step_time_s / case.measured['step_time_s'] - 1):+.1f}%){peak}", flush=True)
             done.append(case)
-        what = " (compiled, priced as eager)" if args.compile else ""
+        what = ""
+        if args.compile:
+            what = (" (compiled: layers priced from the profile's compiled layer)" if profile.layer_compiled else
+                    " (compiled, priced as eager: the profile has no compiled layer)")
         print(f"step-time MAPE {_mape(steps)} over {len(steps)} configurations{what}; peak allocated memory MAPE "
               f"{_mape(peaks)}" + ("" if cuda else " (no GPU: not measured)"))
         print(format_report(done, profile))

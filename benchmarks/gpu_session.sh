@@ -11,7 +11,7 @@
 #   single1b   benchmarks/gpu_single.py at 1.06B: --compile, fp8 and the compiled anchor
 #   fp8curve   benchmarks/gpu_fp8_curve.py: fp8's loss curve beside two bf16 seeds
 #   compiled   benchmarks/gpu_calibrate.py --compile on calibrate's profile: the same configurations with each
-#              block compiled, priced as eager (how far that is; issue 38)
+#              block compiled, their layers priced from the profile's compiled layer (issue 38)
 # STEPS picks and orders them (default: all, in this order); a step whose time limit no longer fits in
 # BUDGET_S (default 540 s: a device call may run 600) is skipped and named, so one call never runs past its
 # limit and loses the logs. Figures and logs go to $OUT (default ./gpu-out). From the repository root:
@@ -42,7 +42,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 for s in $STEPS; do
   case $s in
     tests) step tests "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rs -m cuda tests ;;
-    calibrate) step calibrate "${CALIBRATE_S:-240}" python3 benchmarks/gpu_calibrate.py --out "$OUT/gpu_profile.json" ;;
+    calibrate) step calibrate "${CALIBRATE_S:-300}" python3 benchmarks/gpu_calibrate.py --measure-compiled \
+      --out "$OUT/gpu_profile.json" ;;
     single355) step single355 "${BENCH_S:-260}" python3 benchmarks/gpu_single.py --sizes 355m \
       --json "$OUT/gpu_single_355m.json" --runs "${RUNS_355M:-modelpar,anchor,modelpar --compile,modelpar --compile stage,anchor compiled}" \
       --profile "$OUT/profile.txt" --profile-run "${PROFILE_RUN:-modelpar --compile}" ;;

@@ -6,7 +6,8 @@ by name (``costmodel.presets.PROFILES``); else this machine's profile from the u
 the run's own layer shape only (``calibrate(..., grid=...)``: seconds, not the full grid of ``modelpar
 calibrate``) — and reused after, as autotuners keep their results. The cache file is keyed by what identifies
 the machine and the measurement: CPU model and cores, torch version, the run's process count, dtype and layer
-shape. ``--no-calibrate`` (or ``MODELPAR_NO_CALIBRATE=1``, which the test suite sets once in conftest)
+shape, and whether its layers are compiled (``--compile`` with inductor: the compiled layer measured too, one
+compilation of the run's shape). ``--no-calibrate`` (or ``MODELPAR_NO_CALIBRATE=1``, which the test suite sets once in conftest)
 measures nothing: no step time is predicted, memory still is. A nominal profile is never printed as a
 prediction.
 """
@@ -48,14 +49,20 @@ def _slug(text: str) -> str:
 
 def cache_path(cfg: Any) -> Path:
     """The cache file of this machine's profile for ``cfg`` (checked): keyed by the machine (CPU model and cores),
-    the torch version, the run's local process count, dtype and layer shape (``_run_grid``)."""
+    the torch version, the run's local process count, dtype and layer shape (``_run_grid``), and ``-compiled``
+    where its layers are (``_compiled``)."""
     import torch
 
     (hidden,), (tokens,), seq = _run_grid(cfg)
     machine = f"{_slug(cpu_model())}-{os.cpu_count() or 1}c"
     name = (f"{machine}-torch{_slug(torch.__version__)}-r{cfg.dims.world_size}-{_dtype(cfg)}-h{hidden}-n{tokens}"
-            f"-s{seq}.json")
+            f"-s{seq}{'-compiled' if _compiled(cfg) else ''}.json")
     return Path(profile_cache_dir()) / name
+
+
+def _compiled(cfg: Any) -> bool:
+    """Does ``cfg`` compile its layers as the profile's ``layer_compiled`` measures them (inductor)?"""
+    return bool(cfg.compile) and cfg.compile_backend == "inductor"
 
 
 def _dtype(cfg: Any) -> str:
@@ -114,7 +121,7 @@ def machine_profile(cfg: Any, log: Any = None) -> MachineProfile:
     if log is not None:
         log(f"calibrating this machine for the prediction, once (cached in {path.parent})")
     profile = calibrate(_ranks(cfg.dims.world_size), (_dtype(cfg),), SHORT_BUDGET_S,
-                        f"this-machine-{platform.node() or 'host'}", _run_grid(cfg))
+                        f"this-machine-{platform.node() or 'host'}", _run_grid(cfg), _compiled(cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, path)
     busy = busy_warning(profile.cpu_busy)

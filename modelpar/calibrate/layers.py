@@ -46,8 +46,10 @@ __all__ = [
     "LAYER_SEQ",
     "TP_MEASURED",
     "Grid",
+    "compiled_grid",
     "layer_grid",
     "measure_blockwise",
+    "measure_compiled_layers",
     "measure_ends",
     "measure_layers",
     "measure_optimizer",
@@ -150,6 +152,36 @@ def measure_layers(dtype: str, device: torch.device, budget_s: float = 0.05) -> 
         for tokens in token_counts:
             x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
             out.append([h, LAYER_HEADS, seq, tokens, *_layer_times(stack, x, device, budget_s)])
+    return out
+
+
+def compiled_grid(device: str, budget_s: float = QUICK_S) -> Grid:
+    """The corners of ``layer_grid`` (its smallest and largest hidden × tokens; inside ``only_grid`` its one cell):
+    each shape is one compilation of several seconds on a CPU, and the cost model interpolates between corners."""
+    hiddens, token_counts, seq = layer_grid(device, budget_s)
+    return tuple(sorted({hiddens[0], hiddens[-1]})), tuple(sorted({token_counts[0], token_counts[-1]})), seq
+
+
+def measure_compiled_layers(dtype: str, device: torch.device, budget_s: float = 0.05,
+                            backend: str = "inductor") -> list[list[float]]:
+    """``measure_layers``' rows for the layer as ``--compile`` runs it: each layer's forward compiled
+    (``training.compile.compile_block``, one static graph per shape; the stack's layers share it) at
+    ``compiled_grid``'s shapes, the compilation in the warm-up, not the times. Full recomputation is not timed
+    again: its forward is the forward, its backward the forward and the backward."""
+    from modelpar.tensor_parallel import ParallelTransformerLayer
+    from modelpar.training.compile import compile_block
+
+    hiddens, token_counts, seq = compiled_grid(device.type, budget_s)
+    out = []
+    for h in hiddens:
+        stack = torch.nn.Sequential(*(compile_block(ParallelTransformerLayer(h, LAYER_HEADS, 4 * h, device=device,
+                                                                             dtype=DTYPES[dtype]), backend, False)
+                                      for _ in range(STACK)))
+        for tokens in token_counts:
+            x = torch.randn(tokens // seq, seq, h, device=device, dtype=DTYPES[dtype], requires_grad=True)
+            f, b = (t / STACK for t in timed_pair(partial(stack, x), partial(_backward_with, torch.ones_like(x)),
+                                                   device, budget_s))
+            out.append([h, LAYER_HEADS, seq, tokens, f, b, f, f + b])
     return out
 
 

@@ -35,6 +35,7 @@ from modelpar.calibrate.layers import (
     Grid,
     fit_optimizer,
     measure_blockwise,
+    measure_compiled_layers,
     measure_ends,
     measure_layers,
     measure_optimizer,
@@ -78,16 +79,18 @@ def check_ranks(flag: str, ranks: list[int], cores: int | None = None) -> list[i
 
 
 def measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
-                 budget_s: float = 0.05, whole: bool = True, passes: int = 0, grid: Grid | None = None) -> dict[str, Any]:
+                 budget_s: float = 0.05, whole: bool = True, passes: int = 0, grid: Grid | None = None,
+                 compiled: bool = False) -> dict[str, Any]:
     """Everything one rank measures (called on every rank of the group at once); ``whole``: the trainer's own
     work too (``layers.py``; locally only up to one process per core, the cost model shares cores beyond), in
-    ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``), at ``grid`` alone if given (``layers.only_grid``)."""
+    ``passes`` passes (0: ``PASSES``, one below ``QUICK_S``), at ``grid`` alone if given (``layers.only_grid``),
+    with the compiled layer where ``compiled``."""
     with only_grid(grid):
-        return _measure_rank(dtypes, threads, local_size, collectives, budget_s, whole, passes)
+        return _measure_rank(dtypes, threads, local_size, collectives, budget_s, whole, passes, compiled)
 
 
 def _measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int, collectives: bool,
-                  budget_s: float, whole: bool, passes: int) -> dict[str, Any]:
+                  budget_s: float, whole: bool, passes: int, compiled: bool) -> dict[str, Any]:
     if threads is not None:
         torch.set_num_threads(threads)
     device = _device()
@@ -105,7 +108,7 @@ def _measure_rank(dtypes: tuple[str, ...], threads: int | None, local_size: int,
     }
     if whole:
         passes = passes or _passes(budget_s)
-        out.update(mean_passes([_whole_work(dtypes, device, budget_s) for _ in range(passes)]))
+        out.update(mean_passes([_whole_work(dtypes, device, budget_s, compiled) for _ in range(passes)]))
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["busy"] = measure_busy(device)
         if collectives:
@@ -127,8 +130,9 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def _whole_work(dtypes: tuple[str, ...], device: torch.device, budget_s: float) -> dict[str, Any]:
-    """One pass over the trainer's own work (``layers.py``): a cell is measured within a fraction of a second,
+def _whole_work(dtypes: tuple[str, ...], device: torch.device, budget_s: float, compiled: bool = False) -> dict[str, Any]:
+    """One pass over the trainer's own work (``layers.py``), the compiled layer too where ``compiled`` (compiled
+    in the first pass; later passes find its graphs cached): a cell is measured within a fraction of a second,
     and a VM's speed drifts over seconds (one layer's forward 0.27 then 0.38 ms, 20 s apart), so each pass
     catches another moment and their mean another several."""
     out = {"layer": {d: measure_layers(d, device, budget_s) for d in dtypes},
@@ -136,6 +140,8 @@ def _whole_work(dtypes: tuple[str, ...], device: torch.device, budget_s: float) 
            "blockwise": {d: measure_blockwise(d, device, budget_s) for d in dtypes},
            "runtime_s": measure_runtime(device, budget_s),
            "optimizer": measure_optimizer(device, budget_s)}
+    if compiled:
+        out["layer_compiled"] = {d: measure_compiled_layers(d, device, budget_s) for d in dtypes}
     if dist.is_initialized() and dist.get_world_size() > 1:  # pairs of ranks: the t = 2 layer, collectives in
         out["tp_layer"] = {d: measure_tp_layers(d, device, budget_s) for d in dtypes}
     return out
@@ -163,14 +169,16 @@ def _host_memory() -> int:
         return 8 << 30
 
 
-def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float, grid: Grid | None = None) -> dict[str, Any]:
+def measure_whole(dtypes: tuple[str, ...], threads: int, budget_s: float, grid: Grid | None = None,
+                  compiled: bool = False) -> dict[str, Any]:
     """One more pass over the trainer's own work on this rank (``_whole_work``), at ``threads`` (and ``grid``)."""
     torch.set_num_threads(threads)
     with only_grid(grid):
-        return _whole_work(dtypes, _device(), budget_s)
+        return _whole_work(dtypes, _device(), budget_s, compiled)
 
 
-def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float, grid: Grid | None = None) -> dict[int, dict[str, Any]]:
+def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float, grid: Grid | None = None,
+           compiled: bool = False) -> dict[int, dict[str, Any]]:
     """Per process count: the measurements of a local gloo cluster of that many processes (``slowest``). The
     whole-work tables' passes go round the process counts in turn (1, 2, 4, then 1, 2 again): a VM drifts over
     minutes, and one process count's tables taken in one stretch priced its runs 19-47% too slow in one
@@ -185,21 +193,24 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float, grid: Gri
         clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks if n > 1}
         for n in ranks:
             if n == 1:
-                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1, grid=grid)
+                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1, grid=grid,
+                                        compiled=compiled)
             else:
                 found[n] = slowest(clusters[n].run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks),
-                                                   budget_s, n in whole, 1, grid))
+                                                   budget_s, n in whole, 1, grid, compiled))
         tables = {n: [{k: found[n][k] for k in WHOLE_TABLES if k in found[n]}] for n in whole}
         for _ in range(passes - 1):
             for n in whole:
-                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s, grid) if n == 1 else
-                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s, grid)))
+                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s, grid, compiled) if n == 1 else
+                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s, grid,
+                                                         compiled)))
     for n in whole:
         found[n].update(mean_passes(tables[n]))
     return found
 
 
-_KEYS = {"layer": 4, "ends": 3, "blockwise": 4, "tp_layer": 5}  # leading key columns of each whole-work table's rows
+# the leading key columns of each whole-work table's rows
+_KEYS = {"layer": 4, "layer_compiled": 4, "ends": 3, "blockwise": 4, "tp_layer": 5}
 WHOLE_TABLES = (*_KEYS, "runtime_s", "optimizer")  # what ``_whole_work`` measures
 
 
@@ -222,9 +233,10 @@ def slowest(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = None, budget_s: float = 0.05,
-              name: str | None = None, grid: Grid | None = None) -> HardwareProfile:
+              name: str | None = None, grid: Grid | None = None, compiled: bool = False) -> HardwareProfile:
     """Measure this machine and return its profile (see the module docstring for which processes measure); the
-    whole-work tables at ``grid`` alone if given (one run's shapes: ``calibrate.cache``)."""
+    whole-work tables at ``grid`` alone if given (one run's shapes: ``calibrate.cache``); the layer under
+    ``--compile`` too where ``compiled`` (``layer_compiled``)."""
     from modelpar.distributed import init_from_env, is_torchrun
 
     busy: float | None = None  # the share of the CPUs other work keeps busy (unknown under torchrun)
@@ -233,17 +245,17 @@ def calibrate(ranks: list[int] | None = None, dtypes: tuple[str, ...] | None = N
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         cuda = dist.get_backend() == "nccl"
         dtypes = dtypes or (("bf16", "fp32") if cuda else ("fp32",))
-        mine = measure_rank(dtypes, None, local, True, budget_s, grid=grid)
+        mine = measure_rank(dtypes, None, local, True, budget_s, grid=grid, compiled=compiled)
         found = {local: mine}
         backend = str(dist.get_backend())
     else:
         before = cpu_busy_share()  # before any process of ours starts
         if torch.cuda.is_available():
             dtypes = dtypes or ("bf16", "fp32")
-            found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid)}, "nccl"
+            found, backend = {1: measure_rank(dtypes, None, 1, False, budget_s, grid=grid, compiled=compiled)}, "nccl"
         else:
             dtypes = dtypes or ("fp32",)
-            found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid), "gloo"
+            found, backend = _local(ranks or default_ranks(), dtypes, budget_s, grid, compiled), "gloo"
         busy = busier(before, cpu_busy_share())  # ours have ended: what still runs is other work
     return replace(build_profile(found, backend, name), cpu_busy=busy)
 
@@ -282,6 +294,7 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         launch_s={str(n): m["launch_s"] for n, m in found.items() if "launch_s" in m},
         collectives=collectives,
         layer=_per_dtype(found, "layer", dtypes),
+        layer_compiled=_per_dtype(found, "layer_compiled", dtypes),
         ends=_per_dtype(found, "ends", dtypes),
         blockwise=_per_dtype(found, "blockwise", dtypes),
         tp_layer=_per_dtype(found, "tp_layer", dtypes),

@@ -21,6 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtypes", help="matmul dtypes: fp32, bf16, fp16, fp64 (default fp32 on a CPU, bf16,fp32 on a GPU)")
     p.add_argument("--budget", type=float, default=0.05, help="seconds per timed measurement (default %(default)s)")
     p.add_argument("--name", help="the profile's name (default: host name and device)")
+    p.add_argument("--compile", action="store_true",
+                   help="also measure the layer as train --compile runs it (inductor; the grid's corners, one "
+                        "compilation each: about a minute more on a CPU), for pricing compiled runs")
     p.set_defaults(func=run)
 
 
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from modelpar.calibrate import calibrate
 
     start = time.perf_counter()
-    profile = calibrate(ranks, dtypes, budget, args.name)
+    profile = calibrate(ranks, dtypes, budget, args.name, compiled=args.compile)
     save_profile(profile, args.out)
     peak = ", ".join(f"{d} {tf * 1e3:.1f} GFLOP/s" for d, tf in profile.peak_tflops.items())
     print(f"modelpar calibrate: {profile.name} ({profile.device}, {profile.backend}, torch {profile.torch}), "

@@ -278,7 +278,9 @@ def tp_layer_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, floa
 
     def residual(row: Sequence[float]) -> list[float]:
         grid = grid_model(run, int(row[1]), int(row[2]), int(row[3]), int(row[4]), run.model.vocab)
-        grid = replace(grid, t=run.t, p=max(1, measured_with // run.t), recompute="full" if full else "none")
+        # the table is the eager layer's: its residual over the eager price, added to a compiled run's price too
+        grid = replace(grid, t=run.t, p=max(1, measured_with // run.t), recompute="full" if full else "none",
+                       compiled=False)
         f, b, _ = _priced_tp_layer(grid, hw)
         return [(row[7] if full else row[5]) - f, (row[8] if full else row[6]) - b]
 

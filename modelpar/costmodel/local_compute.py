@@ -41,8 +41,8 @@ from modelpar.costmodel.local_memory import LocalLayout, activation_parts
 from modelpar.costmodel.measured import layer_gemms
 from modelpar.costmodel.profiles import HardwareProfile
 
-__all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "core_share",
-           "counted_on_gpu", "dispatch_counts", "end_seconds", "grid_model", "interpolate", "kernel_ends",
+__all__ = ["OPS_FORWARD", "OPS_STEP", "LayerCost", "attention_seconds", "blockwise_seconds", "compiled_measured",
+           "core_share", "counted_on_gpu", "dispatch_counts", "end_seconds", "grid_model", "interpolate", "kernel_ends",
            "kernel_layer", "launch_seconds", "layer_seconds", "matmul_seconds", "paced", "runtime_seconds",
            "step_end_seconds", "table_dtype"]
 
@@ -136,6 +136,13 @@ def counted_on_gpu(run: LocalLayout, hw: HardwareProfile) -> bool:
     return hw.device != "cpu" and run.ops is not None
 
 
+def compiled_measured(run: LocalLayout, hw: HardwareProfile) -> bool:
+    """Is ``run`` a ``--compile`` run whose layer the profile measured compiled (``layer_compiled``)? Then its
+    layers are priced from that table, on a GPU too: the counted ops are eager dispatch, which a compiled block
+    replaces by its generated kernels' launches."""
+    return run.compiled and bool(hw.layer_rows(table_dtype(run), _ranks(run, hw), compiled=True))
+
+
 def launch_seconds(hw: HardwareProfile, ranks: int) -> float:
     """Host seconds per dispatched op on ``hw``: on a GPU the measured launch cost (``HardwareProfile.launch``), else
     the op latency (a synchronised op's, an upper bound); on a CPU the op latency (the host runs the op itself);
@@ -219,7 +226,8 @@ def layer_seconds(run: LocalLayout, hw: HardwareProfile) -> LayerCost:
     sharing (module docstring)."""
     composed, attention = kernel_layer(run, hw)
     m, ranks = run.model, _ranks(run, hw)
-    rows = hw.layer_rows(table_dtype(run), ranks) if not counted_on_gpu(run, hw) else []
+    compiled = compiled_measured(run, hw)
+    rows = hw.layer_rows(table_dtype(run), ranks, compiled) if compiled or not counted_on_gpu(run, hw) else []
     full = run.recompute == "full"
 
     def residual(row: Sequence[float]) -> list[float]:
@@ -241,7 +249,8 @@ def layer_seconds(run: LocalLayout, hw: HardwareProfile) -> LayerCost:
     if run.recompute == "selective":
         backward += attention
     weight = (backward - (attention if run.recompute == "selective" else 0.0)) * weight_share
-    share = core_share(run, hw, hw.layer.get(table_dtype(run)) if missed is not None else None)
+    table = (hw.layer_compiled if compiled else hw.layer).get(table_dtype(run))
+    share = core_share(run, hw, table if missed is not None else None)
     return LayerCost(forward * share, backward * share, weight * share)
 
 

@@ -99,6 +99,7 @@ class LocalLayout(RankGrid):
     offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``offload_plan``)
     stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v stages (``--stage-layers``); None: the default split
     ops: DispatchCounts | None = None  # ops the run dispatches (``costmodel.dispatch``; GPU pricing); None: the constants
+    compiled: bool = False  # ``--compile``: its layers priced from the profile's ``layer_compiled`` where measured
 
     @property
     def stages(self) -> int:

@@ -103,6 +103,8 @@ class HardwareProfile:
     #       op -> str(ranks) -> the same: a pair's message / collective right after compute, every rank busy
     layer: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     #      dtype -> str(ranks) -> [[hidden, heads, seq, tokens, fwd_s, bwd_s, fwd_recomputed_s, bwd_recomputed_s]]
+    layer_compiled: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    #      the same rows for the layer as ``--compile`` runs it (``calibrate --compile``; absent otherwise)
     ends: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     #     dtype -> str(ranks) -> [[hidden, tokens, vocab, embed_fwd_s, embed_bwd_s, head_fwd_s, head_bwd_s]]
     blockwise: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
@@ -144,7 +146,8 @@ class HardwareProfile:
                     _ranks(f"collectives[{op}][{link}] group size", n)
                     _check_fit(f"collectives[{op}][{link}][{n}]", cost)
 
-        for name, width, grid in (("layer", 8, 4), ("ends", 7, 3), ("blockwise", 6, 4), ("tp_layer", 9, 5)):
+        for name, width, grid in (("layer", 8, 4), ("layer_compiled", 8, 4), ("ends", 7, 3), ("blockwise", 6, 4),
+                                  ("tp_layer", 9, 5)):
             for dtype, table in getattr(self, name).items():
                 check_choice(f"{name} dtype", dtype, DTYPES)
                 for ranks, rows in table.items():
@@ -236,9 +239,10 @@ class HardwareProfile:
         table = tables.get(dtype, {})
         return table[self.ranks_measured(ranks, table)] if table else []
 
-    def layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
-        """The measured layers (``calibrate.layers``) in ``dtype`` with the most processes at or below ``ranks``."""
-        return self._rows(self.layer, dtype, ranks)
+    def layer_rows(self, dtype: str, ranks: int = 1, compiled: bool = False) -> list[list[float]]:
+        """The measured layers (``calibrate.layers``) in ``dtype`` with the most processes at or below ``ranks``;
+        ``compiled``: the layer under ``--compile`` (``layer_compiled``; [] where not measured)."""
+        return self._rows(self.layer_compiled if compiled else self.layer, dtype, ranks)
 
     def tp_layer_rows(self, dtype: str, ranks: int = 1) -> list[list[float]]:
         """The measured tensor-parallel layers (``calibrate.layers.measure_tp_layers``), as ``layer_rows``."""

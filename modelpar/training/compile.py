@@ -32,8 +32,8 @@ from torch import nn
 
 from modelpar._compat import CompileClock, keep_compiled_backward_buffers
 
-__all__ = ["COMPILE_BACKENDS", "COMPILE_SCOPES", "check_compile_backend", "check_compile_scope", "compile_blocks",
-           "compile_stages", "compiled_blocks", "gather_units"]
+__all__ = ["COMPILE_BACKENDS", "COMPILE_SCOPES", "check_compile_backend", "check_compile_scope", "compile_block",
+           "compile_blocks", "compile_stages", "compiled_blocks", "gather_units"]
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others check the tracing
 COMPILE_SCOPES = ("block", "stage")  # what one graph covers: a transformer block, or a stage's whole forward
@@ -94,8 +94,16 @@ def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",
     clock.start()
     for module in modules.values():
         for block in compiled_blocks(module):
-            block.forward = torch.compile(block.forward, backend=backend)
+            compile_block(block, backend)
     return clock
+
+
+def compile_block(block: nn.Module, backend: str = "inductor", dynamic: bool | None = None) -> nn.Module:
+    """``block`` with its forward compiled in place (its ``__call__`` and hooks stay eager), as ``--compile`` compiles
+    each transformer block; ``dynamic`` as ``torch.compile``'s (calibrate measures one static shape per graph)."""
+    _eager_under_compile()
+    block.forward = torch.compile(block.forward, backend=backend, dynamic=dynamic)
+    return block
 
 
 def compile_stages(modules: Mapping[int, nn.Module], backend: str = "inductor") -> CompileClock:

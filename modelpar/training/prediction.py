@@ -45,7 +45,8 @@ def local_run(cfg: TrainConfig, hw: HardwareProfile | None = None) -> LocalLayou
                     cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
                     cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
                     cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
-                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers, ops=ops)
+                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers, ops=ops,
+                    compiled=cfg.compile and cfg.compile_backend == "inductor")
 
 
 def held_activation_bytes(cfg: TrainConfig, schedule: Schedule) -> list[float]:
@@ -166,8 +167,20 @@ def step_time_caveats(cfg: TrainConfig, profile: HardwareProfile) -> list[tuple[
     if busy:
         rows.append(("  profile", busy))
     if cfg.compile:
-        rows.append(("  compiled", "priced as the eager run: the cost model does not price --compile yet"))
+        rows.append(("  compiled", _compiled_caveat(cfg, profile)))
     return rows
+
+
+def _compiled_caveat(cfg: TrainConfig, profile: HardwareProfile) -> str:
+    """How a ``--compile`` run was priced: its layers from the profile's compiled table, or as the eager run."""
+    from modelpar.costmodel.local_compute import compiled_measured
+
+    if cfg.compile_backend != "inductor":
+        return f"priced as the eager run: the profile times inductor's kernels, not {cfg.compile_backend}'s"
+    if not compiled_measured(local_run(cfg), profile):
+        return "priced as the eager run: the profile has no compiled layer (modelpar calibrate --compile measures it)"
+    scope = "; the stage's ends as eager" if cfg.compile_scope == "stage" else ""
+    return f"the layers priced from the profile's compiled layer (calibrate --compile){scope}"
 
 
 def summary_rows(cfg: TrainConfig, result: Any, out: Path) -> tuple[list[tuple[str, str]], dict[str, Any]]:

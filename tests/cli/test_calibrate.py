@@ -57,6 +57,20 @@ def test_build_profile_from_measurements():
     assert p.optimizer_fit(4) == pytest.approx((1e-3, 1e-5, 2.0), rel=1e-6)  # the rows fitted
 
 
+def test_the_compiled_layer_is_measured_as_compile_runs_it():
+    """One process, one tiny shape, inductor for real (one compilation, seconds): the row has the layer's key
+    columns and positive times, full recomputation derived (its forward the forward, its backward forward and
+    backward), and the profile prices compiled runs from it."""
+    from modelpar.calibrate.run import measure_rank
+
+    got = measure_rank(("fp32",), None, 1, False, 0.001, grid=((32,), (32,), 16), compiled=True)
+    (row,) = got["layer_compiled"]["fp32"]
+    assert row[:4] == [32, 4, 16, 32] and row[4] > 0 and row[5] > 0 and row[6] == row[4] and row[7] == row[4] + row[5]
+    p = build_profile({1: got}, "gloo")
+    assert p.layer_rows("fp32", 1, compiled=True) == [row] and p.layer_rows("fp32", 1) == got["layer"]["fp32"]
+    assert "layer_compiled" not in measure_rank(("fp32",), None, 1, False, 0.001, grid=((32,), (32,), 16))
+
+
 def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     """Two local gloo ranks, a tiny time budget: every table is there, and `plan --hardware` uses the file."""
     out = tmp_path / "hw.json"

@@ -93,5 +93,21 @@ def test_a_less_certain_step_time_says_why_beside_it(monkeypatch):
     busy, compiled = dataclasses.replace(cpu, cpu_busy=0.5), dataclasses.replace(CFG, compile=True)
     assert step_time_caveats(compiled, busy) == [
         ("  profile", "measured while 50% of the CPUs were busy with other work: its step times are priced slow"),
-        ("  compiled", "priced as the eager run: the cost model does not price --compile yet")]
+        ("  compiled", "priced as the eager run: the profile has no compiled layer (modelpar calibrate --compile "
+                       "measures it)")]
     assert step_time_caveats(CFG, gpu) == []
+    rows = [[32, 2, 16, n, 1e-4, 2e-4, 1e-4, 3e-4] for n in (16, 64)]  # the run's shape (32 tokens) inside
+    measured = dataclasses.replace(cpu, layer={"fp32": {"1": rows}}, layer_compiled={"fp32": {"1": rows}})
+    assert step_time_caveats(compiled, measured) == [
+        ("  compiled", "the layers priced from the profile's compiled layer (calibrate --compile)")]
+    eager_backend = dataclasses.replace(compiled, compile_backend="aot_eager")
+    assert step_time_caveats(eager_backend, measured) == [
+        ("  compiled", "priced as the eager run: the profile times inductor's kernels, not aot_eager's")]
+
+
+def test_a_compiled_run_has_its_own_cache_file():
+    """A --compile run (inductor) calibrates its compiled layer too, so its profile is another file; another
+    backend's run is priced as eager and shares the eager run's."""
+    compiled = dataclasses.replace(CFG, compile=True)
+    assert cache_path(compiled).name == cache_path(CFG).name.replace(".json", "-compiled.json")
+    assert cache_path(dataclasses.replace(compiled, compile_backend="aot_eager")) == cache_path(CFG)

@@ -147,6 +147,7 @@ def test_fit_optimizer_recovers_hand_made_rows():
     ("runtime_s", {"1": [1e-4]}, "runtime_s[1] rows must be 2 numbers"),
     ("optimizer", {"1": [1e-3, 1e-5, 0.0]}, "optimizer[1] GB/s"),
     ("tp_layer", {"fp32": {"2": [[2, 64, 4, 64, 128, 1e-3, 2e-3, 1e-3]]}}, "tp_layer[fp32][2] rows must be 9 numbers"),
+    ("layer_compiled", {"fp32": {"1": [[64, 4, 64, 128, 1e-3]]}}, "layer_compiled[fp32][1] rows must be 8 numbers"),
 ])
 def test_malformed_tables_are_named(field, value, message):
     data = HW.to_json()
@@ -200,3 +201,40 @@ def test_a_measured_layer_far_below_its_price_keeps_the_backward_above_its_weigh
     assert backward == layer.weight > 0
     costs = stage_costs(run, hw)
     assert min(costs.input_grad) >= 0 and predict_local(run, hw).step_time_s > 0
+
+
+# the layer as --compile runs it: half the eager layer's times (calibrate --compile: forward, backward, and full
+# recomputation derived from them)
+COMPILED = [[*r[:4], r[4] / 2, r[5] / 2, r[4] / 2, (r[4] + r[5]) / 2] for r in LAYER]
+
+
+def test_a_compiled_run_is_priced_from_the_compiled_layer_where_measured():
+    """At a measured shape the compiled row itself (full recomputation: the forward again in the backward); an
+    eager run on the same profile keeps the eager row; a compiled run on a profile without the compiled table is
+    priced as the eager run; the whole step follows."""
+    from modelpar.costmodel.local_compute import compiled_measured
+
+    hw = dataclasses.replace(HW, layer_compiled={"fp32": {"1": COMPILED}})
+    run = dataclasses.replace(RUN, compiled=True)  # h = 64, 512 tokens
+    cost = layer_seconds(run, hw)
+    assert (cost.forward, cost.backward) == pytest.approx((2e-3, 4e-3), rel=1e-12) and compiled_measured(run, hw)
+    full = layer_seconds(dataclasses.replace(run, recompute="full"), hw)
+    assert (full.forward, full.backward) == pytest.approx((2e-3, 6e-3), rel=1e-12)
+    assert layer_seconds(RUN, hw) == layer_seconds(RUN, HW)  # not compiled: the eager table
+    assert layer_seconds(run, HW) == layer_seconds(RUN, HW) and not compiled_measured(run, HW)
+    assert predict_local(run, hw).step_time_s < predict_local(RUN, hw).step_time_s
+
+
+def test_a_compiled_tensor_parallel_layer_keeps_the_eager_tables_residual():
+    """t = 2: the measured t = 2 layer is eager (its collectives break a compiled block's graph), so its residual
+    over the eager price is added to the compiled price: the compiled t = 2 layer costs the eager measurement less
+    what compiling saves in its compute, as priced."""
+    from modelpar.costmodel.local import _priced_tp_layer, tp_layer_seconds
+
+    hw = dataclasses.replace(TP_HW, layer_compiled={"fp32": {"1": COMPILED, "2": COMPILED}})
+    eager = dataclasses.replace(RUN, t=2, microbatches=2, batch=16)
+    compiled = dataclasses.replace(eager, compiled=True)
+    forward, backward, _ = tp_layer_seconds(compiled, hw)
+    saved_f = _priced_tp_layer(eager, hw)[0] - _priced_tp_layer(compiled, hw)[0]
+    assert saved_f > 0 and forward == pytest.approx(5e-3 - saved_f, rel=1e-9)
+    assert tp_layer_seconds(eager, hw)[:2] == pytest.approx((5e-3, 3.6e-2), rel=1e-12)
