@@ -13,6 +13,8 @@ Two ways to price a layer's forward and backward on one rank (no communication; 
   measured shape with t = 1 exactly the measurement; at t > 1, with another head count, sequence,
   MLP or vocabulary, the kernels' difference is the composition's (the per-op and thread hand-over
   costs the composition misses do not shrink with t). Outside the grid, or without a table, the composition.
+  A ``--compile`` run reads the compiled layer's table instead (``layer_compiled``) where the profile has one
+  (``compiled_measured``), on a GPU too; else it is priced as the eager run.
 
 The stage ends (the embedding; the final norm, output layer and cross entropy) are priced alike from
 the ``ends`` table; the runtime's own cost per action and per step from ``runtime_s``; the step's end
