@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from modelpar.costmodel.dispatch import DispatchCounts
 from modelpar.costmodel.inventory import bucket_shards, stage_layers, stage_tensors
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes
-from modelpar.costmodel.specs import ModelSpec, RankGrid
+from modelpar.costmodel.specs import Dimensions, ModelSpec
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
 from modelpar.offload_plan import offload_layers
 
@@ -72,8 +72,9 @@ _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps beside
 
 
 @dataclass(frozen=True)
-class LocalLayout(RankGrid):
-    """One ``modelpar train`` layout in plain numbers (Megatron notation)."""
+class LocalLayout(Dimensions):
+    """One ``modelpar train`` layout in plain numbers (Megatron notation); cp, cp_comm, ep and stage_layers are
+    ``Dimensions``'s (keyword-only), the fields it shares with a published run's ``ParallelConfig``."""
 
     model: ModelSpec  # ``ModelConfig.spec()``: padded vocabulary, the MLP width, key/value heads
     t: int = 1
@@ -91,19 +92,11 @@ class LocalLayout(RankGrid):
     overlap: bool = True  # data-parallel reduction during the backward
     reshard: bool = True  # ZeRO-3: gather again for every forward and backward (``reshard_after_forward``)
     memory_limit: float = 0.0  # schedule "auto": most held activations per device, microbatches of a stage (0: any)
-    cp: int = 1  # context-parallel ranks: each holds s/cp tokens of every sequence
-    cp_comm: str = "ring"  # how attention sees the whole sequence (``costmodel.context``)
     moe: MoESpec | None = None  # ``ModelConfig.moe_spec()``: the MoE layers' experts (None: dense)
-    ep: int = 1  # expert-parallel ranks (folded into d)
     chunked_loss: bool = True  # the head and loss in chunks of tokens (``loss_chunk_mb`` > 0): no logits kept
     offload: str = "none"  # activation offload to host memory: none, all, n or every-k (``offload_plan``)
-    stage_layers: tuple[int, ...] | None = None  # layers of each of the p·v stages (``--stage-layers``); None: the default split
     ops: DispatchCounts | None = None  # ops the run dispatches (``costmodel.dispatch``; GPU pricing); None: the constants
     compiled: bool = False  # ``--compile``: its layers priced from the profile's ``layer_compiled`` where measured
-
-    @property
-    def stages(self) -> int:
-        return self.p * self.v
 
     @property
     def micro_batch(self) -> int:

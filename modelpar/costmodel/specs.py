@@ -16,8 +16,8 @@ from modelpar.costmodel.moe import MoESpec, active_moe_layer_params, moe_layer_p
 from modelpar.costmodel.profiles import HardwareProfile
 from modelpar.costmodel.zero_bytes import ZERO_STAGES
 
-__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "GPUSpec", "ModelSpec", "ParallelConfig", "RankGrid",
-           "check_context_split", "check_trainer_context", "context_split_reason"]
+__all__ = ["CP_COMMS", "PLANNED_RECOMPUTE", "ClusterSpec", "Dimensions", "GPUSpec", "ModelSpec", "ParallelConfig",
+           "RankGrid", "check_context_split", "check_trainer_context", "context_split_reason"]
 
 # The recomputation strategies the planner models: the names of modelpar.recompute.RECOMPUTE_NAMES
 # that Megatron runs and Korthikanti et al. measured (every-k and recompute-all are not searched).
@@ -239,12 +239,19 @@ class ClusterSpec:
 
 
 class RankGrid:
-    """The rank counts of a (t, cp, p, d) layout, for the dataclasses that hold one (``ParallelConfig``, ``LocalLayout``)."""
+    """The rank counts of a (t, cp, p, d) layout and its p·v stages, for the dataclasses that hold one
+    (``ParallelConfig``, ``LocalLayout``)."""
 
     t: int
     cp: int
     p: int
     d: int
+    v: int  # stages per pipeline rank
+
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages, p·v."""
+        return self.p * self.v
 
     @property
     def world(self) -> int:
@@ -258,8 +265,31 @@ class RankGrid:
         return self.d * self.cp
 
 
+@dataclass(frozen=True, kw_only=True)
+class Dimensions(RankGrid):
+    """The layout fields both layout records hold (``ParallelConfig``, ``LocalLayout``), declared and checked once:
+    the dimensions beyond t, p, d and the stage split. Keyword-only, so each record keeps its own positional
+    fields; a new parallel dimension's field goes here (docs/architecture.md, "a parallel dimension")."""
+
+    cp: int = 1  # context-parallel ranks: each sequence split across them, s/cp tokens a rank (docs/context_parallel.md)
+    cp_comm: str = "ring"  # how attention sees the whole sequence: "ring" (overlapped) or "allgather" (``costmodel.context``)
+    ep: int = 1  # expert-parallel ranks, folded into d (ep | d): each holds E/ep of every MoE layer's experts
+    # layers of each of the p·v stages in pipeline order (stage k on device k mod p; ``--stage-layers``); None = ``split_layers``
+    stage_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cp", "ep"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_choice("cp_comm", self.cp_comm, CP_COMMS)
+        if self.stage_layers is not None:
+            if len(self.stage_layers) != self.stages:
+                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, expected p·v = {self.stages}")
+            for n in self.stage_layers:
+                check_int("stage_layers entries", n, minimum=0)
+
+
 @dataclass(frozen=True)
-class ParallelConfig(RankGrid):
+class ParallelConfig(Dimensions):
     """One layout (Megatron notation): t-way tensor, cp-way context, p-way pipeline with v chunks per device, d-way data."""
 
     t: int
@@ -270,23 +300,14 @@ class ParallelConfig(RankGrid):
     recompute: str = "full"  # activation recomputation: none, selective (Korthikanti) or full
     sequence_parallel: bool = False  # split LayerNorm/dropout activations along the sequence (needs t > 1)
     zero: int = 0  # ZeRO stage over the d replicas: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP)
-    # layers of each of the p·v model chunks in pipeline order (chunk k on device k mod p); None = ``split_layers``
-    stage_layers: tuple[int, ...] | None = None
-    cp: int = 1  # context-parallel ranks: each sequence split across them (docs/context_parallel.md)
-    cp_comm: str = "ring"  # how attention sees the whole sequence: "ring" (overlapped) or "allgather"
-    ep: int = 1  # expert-parallel ranks, folded into d (ep | d): each holds E/ep of every MoE layer's experts
+    # cp, cp_comm, ep and stage_layers: ``Dimensions``'s, keyword-only
 
     def __post_init__(self) -> None:
-        for name in ("t", "p", "d", "micro_batch", "v", "cp", "ep"):
+        for name in ("t", "p", "d", "micro_batch", "v"):
             check_int(name, getattr(self, name), minimum=1)
         check_choice("recompute", self.recompute, PLANNED_RECOMPUTE)
-        check_choice("cp_comm", self.cp_comm, CP_COMMS)
         check_choice("zero", self.zero, ZERO_STAGES)
-        if self.stage_layers is not None:
-            if len(self.stage_layers) != self.p * self.v:
-                raise ValueError(f"stage_layers has {len(self.stage_layers)} entries, expected p·v = {self.p * self.v}")
-            for n in self.stage_layers:
-                check_int("stage_layers entries", n, minimum=0)
+        super().__post_init__()
 
     @property
     def gpus(self) -> int:

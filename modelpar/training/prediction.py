@@ -41,12 +41,14 @@ def local_run(cfg: TrainConfig, hw: HardwareProfile | None = None) -> LocalLayou
         from modelpar.training.dispatch import count_dispatch
 
         ops = count_dispatch(cfg.model, cfg.precision, cfg.loss_chunk > 0)
-    return LocalLayout(cfg.model.spec(), cfg.tp, cfg.pp, cfg.dp, cfg.schedule, cfg.chunks, cfg.microbatches,
-                    cfg.batch_size, cfg.recompute, cfg.sequence_parallel, cfg.zero, cfg.precision, elements,
-                    cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1, cfg.reshard_after_forward, cfg.memory_limit, cfg.cp,
-                    cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
-                    offload=cfg.offload_activations, stage_layers=cfg.stage_layers, ops=ops,
-                    compiled=cfg.compile and cfg.compile_backend == "inductor")
+    return LocalLayout(cfg.model.spec(), t=cfg.tp, p=cfg.pp, d=cfg.dp, schedule=cfg.schedule, v=cfg.chunks,
+                       microbatches=cfg.microbatches, batch=cfg.batch_size, recompute=cfg.recompute,
+                       sequence_parallel=cfg.sequence_parallel, zero=cfg.zero, precision=cfg.precision,
+                       bucket_elements=elements, overlap=cfg.overlap_grad_reduce and cfg.dp * cfg.cp > 1,
+                       reshard=cfg.reshard_after_forward, memory_limit=cfg.memory_limit, cp=cfg.cp,
+                       cp_comm=cfg.cp_comm, moe=cfg.model.moe_spec(), ep=cfg.ep, chunked_loss=cfg.loss_chunk > 0,
+                       offload=cfg.offload_activations, stage_layers=cfg.stage_layers, ops=ops,
+                       compiled=cfg.compile and cfg.compile_backend == "inductor")
 
 
 def held_activation_bytes(cfg: TrainConfig, schedule: Schedule) -> list[float]:

@@ -4,6 +4,7 @@ its modules and the inventory differ. One process, t = 1; the multi-rank layouts
 check inside every ``train`` of test_prediction."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -124,3 +125,31 @@ def test_published_and_local_pricers_read_one_inventory(v, ep, split):
                                                                sum(x.numel for x in tensors if x.expert))
     if ep > 1:  # the routed experts of rank 0's MoE layers, E/ep of them: reduced over d/ep
         assert rank_elements(Holding.of(model, cfg), 0)[1] > 0
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"cp": 0}, "cp must be >= 1, got 0"),
+    ({"ep": 0}, "ep must be >= 1, got 0"),
+    ({"cp_comm": "tree"}, "cp_comm must be one of {ring, allgather}, got 'tree'"),
+    ({"stage_layers": (2, 3, 0)}, "stage_layers has 3 entries, expected p·v = 2"),
+])
+def test_both_layout_records_share_the_dimensions_and_their_check(fields, message):
+    """``ParallelConfig`` and ``LocalLayout`` declare cp, cp_comm, ep and stage_layers once (``Dimensions``): the
+    same names, defaults and one-line errors; neither record's own positional fields move."""
+    from modelpar.costmodel import ModelSpec, ParallelConfig
+    from modelpar.costmodel.local_memory import LocalLayout
+    from modelpar.costmodel.specs import Dimensions
+
+    shared = {f.name for f in dataclasses.fields(Dimensions)}
+    assert shared == {"cp", "cp_comm", "ep", "stage_layers"}
+    for record in (ParallelConfig, LocalLayout):
+        own = {f.name: f for f in dataclasses.fields(record)}
+        assert all(own[name].kw_only and own[name].default == f.default
+                   for name, f in ((f.name, f) for f in dataclasses.fields(Dimensions)))
+    assert ParallelConfig(8, 16, 64, 1, 8, "none", True, 2) == ParallelConfig(
+        t=8, p=16, d=64, micro_batch=1, v=8, recompute="none", sequence_parallel=True, zero=2)
+    model = ModelSpec(4, 32, 4, 16, 128)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelConfig(1, 2, 1, **fields)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LocalLayout(model, p=2, **fields)
