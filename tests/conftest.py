@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -106,3 +107,12 @@ def _seeded() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # as set above, whatever an earlier test chose
     torch.set_default_dtype(torch.float32)  # likewise the default dtype
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Ctrl-C with Python's own handler, as in a rank, for a test that sends SIGINT to this process: a pytest
+    started as a background job ignores SIGINT, and modelpar keeps an ignored signal ignored (tests/_signals.py)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

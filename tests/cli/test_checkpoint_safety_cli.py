@@ -22,6 +22,7 @@ from modelpar.checkpoint import latest_checkpoint, read_meta
 from modelpar.cli import main
 from modelpar.commands.preflight import OUT_LOCK
 from tests._ranks import rank_processes
+from tests._signals import CTRL_C_DEFAULT
 from tests.cli.test_checkpoint_cli import TINY
 from tests.tmpfs import resize, tmpfs, used
 
@@ -142,7 +143,7 @@ def test_two_runs_on_one_out_do_not_interleave_their_metrics(capsys, tmp_path, c
     first = subprocess.Popen([sys.executable, "-m", "modelpar", "train", *TINY, "--steps", "400", "--out", str(out),
                               "--cache-dir", str(cache)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy(),
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even if pytest ignores it
+                             **CTRL_C_DEFAULT)
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + DEADLINE

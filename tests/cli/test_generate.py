@@ -185,13 +185,14 @@ def test_a_long_generation_prints_as_it_goes_and_ctrl_c_ends_it_in_one_line(tmp_
     import sys
     import threading
 
+    from _signals import CTRL_C_DEFAULT
     from _wait import join, wait_until
 
     cfg = ModelConfig(seq_len=16, hidden=32, heads=4, layers=2, tie_embeddings=True, init_std=0.3)  # bytes
     _export(cfg, tmp_path / "model.safetensors")
     proc = subprocess.Popen([sys.executable, "-m", "modelpar", "generate", str(tmp_path / "model.safetensors"),
                              "--prompt", "Hi", "--max-new-tokens", "1000000", "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **CTRL_C_DEFAULT)
     out = bytearray()
 
     def read() -> None:

@@ -20,6 +20,7 @@ import pytest
 from modelpar.training.faults import SLOW_INIT
 from modelpar.training.stopping import EXIT_INTERRUPTED, StopController
 from tests._ranks import alive, descendants
+from tests._signals import CTRL_C_DEFAULT
 
 FLAGS = ["--tp", "1", "--pp", "1", "--hidden", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--microbatches", "2",
          "--precision", "fp64", "--warmup", "1", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]
@@ -31,7 +32,7 @@ def start(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> sub
     cmd = [sys.executable, "-m", "modelpar", "train", *FLAGS, "--out", str(tmp_path / "out"), *flags]
     return subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            **CTRL_C_DEFAULT)
 
 
 def wait_for(proc: subprocess.Popen, what: str, ready, poll: float = POLL) -> object:
@@ -107,15 +108,6 @@ def test_ctrl_c_during_a_long_initialisation_stops_at_once(tmp_path):
         "modelpar train: stopped at once before training started; no complete checkpoint")
     assert not any("Traceback" in line for line in err), "\n".join(err)
     assert left == []
-
-
-@pytest.fixture
-def python_ctrl_c():
-    """Ctrl-C with Python's own handler, as in a rank: a pytest started as a background job ignores SIGINT,
-    and the controller keeps an ignored signal ignored."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def test_ctrl_c_before_training_starts_raises_at_once_in_a_rank(python_ctrl_c):

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _signals import CTRL_C_DEFAULT
 from _wait import DEADLINE, wait_gone, wait_until
 
 from modelpar.checkpoint import latest_checkpoint
@@ -55,7 +56,7 @@ def torchrun(tmp_path: Path, name: str, *options: str, steps: int = STEPS) -> su
     with open(tmp_path / f"{name}.err", "w") as err:
         _started.append(subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=err,
                                          env={**os.environ, "OMP_NUM_THREADS": str(rank_threads(2))},
-                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+                                         **CTRL_C_DEFAULT))
     return _started[-1]
 
 

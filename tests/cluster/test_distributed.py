@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _signals import CTRL_C_DEFAULT
 from _wait import pid_alive, wait_gone
 
 from modelpar.distributed import LocalCluster, ParallelDims, RankError, coordinates, launch, rank_groups
@@ -172,7 +173,7 @@ def test_busy_ranks_end_with_their_launcher_and_write_nothing_after(tmp_path, si
     script = tmp_path / "parent.py"
     script.write_text(_BUSY_SCRIPT)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                              **CTRL_C_DEFAULT)
     try:
         ranks = [int(parent.stdout.readline()) for _ in range(2)]  # both ranks are writing
     finally:  # here, or on a parent that died without a word (readline: '')

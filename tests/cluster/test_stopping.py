@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _signals import CTRL_C_DEFAULT
 from _wait import pid_alive, wait_until
 
 from modelpar.checkpoint import latest_checkpoint
@@ -186,7 +187,7 @@ def start_cli(tmp_path: Path):
         cmd = [sys.executable, "-m", "modelpar", "train", *FLAGS, "--steps", "400", "--checkpoint-dir",
                str(tmp_path / "ckpt"), "--checkpoint-every", "2", "--no-progress", "--out", str(tmp_path / "out"), *flags]
         started.append(subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+                                        text=True, **CTRL_C_DEFAULT))
         return started[-1]
 
     yield start
@@ -301,7 +302,7 @@ def test_a_frozen_rank_is_named_in_one_line_within_the_timeout(start_cli, tmp_pa
                       "debugger): rank 0 waited the collective timeout of 10 s (--timeout) for it; every rank was ended")
 
 
-def test_signals_after_the_run_are_recorded_and_a_ctrl_c_is_one_line():
+def test_signals_after_the_run_are_recorded_and_a_ctrl_c_is_one_line(python_ctrl_c):
     """Issue 35: Ctrl-C after the summary exited 130 without a word. Once the ranks are gone the launcher records
     Ctrl-C and the preemption signal (real signals to this process) and says what they change."""
     from modelpar.training.stopping import LateSignals
