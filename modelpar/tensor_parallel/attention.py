@@ -30,7 +30,7 @@ from torch import nn
 from modelpar._validate import check_divisible, check_int, check_number
 from modelpar.tensor_parallel._comm import group_rank, group_size, resolve_group
 from modelpar.tensor_parallel.collectives import enter_column_parallel_region
-from modelpar.tensor_parallel.context_parallel import ContextParallel, context_attention
+from modelpar.tensor_parallel.context_parallel import ContextParallel
 from modelpar.tensor_parallel.dropout import sliced_dropout
 from modelpar.tensor_parallel.kv_cache import LayerCache
 from modelpar.tensor_parallel.layers import T_NAME, ColumnParallelLinear, RowParallelLinear
@@ -132,10 +132,10 @@ class ParallelAttention(nn.Module):
 
         Grouped-query heads share their key/value head inside SDPA (``enable_gqa``: no copies).
         This is the part selective recomputation re-runs: its s² scores and probabilities are never kept.
-        Context-parallel: over the cp ranks' keys and values (``context_attention``).
+        Context-parallel: over the cp ranks' keys and values (``ContextParallel.attend``).
         """
         if self.context is not None:
-            return context_attention(q, k, v, self.context)
+            return self.context.attend(q, k, v)
         s_q, s_k = q.shape[2], k.shape[2]
         gqa = self.local_heads != k.shape[1]
         p = self.dropout if self.training else 0.0

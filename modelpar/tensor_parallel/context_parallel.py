@@ -69,6 +69,11 @@ class ContextParallel:
         """Positions of this rank's ``local_len`` tokens in the whole sequence."""
         return zigzag_index(local_len * self.size, self.size, self.rank, device)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``context_attention`` over this group. Under ``--compile`` it runs eagerly (``training.compile`` marks it):
+        compiled, the ring's sends break the block's graph and its per-step chunk ids recompile the attention."""
+        return context_attention(q, k, v, self)
+
 
 def chunks_of(rank: int, cp: int) -> tuple[int, ...]:
     """The chunks (of 2·cp; of 1 at cp = 1) cp rank ``rank`` holds, in its order: (r, 2·cp − 1 − r)."""

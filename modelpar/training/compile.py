@@ -6,9 +6,10 @@ identity). What happens between blocks (the embedding, the head and loss, the pi
 the gradient buckets' hooks, ZeRO-3's gathers around each block) stays eager. The block's
 ``forward`` is compiled, not its ``__call__``, so hooks on the block itself run outside the graph;
 ZeRO-3 gathers per block under ``--compile`` for that reason (``gather_units``). Tensor- and
-sequence-parallel collectives, context parallelism's ring and the experts' all-to-all inside a
-block are autograd Functions that call ``torch.distributed``: torch runs them between graphs (a
-graph break), so they stay exactly as in eager mode.
+sequence-parallel collectives and the experts' all-to-all inside a block are autograd Functions that
+call ``torch.distributed``: torch runs them between graphs (a graph break), so they stay exactly as in
+eager mode. Context parallelism's attention and the experts' routing run eagerly whole
+(``_eager_under_compile``): dynamo would otherwise compile their pieces apart, again for every ring step.
 
 A zero-bubble schedule's split backward (I now, W later) restarts autograd from inside a stage;
 a compiled block is one autograd node, so its W re-runs the block's backward (correct, the
@@ -71,15 +72,20 @@ def compiled_blocks(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def _eager_under_compile() -> None:
-    """What must run eagerly inside a compiled forward: the experts' routing (data-dependent sizes, host reads).
-    Marked here, the first time anything is compiled, not where it is defined: ``torch.compiler.disable`` imports
-    dynamo, seconds of CPU in every process that imports the model."""
+    """What must run eagerly inside a compiled forward: the experts' routing (data-dependent sizes, host reads) and
+    context parallelism's attention (the ring's sends break the graph, and dynamo compiled the pieces apart, the
+    attention again for each ring step's chunk ids, Python ints: 9 entries a rank at cp = 2). Marked here, the
+    first time anything is compiled, not where they are defined: ``torch.compiler.disable`` imports dynamo,
+    seconds of CPU in every process that imports the model."""
     from modelpar.model.moe import MoE
+    from modelpar.tensor_parallel.context_parallel import ContextParallel
 
-    if not getattr(MoE.forward, "_modelpar_eager", False):
-        forward = torch.compiler.disable(MoE.forward)
-        forward._modelpar_eager = True
-        MoE.forward = forward  # type: ignore[method-assign]
+    for owner, name in ((MoE, "forward"), (ContextParallel, "attend")):
+        method = getattr(owner, name)
+        if not getattr(method, "_modelpar_eager", False):
+            eager = torch.compiler.disable(method)
+            eager._modelpar_eager = True
+            setattr(owner, name, eager)
 
 
 def compile_blocks(modules: Mapping[int, nn.Module], backend: str = "inductor",

@@ -73,6 +73,30 @@ def test_compiled_blocks_train_as_eager(c2, case):
     assert eager[0][3] is None  # not compiled: no compile time reported
 
 
+def _context_frames_compiled(cfg):
+    """Train ``cfg`` from an empty dynamo cache; how many compiled entries dynamo then holds for the code of
+    context parallelism (``tensor_parallel/context_parallel.py``: its functions and its autograd Functions)."""
+    import inspect
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from modelpar.tensor_parallel import context_parallel
+
+    torch._dynamo.reset()
+    _train(cfg)
+    functions = [f for f in vars(context_parallel).values() if inspect.isfunction(f)]
+    functions += [getattr(c, n) for c in vars(context_parallel).values()
+                  if isinstance(c, type) and issubclass(c, torch.autograd.Function) for n in ("forward", "backward")]
+    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in functions)
+
+
+def test_context_parallel_attention_runs_eagerly_inside_a_compiled_block(c2):
+    """cp's attention is marked eager (``ContextParallel.attend``): dynamo compiled the ring's frames apart, its
+    attention again for each ring step's chunk ids (9 entries a rank at cp = 2 before it was marked)."""
+    cfg = dataclasses.replace(BASE, **CASES["cp2"], compile=True, compile_backend="aot_eager")
+    assert c2.run(_context_frames_compiled, cfg) == [0, 0]
+
+
 # data parallel, a pipeline with one and with two stages per rank, and collectives inside the graph (t = 2, SP)
 STAGE_CASES = {name: CASES[name] for name in ("dp2", "1f1b", "tp2-sp")} | {
     "interleaved": dict(pp=2, schedule="interleaved", chunks=2, microbatches=4)}
