@@ -185,6 +185,11 @@ class VocabParallelEmbedding(TensorParallelModule):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)
 
+    @property
+    def reads_host(self) -> bool:
+        """The ids are checked on the host while ``check_shapes`` is on, on one rank too (its first call)."""
+        return self.check_shapes
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.check_shapes:  # reads the ids on the host: a device sync, so only while checks are on
             check_same_shape(ids, self.group, "ids", token_ids_error("ids", ids, self.vocab_size), True)

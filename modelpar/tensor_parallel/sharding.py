@@ -111,6 +111,12 @@ class TensorParallelModule(AfterApply):
         self.tp_layouts: dict[str, ParamLayout] = {}
         self.check_shapes = True
 
+    @property
+    def reads_host(self) -> bool:
+        """Whether this module's forward still reads the host: its cross-rank shape check (``check_shapes``, over
+        more than one rank). A traced forward splits its graph there; ``--compile-scope stage`` waits it out."""
+        return self.check_shapes and self.tp_world > 1
+
     def _set_layout(self, name: str, dim: int | None, blocks: int = 1, replicas: int = 1,
                     sequence_parallel: bool = False) -> None:
         self.tp_layouts[name] = ParamLayout(dim, blocks, replicas, self.tp_rank, self.tp_world, sequence_parallel)

@@ -20,7 +20,9 @@ norm; the chunked head and loss stay eager), as a hand-written model compiles wh
 microbatch instead of one per block, and fusion across blocks (a block's residual add with the next one's
 norm). It needs a stage whose forward is one autograd node no schedule splits and no hook enters: no ZeRO-3
 (gathers around modules inside the graph), no split backward (W would re-run the whole stage's backward),
-no recomputation or offload (their own autograd functions and saved-tensor hooks around each layer).
+no recomputation or offload (their own autograd functions and saved-tensor hooks around each layer). The stage
+runs eagerly until its layers stop reading the host (the first call's token-id check, the first step's
+cross-rank shape checks), then compiles once.
 """
 
 from __future__ import annotations
@@ -119,22 +121,26 @@ def compile_stages(modules: Mapping[int, nn.Module], backend: str = "inductor") 
     clock = CompileClock()
     clock.start()
     for module in modules.values():
-        module.forward = _compiled_after_first_call(module.forward, backend)
+        module.forward = _compiled_once_checked(module, backend)
     return clock
 
 
-def _compiled_after_first_call(forward: Callable[..., Any], backend: str) -> Callable[..., Any]:
-    """``forward`` eager on its first call (the embedding reads the token ids on the host then, once: traced, that
-    read would split the stage's graph for good), compiled from the second on."""
+def _compiled_once_checked(module: nn.Module, backend: str) -> Callable[..., Any]:
+    """``module.forward`` eager while a layer of it still reads the host (``TensorParallelModule.reads_host``: the
+    token ids' check on the first call, the cross-rank shape checks over t > 1 during the first step): traced,
+    each read would split the stage's graph, and that graph, compiled once, would be compiled again without them.
+    Compiled from the first call with every check off."""
+    from modelpar.tensor_parallel.sharding import TensorParallelModule
+
+    forward = module.forward
     compiled = torch.compile(forward, backend=backend)
-    first = True
+    layers = [m for m in module.modules() if isinstance(m, TensorParallelModule)]
+    checked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        nonlocal first
-        if first:
-            first = False
-            return forward(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        nonlocal checked
+        checked = checked or not any(m.reads_host for m in layers)
+        return (compiled if checked else forward)(*args, **kwargs)
 
     return call
 

@@ -115,6 +115,26 @@ def test_compiled_stages_train_as_eager(c2, case):
         assert seconds is not None and seconds >= 0.0
 
 
+def _checks_traced(cfg):
+    """Train ``cfg`` from an empty dynamo cache; the graphs dynamo then holds for the cross-rank shape check's code
+    (``check_same_shape``, which reads the host)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from modelpar.tensor_parallel._comm import check_same_shape
+
+    torch._dynamo.reset()
+    _train(cfg)
+    return len(_debug_get_cache_entry_list(check_same_shape.__code__))
+
+
+def test_a_whole_stage_at_t2_is_compiled_once_its_checks_are_off(c2):
+    """At t = 2 the first step's cross-rank shape checks read the host: the stage runs eagerly until they are off,
+    so no graph traces them (compiled from its second call, dynamo traced the check 4 times on a rank; with
+    t = 2 and 4 steps of ``modelpar train``, 118 graph breaks and 78 recompiles before, 82 and 56 after)."""
+    cfg = dataclasses.replace(BASE, tp=2, compile=True, compile_scope="stage", compile_backend="aot_eager")
+    assert c2.run(_checks_traced, cfg) == [0, 0]
+
+
 def test_a_whole_stage_is_one_graph_after_its_first_call():
     """The stage's forward, embedding to final norm, is one graph: its first call runs eagerly (the token ids read
     on the host, once), the second compiles it whole, later calls run it without a break or a new graph."""
