@@ -5,11 +5,11 @@ by name (``costmodel.presets.PROFILES``); else this machine's profile from the u
 (``costmodel.profiles.profile_cache_dir``), measured once by a short calibration — the process counts and
 the run's own layer shape only (``calibrate(..., grid=...)``: seconds, not the full grid of ``modelpar
 calibrate``) — and reused after, as autotuners keep their results. The cache file is keyed by what identifies
-the machine and the measurement: CPU model and cores, torch version, the run's process count, dtype and layer
-shape, and whether its layers are compiled (``--compile`` with inductor: the compiled layer measured too, one
-compilation of the run's shape). ``--no-calibrate`` (or ``MODELPAR_NO_CALIBRATE=1``, which the test suite sets once in conftest)
-measures nothing: no step time is predicted, memory still is. A nominal profile is never printed as a
-prediction.
+the machine and the measurement: the GPU's name (a GPU no preset names), CPU model and cores, torch version,
+the run's process count, dtype and layer shape, and whether its layers are compiled (``--compile`` with
+inductor: the compiled layer measured too, one compilation of the run's shape). ``--no-calibrate`` (or
+``MODELPAR_NO_CALIBRATE=1``, which the test suite sets once in conftest) measures nothing: no step time is
+predicted, memory still is. A nominal profile is never printed as a prediction.
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ def _slug(text: str) -> str:
 
 
 def cache_path(cfg: Any) -> Path:
-    """The cache file of this machine's profile for ``cfg`` (checked): keyed by the machine (CPU model and cores),
-    the torch version, the run's local process count, dtype and layer shape (``_run_grid``), and ``-compiled``
-    where its layers are (``_compiled``)."""
+    """The cache file of this machine's profile for ``cfg`` (checked): keyed by the machine (its GPU's name where it
+    has one, the CPU model and cores), the torch version, the run's local process count, dtype and layer shape
+    (``_run_grid``), and ``-compiled`` where its layers are (``_compiled``)."""
     import torch
 
     (hidden,), (tokens,), seq = _run_grid(cfg)
-    machine = f"{_slug(cpu_model())}-{os.cpu_count() or 1}c"
+    gpu = f"{_slug(torch.cuda.get_device_name())}-" if torch.cuda.is_available() else ""  # one host, other GPUs
+    machine = f"{gpu}{_slug(cpu_model())}-{os.cpu_count() or 1}c"
     name = (f"{machine}-torch{_slug(torch.__version__)}-r{cfg.dims.world_size}-{_dtype(cfg)}-h{hidden}-n{tokens}"
             f"-s{seq}{'-compiled' if _compiled(cfg) else ''}.json")
     return Path(profile_cache_dir()) / name

@@ -57,6 +57,18 @@ def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monke
     assert machine_profile(CFG).how == "calibrated once for this machine, cached"
 
 
+def test_a_gpu_no_preset_names_gets_a_cache_file_of_its_own(monkeypatch):
+    """Two GPUs of one host (or one host type with other GPUs attached) do not share a profile: the detected GPU's
+    name is in the key, beside the CPU's."""
+    cpu = cache_path(CFG).name
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    names = []
+    for gpu in ("NVIDIA A10", "NVIDIA GeForce RTX 4090"):
+        monkeypatch.setattr("torch.cuda.get_device_name", lambda device=None, gpu=gpu: gpu)
+        names.append(cache_path(CFG).name)
+    assert names == ["nvidia-a10-" + cpu, "nvidia-geforce-rtx-4090-" + cpu]
+
+
 def test_the_busy_share_is_the_non_idle_ticks_of_the_window():
     ticks = iter([(1000, 600), (1200, 650)])  # 200 ticks, 50 idle: 75% busy
     assert cpu_busy_share(0.0, lambda: next(ticks)) == 0.75
