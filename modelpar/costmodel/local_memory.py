@@ -71,7 +71,7 @@ _IDS = 8  # int64 token ids the embedding keeps, per token
 _LOSS = 10  # bytes per token the vocabulary-parallel cross entropy keeps besides the logits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # Dimensions.__repr__: model, t, p, d first
 class LocalLayout(Dimensions):
     """One ``modelpar train`` layout in plain numbers (Megatron notation); cp, cp_comm, ep and stage_layers are
     ``Dimensions``'s (keyword-only), the fields it shares with a published run's ``ParallelConfig``."""

@@ -8,7 +8,7 @@ for a GPT (ffn = 4h, no GQA) they reduce to them exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from modelpar._validate import check_choice, check_divisible, check_int, check_number
@@ -277,6 +277,11 @@ class Dimensions(RankGrid):
     # layers of each of the p·v stages in pipeline order (stage k on device k mod p; ``--stage-layers``); None = ``split_layers``
     stage_layers: tuple[int, ...] | None = None
 
+    def __repr__(self) -> str:
+        """The record's own fields first (t, p, d, …), then these: as the record is written."""
+        names = [f.name for f in fields(self) if not f.kw_only] + [f.name for f in fields(self) if f.kw_only]
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
     def __post_init__(self) -> None:
         for name in ("cp", "ep"):
             check_int(name, getattr(self, name), minimum=1)
@@ -288,7 +293,7 @@ class Dimensions(RankGrid):
                 check_int("stage_layers entries", n, minimum=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # Dimensions.__repr__: t, p, d first
 class ParallelConfig(Dimensions):
     """One layout (Megatron notation): t-way tensor, cp-way context, p-way pipeline with v chunks per device, d-way data."""
 

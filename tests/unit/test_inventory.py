@@ -148,7 +148,11 @@ def test_both_layout_records_share_the_dimensions_and_their_check(fields, messag
                    for name, f in ((f.name, f) for f in dataclasses.fields(Dimensions)))
     assert ParallelConfig(8, 16, 64, 1, 8, "none", True, 2) == ParallelConfig(
         t=8, p=16, d=64, micro_batch=1, v=8, recompute="none", sequence_parallel=True, zero=2)
+    assert repr(ParallelConfig(1, 2, 1, cp=2)) == ("ParallelConfig(t=1, p=2, d=1, micro_batch=1, v=1, recompute='full', "
+                                                   "sequence_parallel=False, zero=0, cp=2, cp_comm='ring', ep=1, "
+                                                   "stage_layers=None)")  # as written: the record's own fields first
     model = ModelSpec(4, 32, 4, 16, 128)
+    assert repr(LocalLayout(model)).startswith("LocalLayout(model=ModelSpec(")
     with pytest.raises(ValueError, match=re.escape(message)):
         ParallelConfig(1, 2, 1, **fields)
     with pytest.raises(ValueError, match=re.escape(message)):
