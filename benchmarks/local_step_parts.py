@@ -18,8 +18,9 @@ import statistics
 import time
 from typing import Any
 
-PARTS = {"batch": "data", "runner.step": "runner", "sync.finish": "grad_finish", "clipper.clip": "clip",
-         "stop.agree": "agree", "optimizer.step": "optimizer", "sync.zero_grad": "zero_grad"}
+PARTS = {"batch": "data", "runner.step": "runner", "dp.sync.finish": "grad_finish", "dp.clipper.clip": "clip",
+         "stop.agree": "agree", "optimizer.step": "optimizer", "dp.sync.zero_grad": "zero_grad"}
+STEP_END = ("data", "grad_finish", "clip", "agree", "optimizer", "zero_grad")  # the parts outside the runner
 
 
 def _rank(cfg: Any, steps: int) -> dict[str, float]:
@@ -27,6 +28,7 @@ def _rank(cfg: Any, steps: int) -> dict[str, float]:
     import torch
 
     import modelpar.training.loop as loop
+    from modelpar.training import train
     from modelpar.training.start import rank_threads
 
     torch.set_num_threads(rank_threads(cfg.dims.world_size))
@@ -50,11 +52,14 @@ def _rank(cfg: Any, steps: int) -> dict[str, float]:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         build(self, *args, **kwargs)
         for path, key in PARTS.items():
-            *owner, attr = path.split(".")
-            timed(getattr(self, owner[0]) if owner else self, attr, key)
+            *owners, attr = path.split(".")
+            obj = self
+            for name in owners:
+                obj = getattr(obj, name)
+            timed(obj, attr, key)
 
     loop._Run.__init__ = init  # type: ignore[method-assign]
-    result = loop.train(dataclasses.replace(cfg, steps=steps))
+    result = train(dataclasses.replace(cfg, steps=steps))
     out = {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in parts.items()}
     out["step"] = statistics.median(result.step_times[1:])
     return out
@@ -92,7 +97,8 @@ def main() -> None:
                     print(f"{name} m={m} {recompute}: measured step {ms(got['step'])} ms = runtime {ms(got['runner'])} "
                           f"(per micro-batch F {ms(got['F'])}, B {ms(got['B'])}) + step end {ms(end)} (optimizer "
                           f"{ms(got['optimizer'])}, norm/clip {ms(got['clip'])}, batch {ms(got['data'])}, agree "
-                          f"{ms(got['agree'])})")
+                          f"{ms(got['agree'])}, gradient finish {ms(got['grad_finish'])}, zeroing {ms(got['zero_grad'])}, "
+                          f"the rest {ms(end - sum(got[k] for k in STEP_END))})")
                     print(f"    kernels: step {ms(old.step_time_s)} F {ms(kf)} B {ms(kb)} end {ms(old.time['optimizer'])}"
                           f"  error {100 * (old.step_time_s / got['step'] - 1):+.0f}%")
                     wf = run.model.layers * whole.forward + ends.forward + action

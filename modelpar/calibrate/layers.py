@@ -12,9 +12,10 @@ count (``docs/calibrate.md``, "Where a one-rank step goes"):
   final norm, output layer and cross entropy (``modelpar.model.LMLoss``), forward and backward.
 - ``measure_runtime``: a ``PipelineRunner`` step of a tiny model at 1 and 8 microbatches beside the
   same microbatches computed directly: the runtime's cost per action and per step.
-- ``measure_optimizer``: AdamW as the trainer builds it (``training.optimizer.param_groups``), the
-  gradient norm and the zeroing of a flat gradient buffer, over six model sizes; ``fit_optimizer`` fits
-  them as ``latency + tensors·per_tensor + state bytes / bandwidth``.
+- ``measure_optimizer``: the trainer's step end (the batch, the gradient norm and clipping, the stop agreement,
+  AdamW, the zeroing: ``trainer_step_end``, a short ``modelpar train`` on every rank of the process count) over six
+  model sizes; on a GPU measured in this process, AdamW as the trainer builds it, the norm and the zeroing of a flat
+  gradient buffer alone. ``fit_optimizer`` fits them as ``latency + tensors·per_tensor + state bytes / bandwidth``.
 
 Times are means of at least ``REPS`` runs (runs over twice their median, a rare pause, left out:
 ``compute.steady_mean``), each with the caches flushed first, a forward and its backward
@@ -36,6 +37,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from modelpar.calibrate.compute import DTYPES, repeated, steady_mean, sync
 from modelpar.calibrate.compute import timed as _timed
@@ -343,10 +345,36 @@ def _optimizer_step(hidden: int, layers: int, device: torch.device, budget_s: fl
 
 
 def measure_optimizer(device: torch.device, budget_s: float = 0.05) -> list[list[float]]:
-    """[[tensors, AdamW state bytes, seconds], ...] of a step's gradient norm, AdamW update and gradient zeroing
-    over ``OPTIMIZER_MODELS``: the rows ``fit_optimizer`` fits once every rank's are in (``calibrate.run.slowest``
-    takes each row's slowest rank before the fit, not the worst of each rank's fitted terms)."""
+    """[[tensors, AdamW state bytes, seconds], ...] of a step's end over ``OPTIMIZER_MODELS``: the rows
+    ``fit_optimizer`` fits once every rank's are in (``calibrate.run.slowest`` takes each row's slowest rank before
+    the fit, not the worst of each rank's fitted terms). With a CPU process group (the clusters of ``modelpar
+    calibrate``), the trainer's own step end (``trainer_step_end``); without one (a GPU measured in this process),
+    its norm, AdamW update and zeroing alone (``_optimizer_step``)."""
+    if device.type == "cpu" and dist.is_initialized():
+        return [list(map(float, trainer_step_end(h, n, budget_s))) for h, n in OPTIMIZER_MODELS]
     return [list(map(float, _optimizer_step(h, n, device, budget_s))) for h, n in OPTIMIZER_MODELS]
+
+
+STEP_END_STEPS = 8  # steps of each training ``trainer_step_end`` runs; the first (allocation, first touch) left out
+
+
+def trainer_step_end(hidden: int, layers: int, budget_s: float) -> tuple[int, int, float]:
+    """(tensors, AdamW state bytes, seconds) of the step end of a ``hidden`` × ``layers`` model as ``modelpar train``
+    runs it on every rank of the process group (data parallel over all of them, ZeRO 0): the batch, the gradient
+    norm and clipping with its all-reduce, the stop agreement, AdamW and the zeroing (``TrainResult.step_end_times``,
+    their mean after the first step). Measured whole because the parts a synthetic step leaves out came to 1.0-1.6
+    ms a step on a 2-core VM (h64-h128, one rank: 3-4% of the step, every prediction that much too fast)."""
+    from modelpar.training import TrainConfig, train
+
+    world = dist.get_world_size()
+    steps = STEP_END_STEPS if budget_s >= QUICK_S else 3
+    # a replica's 8 sequences of 64 tokens in 2 microbatches: the forward and backward leave the caches as a training
+    # step's do (a step end after the compute of one 16-token sequence ran a third faster than in a run of the
+    # validation's models)
+    cfg = TrainConfig(model=_tiny(hidden, layers, 64, 256), tp=1, pp=1, dp=world, steps=steps, batch_size=8 * world,
+                      microbatches=2, eval_every=0, eval_batches=1, warmup=1, timeout=300.0)
+    result = train(cfg)
+    return result.optimizer_tensors, result.optimizer_state_bytes, steady_mean(result.step_end_times[1:])
 
 
 def fit_optimizer(rows: Sequence[Sequence[float]]) -> list[float]:

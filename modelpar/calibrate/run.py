@@ -190,19 +190,15 @@ def _local(ranks: list[int], dtypes: tuple[str, ...], budget_s: float, grid: Gri
     whole = [n for n in ranks if n <= (os.cpu_count() or 1)]
     passes = _passes(budget_s)
     with contextlib.ExitStack() as stack:
-        clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks if n > 1}
+        # one process too runs in a cluster of its own: the trainer's step end is measured by training (a group)
+        clusters = {n: stack.enter_context(LocalCluster(n, timeout=120.0, run_timeout=600.0)) for n in ranks}
         for n in ranks:
-            if n == 1:
-                found[1] = measure_rank(dtypes, rank_threads(1), 1, False, budget_s, passes=1, grid=grid,
-                                        compiled=compiled)
-            else:
-                found[n] = slowest(clusters[n].run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks),
-                                                   budget_s, n in whole, 1, grid, compiled))
+            found[n] = slowest(clusters[n].run(measure_rank, dtypes, rank_threads(n), n, n == max(ranks),
+                                               budget_s, n in whole, 1, grid, compiled))
         tables = {n: [{k: found[n][k] for k in WHOLE_TABLES if k in found[n]}] for n in whole}
         for _ in range(passes - 1):
             for n in whole:
-                tables[n].append(measure_whole(dtypes, rank_threads(1), budget_s, grid, compiled) if n == 1 else
-                                 slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s, grid,
+                tables[n].append(slowest(clusters[n].run(measure_whole, dtypes, rank_threads(n), budget_s, grid,
                                                          compiled)))
     for n in whole:
         found[n].update(mean_passes(tables[n]))
@@ -300,6 +296,7 @@ def build_profile(found: dict[int, dict[str, Any]], backend: str, name: str | No
         tp_layer=_per_dtype(found, "tp_layer", dtypes),
         runtime_s={str(n): m["runtime_s"] for n, m in found.items() if "runtime_s" in m},
         optimizer={str(n): fit_optimizer(m["optimizer"]) for n, m in found.items() if "optimizer" in m},
+        step_end_measured=first["device"] == "cpu" and any("optimizer" in m for m in found.values()),
         busy={op: {str(n): m["busy"][op] for n, m in found.items() if "busy" in m} for op in BUSY_OPS
               if any("busy" in m for m in found.values())},
     )

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modelpar.costmodel.inventory import stage_buckets, stage_layers, stage_tensors
+from modelpar.costmodel.inventory import stage_layers, stage_tensors, zero_segments
 from modelpar.costmodel.local_memory import COMPUTE_BYTES, LocalLayout
 
 __all__ = ["ALLOCATOR_BLOCK", "LOSS_CHUNK_BYTES", "AllocatorBytes", "allocator_bytes", "attention_workspace_bytes",
@@ -106,9 +106,10 @@ class AllocatorBytes:
         return self.transient + self.steady
 
 
-def optimizer_tensors(run: LocalLayout, stages: list[int]) -> int:
-    """The tensors AdamW steps on the rank holding ``stages``: its parameters, or under ZeRO its bucket ranges."""
-    return sum(len(stage_buckets(run, s)) if run.zero else len(stage_tensors(run, s)) for s in stages)
+def optimizer_tensors(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> int:
+    """The tensors AdamW steps on the rank holding ``stages`` (at ``dp_rank`` of the d·cp group): its parameters, or
+    under ZeRO each parameter's part in its ranges of the buckets (``inventory.zero_segments``)."""
+    return sum(zero_segments(run, s, dp_rank) if run.zero else len(stage_tensors(run, s)) for s in stages)
 
 
 def allocator_bytes(run: LocalLayout, stages: list[int]) -> AllocatorBytes:

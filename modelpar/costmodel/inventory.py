@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from modelpar.costmodel.local_memory import LocalLayout
 
 __all__ = ["Holding", "ParamTensor", "bucket_groups", "bucket_shards", "embedding_elements", "layer_elements",
-           "rank_elements", "stage_bucket_list", "stage_buckets", "stage_layers", "stage_tensors", "total_elements"]
+           "rank_elements", "stage_bucket_list", "stage_bucket_members", "stage_buckets", "stage_layers", "stage_tensors",
+           "total_elements", "zero_segments"]
 
 
 class Holding(NamedTuple):
@@ -228,14 +229,34 @@ def stage_bucket_list(run: LocalLayout, stage: int) -> list[tuple[int, int, str]
     last backward, "stage" after that backward's tensor-parallel sum, "step" after the pipeline step. A bucket is
     reduced, and under ZeRO sharded, over the d·cp ranks holding the same parameters; an expert tensor under
     ep > 1 over the d/ep replicas holding the same experts (``GradSync.shard_of``)."""
+    return [(sum(sizes), ranks, ready) for sizes, ranks, ready in stage_bucket_members(run, stage)]
+
+
+def stage_bucket_members(run: LocalLayout, stage: int) -> list[tuple[list[int], int, str]]:
+    """``stage_bucket_list`` with each bucket's parameters: (their elements in the bucket's order, ranks, ready)."""
     tensors = stage_tensors(run, stage)
     back = list(reversed(tensors))
     plain = [x.numel for x in back if not x.tied and not x.partial]
     partial = [x.numel for x in back if not x.tied and x.partial]
     ranks = run.grad_ranks
-    return ([(n, ranks, "backward") for n in _sums(plain, run.bucket_elements)]
-            + [(n, ranks, "stage") for n in _sums(partial, run.bucket_elements)]
-            + [(x.numel, ranks // run.ep if x.expert else ranks, "step") for x in tensors if x.tied])
+    return ([([plain[i] for i in g], ranks, "backward") for g in bucket_groups(plain, run.bucket_elements)]
+            + [([partial[i] for i in g], ranks, "stage") for g in bucket_groups(partial, run.bucket_elements)]
+            + [([x.numel], ranks // run.ep if x.expert else ranks, "step") for x in tensors if x.tied])
+
+
+def zero_segments(run: LocalLayout, stage: int, dp_rank: int) -> int:
+    """Under ZeRO, the tensors AdamW steps for ``stage`` on the rank at ``dp_rank`` of the d·cp group: each parameter's
+    part inside the rank's range of its bucket (``training.zero.ZeroAdamW``'s segments; buffers padded to a multiple
+    of d·cp, an expert bucket's range one of its d/ep replicas', as ``local_memory.state_bytes`` reads them)."""
+    pad, count = run.grad_ranks, 0
+    for sizes, ranks, _ in stage_bucket_members(run, stage):
+        index = dp_rank if ranks == run.grad_ranks else dp_rank // run.ep
+        per = -(-sum(sizes) // pad) * pad // ranks
+        lo, hi, offset = index * per, (index + 1) * per, 0
+        for n in sizes:
+            count += max(lo, offset) < min(hi, offset + n)
+            offset += n
+    return count
 
 
 def bucket_shards(run: LocalLayout, stage: int) -> list[tuple[int, int]]:

@@ -501,7 +501,8 @@ def predict_local(run: LocalLayout, hw: HardwareProfile) -> LocalPrediction:
     if run.zero < 2:  # the partial gradients' tensor-parallel sum, once, after the last backward
         dp += sum(_tp_time(run, hw, "all_reduce", tp_grad_sync(run, s)) for s in stages if tp_grad_sync(run, s))
     optimizer = step_end_seconds(run, hw, optimizer_tensors(run, stages), grads, state["optimizer"]) + runtime_seconds(run, hw)[1]
-    if run.world > 1:  # the norm's all-reduce; the stop agreement's all-gather of 6 fp64 values (training.stopping)
+    if run.world > 1 and not hw.step_end_measured:  # the norm's all-reduce; the stop agreement's all-gather of 6 fp64
+        #                                              values (training.stopping); a step end measured whole has them
         optimizer += _comm(run, hw, "all_reduce", run.world, 8) + _comm(run, hw, "all_gather", run.world,
                                                                         allgather_bytes(48.0 * run.world, run.world))
     held = round(timeline.peak_held[0] * schedule.chunks)

@@ -299,7 +299,8 @@ def runtime_seconds(run: LocalLayout, hw: HardwareProfile) -> tuple[float, float
 def step_end_seconds(run: LocalLayout, hw: HardwareProfile, tensors: int, gradient_bytes: float,
                      optimizer_bytes: float) -> float:
     """The step's gradient norm, AdamW update and zeroing on one rank holding ``tensors`` optimizer tensors (its
-    parameters, or its bucket ranges under ZeRO), without the norm's all-reduce: the measured fit, else the
+    parameters, or its bucket ranges under ZeRO): the measured fit (on a CPU the trainer's whole step end, the
+    batch, the stop agreement and the norm's all-reduce in it: ``HardwareProfile.step_end_measured``), else the
     kernels (module docstring); × the core sharing."""
     ranks = _ranks(run, hw)
     fit = hw.optimizer_fit(ranks)

@@ -114,6 +114,9 @@ class HardwareProfile:
     #         sharded over t ranks, its collectives included (absent from profiles measured before)
     runtime_s: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [per action, per step]
     optimizer: dict[str, list[float]] = field(default_factory=dict)  # str(ranks) -> [latency_s, per_tensor_s, GB/s]
+    # the optimizer fits are the trainer's whole step end (``calibrate.layers.trainer_step_end``: the batch, the stop
+    # agreement and the norm's all-reduce in them); False: the norm, AdamW and zeroing alone (a GPU; before 2026-12-06)
+    step_end_measured: bool = False
     cpu_busy: float | None = None  # share of the CPUs busy with other work just before or just after it was measured
     #         (``calibrate.machine_load``; None: unknown, or a table entry)
 

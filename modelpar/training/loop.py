@@ -65,6 +65,9 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # training loss of every step since step 0
     val: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss)
     step_times: list[float] = field(default_factory=list)  # seconds, this run's steps
+    # of each step, the seconds outside the pipeline's runner and the gradient sync's finish: the batch, the norm and
+    # clipping, the stop agreement, the optimizer, the zeroing (what ``modelpar calibrate`` measures as the step end)
+    step_end_times: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_step: int = 0
     bubble_measured: float | None = None  # idle share of the pipeline in the last steps
@@ -73,6 +76,7 @@ class TrainResult:
     device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
     parameters_here: int = 0  # elements of this rank's parameters (its tp / pp part; a tied copy included)
     optimizer_state_bytes: int = 0  # this rank's AdamW moments (1/d of them under ZeRO >= 1), measured from the tensors
+    optimizer_tensors: int = 0  # the tensors this rank's AdamW steps (its parameters, or its bucket ranges under ZeRO)
     gradient_bytes: int = 0  # this rank's gradient buffers kept between steps (its ranges under ZeRO >= 2), measured
     parameter_bytes: int = 0  # this rank's parameter buffers kept between steps (its ranges under ZeRO-3), measured
     peak_buffer_bytes: int = 0  # ZeRO >= 2: the most bytes of full-size buckets (gathered parameters, gradients
@@ -196,6 +200,10 @@ def _resume(cfg: TrainConfig, checkpoints: CheckpointManager | None, state: Any)
     return int(meta["step"]), [float(x) for x in meta["losses"]]
 
 
+def _no_fault(step: int, params: list[torch.nn.Parameter]) -> None:
+    """No gradient fault injected (``training.faults.nonfinite_hook``: tests put a NaN in one)."""
+
+
 class _Run:
     """Everything one rank holds during training: its stages and their parts (``modelpar.training.parts``), the
     optimizer, the checkpoint state and the step's measurements (``StepTelemetry``)."""
@@ -212,7 +220,7 @@ class _Run:
         self.compile_clock = apply_compile(cfg, self.modules, schedule)
         self.experts = ExpertStats(cfg, self.modules, rs.tp_rank, rs.device)
         slow_init()
-        self.fault = nonfinite_hook()
+        self.fault = nonfinite_hook() or _no_fault
         if cfg.init_from is not None:
             from modelpar.hf import load_hf_shards
 
@@ -246,6 +254,7 @@ class _Run:
                              device_name=torch.cuda.get_device_name(rs.device) if rs.device.type == "cuda" else "cpu",
                              parameters_here=sum(p.numel() for p in sync.params),
                              optimizer_state_bytes=measured_state_bytes(self.optimizer),
+                             optimizer_tensors=sum(len(g["params"]) for g in self.optimizer.param_groups),
                              gradient_bytes=sync.gradient_bytes(), buckets=len(sync.buckets),
                              parameter_bytes=sync.parameter_bytes(), unigram_baseline=self.corpus.unigram_baseline(),
                              tokens_per_byte=self.corpus.tokens_per_byte)
@@ -271,9 +280,9 @@ class _Run:
         self.telemetry.begin()
         self.runner.step(xi, yi)
         moe = self.experts.take_step()  # collective when the model has experts
-        if self.fault is not None:  # tests only (modelpar.training.faults)
-            self.fault(step, sync.grad_holders)
+        self.fault(step, sync.grad_holders)  # tests only (modelpar.training.faults); nothing otherwise
         sync.finish()
+        self.telemetry.computed()
         norm = self.dp.clipper.clip(self.cfg.clip)
         mine = float(self.runner.last_loss) if self.runner.last_loss is not None else None
         verdict = self.stop.agree(mine, self.loss_weight, norm, sync.grad_holders, self.rs.device)

@@ -9,6 +9,7 @@ the reporter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +48,17 @@ class StepTelemetry:
         self.timelines: list[Any] = []  # the last measured steps' Timelines of this rank's pipeline
         self.comm_spans: list[tuple[str, float, float]] = []  # the last step's data-parallel collectives
         self.gather_waits: list[float] = []  # ZeRO-3: seconds waited for gathers, every step
+        self.began = self.computing = 0.0  # when the step's pipeline began; the seconds to the gradients' finish
 
     def begin(self) -> None:
-        """Before a step: the peak of full buckets and the experts' counts start anew."""
+        """Before a step's pipeline: the peak of full buckets and the experts' counts start anew."""
         self.dp.meter.reset_peak()
         self.experts.reset()  # what a measuring pass outside the steps counted
+        self.began = time.perf_counter()
+
+    def computed(self) -> None:
+        """After the pipeline and the gradient sync's finish: the rest of the step is its end (``record``)."""
+        self.computing = time.perf_counter() - self.began
 
     def record(self, step: int, lr: float, loss: float, norm: float, seconds: float, moe: dict[str, Any],
                tokens_per_step: int) -> None:
@@ -68,6 +75,7 @@ class StepTelemetry:
         r.reduce_scatter_bytes = dp.comm.last_step_bytes.get("reduce-scatter", 0.0)
         r.peak_buffer_bytes = max(r.peak_buffer_bytes, dp.meter.peak)
         r.step_times.append(seconds)
+        r.step_end_times.append(seconds - self.computing)
         r.losses.append(loss)
         r.grad_norms.append(norm)
         if moe:

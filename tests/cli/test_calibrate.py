@@ -1,5 +1,6 @@
 """``modelpar calibrate``: the fit, the profile it writes (structure, not timings) and bad input."""
 
+import dataclasses
 import json
 import os
 
@@ -88,6 +89,7 @@ def test_calibrate_writes_a_profile_plan_reads(tmp_path, capsys):
     assert set(p.elementwise_gbps) == set(p.op_latency_s) == set(p.attention["fp32"]) == set(p.launch_s) == {"1", "2"}
     assert all(s > 0 for s in p.launch_s.values())  # host seconds per dispatched op (training.dispatch)
     assert set(p.layer["fp32"]) == set(p.ends["fp32"]) == set(p.runtime_s) == set(p.optimizer) == {"1", "2"}
+    assert p.step_end_measured  # the trainer's own step end on every rank (calibrate.layers.trainer_step_end)
     assert set(p.tp_layer["fp32"]) == {"2"} and all(row[0] == 2 for row in p.tp_layer_rows("fp32", 2))  # a pair
     assert set(p.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     assert all(set(links["intra"]) == {"2"} for links in p.collectives.values())
@@ -145,3 +147,44 @@ def test_passes_are_averaged_cell_by_cell():
     assert got["layer"] == {"fp32": [[64, 4, 64, 128, 1.5, 2.0]]}
     assert got["runtime_s"] == pytest.approx([2e-4, 2e-4]) and got["optimizer"] == [[10, 1e6, pytest.approx(2e-3)]]
     assert mean_passes([a]) == a
+
+
+def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monkeypatch):
+    """Every run predicted with its own device (``modelpar.calibrate.cache``): one real short calibration of a
+    one-process run (a process of its own, seconds), kept in the cache and reused."""
+    from modelpar.calibrate.cache import NO_CALIBRATE_ENV, cache_path, machine_profile
+    from modelpar.costmodel.profiles import save_profile
+    from modelpar.training.prediction import predict_run
+    from tests.unit.test_calibrate_cache import CFG
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(NO_CALIBRATE_ENV)
+    readings = iter([0.0, 0.8])  # quiet before; other work began during the calibration and still runs after it
+    monkeypatch.setattr("modelpar.calibrate.run.cpu_busy_share", lambda: next(readings))
+    heard: list[str] = []
+    first = machine_profile(CFG, heard.append)
+    path = cache_path(CFG)
+    assert first.hardware == str(path) and path.parent == tmp_path / "modelpar" and "just now" in first.how
+    profile = load_profile(path)
+    assert "calibrating this machine" in heard[0]
+    assert profile.cpu_busy == 0.8 and next(readings, None) is None  # read before and after: the larger kept
+    busy = busy_warning(profile.cpu_busy)  # said once, after the measurement
+    assert heard[1:] == [f"warning: this machine's profile was {busy} (cached all the same; delete {path} to "
+                         "measure again when the machine is quiet)"]
+    said = len(heard)
+    rows = profile.layer_rows("fp32", 1)  # the run's own layer shape alone: hidden 32, 2 × 16 tokens a micro-batch
+    assert [(r[0], r[2], r[3]) for r in rows] == [(32, 16, 32)]
+    stamp = path.stat().st_mtime_ns
+    again = machine_profile(CFG, heard.append)
+    assert again.hardware == str(path) and again.how.startswith("calibrated once for this machine, cached")
+    assert len(heard) == said and path.stat().st_mtime_ns == stamp  # nothing measured again
+    assert predict_run(dataclasses.replace(CFG, hardware=again.hardware)).step_time_s > 0
+    other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, hidden=64))
+    assert cache_path(other) != path  # another layer shape: another file (its own short calibration)
+    save_profile(dataclasses.replace(profile, cpu_busy=0.62), path)  # as if measured beside other work
+    flagged = machine_profile(CFG, heard.append)
+    assert flagged.how == ("calibrated once for this machine, cached; measured while 62% of the CPUs were busy with "
+                           f"other work: its step times are priced slow: delete {path} to measure again")
+    assert len(heard) == said  # still nothing measured again: the user decides
+    save_profile(dataclasses.replace(profile, cpu_busy=0.1), path)  # quiet: no word of it
+    assert machine_profile(CFG).how == "calibrated once for this machine, cached"

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from modelpar.costmodel.allocator import optimizer_tensors
 from modelpar.costmodel.local import dp_bytes_step, predict_local, tp_collectives, tp_grad_sync
 from modelpar.costmodel.local_memory import activation_bytes, state_bytes
 from modelpar.costmodel.presets import CPU_DEFAULT
@@ -69,8 +70,9 @@ CASES = [
 def _measured(cfg):
     torch.set_num_threads(1)
     r = train(cfg)
+    assert len(r.step_end_times) == len(r.step_times) and all(0 < e < t for e, t in zip(r.step_end_times, r.step_times))
     return (dist.get_rank(), held_parameter_bytes(cfg, r), r.gradient_bytes, r.optimizer_state_bytes, r.saved_bytes,
-            r.peak_held, r.activation_bytes, r.dp_bytes_sent)
+            r.peak_held, r.activation_bytes, r.dp_bytes_sent, r.optimizer_tensors)
 
 
 def _case_id(case):
@@ -84,11 +86,13 @@ def test_every_rank_holds_the_predicted_bytes(c4, case):
         cfg = dataclasses.replace(cfg, batch_size=8)
     run = local_run(cfg.check(4))
     schedule = get_schedule(cfg.schedule, ranks=cfg.pp, microbatches=cfg.microbatches, chunks=cfg.chunks)
-    for rank, params, grads, state, saved, held, act, sent in c4.run(_measured, cfg):
+    for rank, params, grads, state, saved, held, act, sent, tensors in c4.run(_measured, cfg):
         where = cfg.dims.coordinates(rank)
         stages = schedule.stages_on(where["pp"])
         want = state_bytes(run, stages, where["dp"] * cfg.cp + where["cp"])  # its index in the d·cp group
         assert (params, grads, state) == (want["parameters"], want["gradients"], want["optimizer"]), rank
+        assert tensors == optimizer_tensors(run, stages, where["dp"] * cfg.cp + where["cp"]), rank  # the step end's
+        #                                                                       tensors (calibrate's optimizer fit)
         if cfg.zero:  # the data-parallel bytes the cost model prices are the ones this rank sent
             assert sent == dp_bytes_step(run, stages), rank
         assert sorted(saved) == stages

@@ -1,16 +1,15 @@
 """Every run predicted with its own device (``modelpar.calibrate.cache``): a short calibration of this machine at
-the run's own shape the first time, the cached profile after; none when the run opts out. One real calibration
-of a one-process run (seconds); the cache is a tmp directory (conftest points every test's elsewhere too)."""
+the run's own shape the first time, the cached profile after; none when the run opts out. The real calibration
+of a one-process run starts a process: tests/cli/test_calibrate.py."""
 
 import dataclasses
 import os
 
-from modelpar.calibrate.cache import NO_CALIBRATE_ENV, cache_path, machine_profile
+from modelpar.calibrate.cache import cache_path, machine_profile
 from modelpar.calibrate.machine_load import busier, cpu_busy_share
-from modelpar.costmodel.profiles import BUSY_WARNING, busy_warning, load_profile, save_profile
+from modelpar.costmodel.profiles import BUSY_WARNING, busy_warning
 from modelpar.model import ModelConfig
 from modelpar.training import TrainConfig
-from modelpar.training.prediction import predict_run
 
 CFG = TrainConfig(model=ModelConfig(layers=2, hidden=32, heads=2, seq_len=16), tp=1, pp=1, dp=1, batch_size=4,
                   microbatches=2).check()
@@ -21,40 +20,6 @@ def test_no_calibration_where_the_run_opts_out_or_names_its_profile():
     assert machine_profile(dataclasses.replace(CFG, calibrate=False)).hardware is None
     given = machine_profile(dataclasses.replace(CFG, hardware="h100-sxm"))
     assert (given.hardware, given.how) == ("h100-sxm", "given")
-
-
-def test_the_first_run_calibrates_briefly_and_the_next_reuses_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(NO_CALIBRATE_ENV)
-    readings = iter([0.0, 0.8])  # quiet before; other work began during the calibration and still runs after it
-    monkeypatch.setattr("modelpar.calibrate.run.cpu_busy_share", lambda: next(readings))
-    heard: list[str] = []
-    first = machine_profile(CFG, heard.append)
-    path = cache_path(CFG)
-    assert first.hardware == str(path) and path.parent == tmp_path / "modelpar" and "just now" in first.how
-    profile = load_profile(path)
-    assert "calibrating this machine" in heard[0]
-    assert profile.cpu_busy == 0.8 and next(readings, None) is None  # read before and after: the larger kept
-    busy = busy_warning(profile.cpu_busy)  # said once, after the measurement
-    assert heard[1:] == [f"warning: this machine's profile was {busy} (cached all the same; delete {path} to "
-                         "measure again when the machine is quiet)"]
-    said = len(heard)
-    rows = profile.layer_rows("fp32", 1)  # the run's own layer shape alone: hidden 32, 2 × 16 tokens a micro-batch
-    assert [(r[0], r[2], r[3]) for r in rows] == [(32, 16, 32)]
-    stamp = path.stat().st_mtime_ns
-    again = machine_profile(CFG, heard.append)
-    assert again.hardware == str(path) and again.how.startswith("calibrated once for this machine, cached")
-    assert len(heard) == said and path.stat().st_mtime_ns == stamp  # nothing measured again
-    assert predict_run(dataclasses.replace(CFG, hardware=again.hardware)).step_time_s > 0
-    other = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, hidden=64))
-    assert cache_path(other) != path  # another layer shape: another file (its own short calibration)
-    save_profile(dataclasses.replace(profile, cpu_busy=0.62), path)  # as if measured beside other work
-    flagged = machine_profile(CFG, heard.append)
-    assert flagged.how == ("calibrated once for this machine, cached; measured while 62% of the CPUs were busy with "
-                           f"other work: its step times are priced slow: delete {path} to measure again")
-    assert len(heard) == said  # still nothing measured again: the user decides
-    save_profile(dataclasses.replace(profile, cpu_busy=0.1), path)  # quiet: no word of it
-    assert machine_profile(CFG).how == "calibrated once for this machine, cached"
 
 
 def test_a_gpu_no_preset_names_gets_a_cache_file_of_its_own(monkeypatch):

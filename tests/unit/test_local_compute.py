@@ -132,6 +132,19 @@ def test_step_end_and_runtime():
     assert a.time["optimizer"] - b.time["optimizer"] == pytest.approx(1e-3, rel=1e-9)
 
 
+def test_a_step_end_measured_whole_holds_the_norm_and_agreement_collectives():
+    """At d = 2 a step end fitted from the trainer's own (``step_end_measured``) already holds the norm's all-reduce
+    and the stop agreement's all-gather; one fitted from the optimizer alone has them priced on top."""
+    from modelpar.costmodel.local import _comm
+    from modelpar.formulas import allgather_bytes
+
+    run = dataclasses.replace(RUN, d=2)
+    two = dataclasses.replace(HW, optimizer={"2": [1e-3, 5e-5, 2.0]})
+    apart, whole = predict_local(run, two), predict_local(run, dataclasses.replace(two, step_end_measured=True))
+    collectives = _comm(run, two, "all_reduce", 2, 8) + _comm(run, two, "all_gather", 2, allgather_bytes(96.0, 2))
+    assert collectives > 0 and apart.time["optimizer"] - whole.time["optimizer"] == pytest.approx(collectives, rel=1e-9)
+
+
 def test_fit_optimizer_recovers_hand_made_rows():
     rows = [(t, b, 1e-3 + t * 2e-5 + b / 4e9) for t, b in ((10, 1e6), (40, 1e6), (20, 8e6), (30, 3e6))]
     latency, per_tensor, gbps = fit_optimizer(rows)
