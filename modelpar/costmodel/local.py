@@ -9,8 +9,10 @@ cross entropy's 3 small all-reduces: what the runtime issues, counted with ``ten
 in tests/unit/test_local_costs.py) — and the schedule is timed by the simulator
 (``modelpar.schedules.replay``) with those durations and the point-to-point cost per boundary.
 Then the step's end: the data-parallel reduction (bucket by bucket, what the last backward cannot hide:
-``all_reduce_exposed``), the gradient norm's all-reduce and the stop agreement's all-gather, and the norm, AdamW and zeroing
-(``local_compute.step_end_seconds``). Nothing is fitted: every number is the profile's or counted.
+``all_reduce_exposed``), and the step end (``local_compute.step_end_seconds``): on a CPU profile the trainer's own,
+measured by training (the batch, the norm and its all-reduce, the stop agreement, AdamW, the zeroing:
+``HardwareProfile.step_end_measured``); on a GPU the norm, AdamW and zeroing, with the norm's all-reduce and the
+agreement's all-gather priced beside them. Nothing is fitted: every number is the profile's or counted.
 Memory is ``local_memory``'s exact per-rank figures; on a GPU profile the busiest rank's bytes add what the caching
 allocator holds beyond them (``costmodel.allocator``: autocast's weight copies, workspaces; ``allocated_bytes``).
 
