@@ -3,6 +3,7 @@ prediction with the kernel composition (the model before profile version 2) and 
 
     modelpar calibrate --out hw.json --ranks 1
     python benchmarks/local_step_parts.py hw.json
+    python benchmarks/local_step_parts.py hw.json --two-ranks   # d = 2 at ZeRO 0-3 and p = 2, rank 0
 
 Measured (median of the steps after the first): the pipeline runtime's step, of it each F and B action (one
 micro-batch through the embedding, the 4 layers, the head and the loss), and the trainer's step end: the
@@ -75,8 +76,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--two-ranks", action="store_true",
+                        help="h128, m = 4 on two ranks instead: d = 2 at ZeRO 0-3 and p = 2, rank 0's parts")
     args = parser.parse_args()
     hw = load_profile(args.profile)
+    if args.two_ranks:
+        _two_ranks(hw, args.steps)
+        return
     kernels = dataclasses.replace(hw, layer={}, ends={}, blockwise={}, runtime_s={}, optimizer={})
     ms = lambda x: f"{1e3 * x:6.2f}"  # noqa: E731
     with LocalCluster(1, timeout=300.0, run_timeout=None) as cluster:
@@ -105,6 +111,32 @@ def main() -> None:
                     wb = run.model.layers * whole.backward + ends.backward + action
                     print(f"    whole:   step {ms(new.step_time_s)} F {ms(wf)} B {ms(wb)} end "
                           f"{ms(new.time['optimizer'])}  error {100 * (new.step_time_s / got['step'] - 1):+.0f}%")
+
+
+def _two_ranks(hw: Any, steps: int) -> None:
+    """Rank 0's measured parts of two-rank layouts beside the prediction's: the step, the runner (its F and B per
+    micro-batch), the gradient finish and the step end, against the simulated pipeline, the exposed data-parallel
+    time and the step end priced."""
+    from modelpar.calibrate.validate_local import BASE, MODELS
+    from modelpar.costmodel.local import stage_costs
+    from modelpar.distributed import LocalCluster
+    from modelpar.training.prediction import local_run, predict_run
+
+    ms = lambda x: f"{1e3 * x:6.2f}"  # noqa: E731
+    layouts = [{"dp": 2, "zero": z} for z in range(4)] + [{"pp": 2}]
+    with LocalCluster(2, timeout=300.0, run_timeout=None) as cluster:
+        for change in layouts:
+            cfg = dataclasses.replace(BASE, model=MODELS["h128"], microbatches=4, tp=1, pp=1, dp=1)
+            cfg = dataclasses.replace(cfg, **change).check(2)
+            got = cluster.run(_rank, cfg, steps)[0]
+            pred, costs = predict_run(cfg, hw), stage_costs(local_run(cfg), hw)
+            end = got["step"] - got["runner"] - got["grad_finish"]
+            print(f"h128 m=4 {change}: measured step {ms(got['step'])} ms = runner {ms(got['runner'])} (F {ms(got['F'])}, "
+                  f"B {ms(got['B'])}) + gradient finish {ms(got['grad_finish'])} + step end {ms(end)}")
+            print(f"    predicted step {ms(pred.step_time_s)} = pipeline {ms(pred.time['pipeline'])} (F "
+                  f"{ms(costs.forward[0])}, B {ms(costs.input_grad[0] + costs.weight_grad[0])}) + data parallel "
+                  f"{ms(pred.time['dp'])} + step end {ms(pred.time['optimizer'])}  error "
+                  f"{100 * (pred.step_time_s / got['step'] - 1):+.0f}%")
 
 
 if __name__ == "__main__":
