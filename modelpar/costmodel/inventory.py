@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from modelpar.costmodel.local_memory import LocalLayout
 
 __all__ = ["Holding", "ParamTensor", "bucket_groups", "bucket_shards", "embedding_elements", "layer_elements",
-           "rank_elements", "stage_bucket_list", "stage_bucket_members", "stage_buckets", "stage_layers", "stage_tensors",
-           "total_elements", "zero_segments"]
+           "owned_range", "rank_elements", "stage_bucket_list", "stage_bucket_members", "stage_buckets", "stage_layers",
+           "stage_tensors", "total_elements", "zero_segments"]
 
 
 class Holding(NamedTuple):
@@ -219,10 +219,6 @@ def bucket_groups(sizes: list[int], elements: int) -> list[range]:
     return groups
 
 
-def _sums(sizes: list[int], elements: int) -> list[int]:
-    return [sum(sizes[i] for i in g) for g in bucket_groups(sizes, elements)]
-
-
 def stage_bucket_list(run: LocalLayout, stage: int) -> list[tuple[int, int, str]]:
     """(elements, ranks sharing it, ready) of each gradient bucket of ``stage`` (before padding), with when the
     trainer may reduce it (``training.buckets.READY``): "backward" as its gradients are final in the stage's
@@ -248,15 +244,23 @@ def zero_segments(run: LocalLayout, stage: int, dp_rank: int) -> int:
     """Under ZeRO, the tensors AdamW steps for ``stage`` on the rank at ``dp_rank`` of the d·cp group: each parameter's
     part inside the rank's range of its bucket (``training.zero.ZeroAdamW``'s segments; buffers padded to a multiple
     of d·cp, an expert bucket's range one of its d/ep replicas', as ``local_memory.state_bytes`` reads them)."""
-    pad, count = run.grad_ranks, 0
+    count = 0
     for sizes, ranks, _ in stage_bucket_members(run, stage):
-        index = dp_rank if ranks == run.grad_ranks else dp_rank // run.ep
-        per = -(-sum(sizes) // pad) * pad // ranks
-        lo, hi, offset = index * per, (index + 1) * per, 0
+        lo, hi = owned_range(run, sum(sizes), ranks, dp_rank)
+        offset = 0
         for n in sizes:
             count += max(lo, offset) < min(hi, offset + n)
             offset += n
     return count
+
+
+def owned_range(run: LocalLayout, elements: int, ranks: int, dp_rank: int) -> tuple[int, int]:
+    """[start, stop) of a bucket of ``elements`` shared by ``ranks`` that the rank at ``dp_rank`` of the d·cp group
+    owns under ZeRO (``training.buckets.Bucket.shard_range``): the buffer padded to a multiple of d·cp, split in
+    ``ranks`` equal ranges; an expert bucket's (``ranks`` = d/ep) indexed among the d/ep replicas holding it."""
+    index = dp_rank if ranks == run.grad_ranks else dp_rank // run.ep
+    per = -(-elements // run.grad_ranks) * run.grad_ranks // ranks
+    return index * per, (index + 1) * per
 
 
 def bucket_shards(run: LocalLayout, stage: int) -> list[tuple[int, int]]:

@@ -55,7 +55,7 @@ import math
 from dataclasses import dataclass
 
 from modelpar.costmodel.dispatch import DispatchCounts
-from modelpar.costmodel.inventory import bucket_shards, stage_layers, stage_tensors
+from modelpar.costmodel.inventory import bucket_shards, owned_range, stage_layers, stage_tensors
 from modelpar.costmodel.moe import MoESpec, moe_activation_bytes
 from modelpar.costmodel.specs import Dimensions, ModelSpec
 from modelpar.costmodel.zero_bytes import optimizer_state_bytes_per_param
@@ -142,14 +142,11 @@ def state_bytes(run: LocalLayout, stages: list[int], dp_rank: int = 0) -> dict[s
         if run.zero < 3:
             params += sum(x.numel for x in stage_tensors(run, s)) * w
         for n, ranks in bucket_shards(run, s):
-            shards = ranks if run.zero else 1
-            index = dp_rank if ranks == run.grad_ranks else dp_rank // run.ep  # among the d/ep holding the experts
             size = math.ceil(n / pad) * pad
-            per = size // shards
-            grads += (per if run.zero >= 2 else size) * w
-            params += per * w if run.zero >= 3 else 0  # ZeRO-3 keeps its range of each bucket (the fp32 master)
-            owned = n if not run.zero else max(0, min(per, n - index * per))
-            state += owned * optimizer_state_bytes_per_param(w)
+            lo, hi = owned_range(run, n, ranks, dp_rank) if run.zero else (0, size)
+            grads += (hi - lo if run.zero >= 2 else size) * w
+            params += (hi - lo) * w if run.zero >= 3 else 0  # ZeRO-3 keeps its range of each bucket (the fp32 master)
+            state += max(0, min(hi, n) - lo) * optimizer_state_bytes_per_param(w)  # no state for the padding
     return {"parameters": params, "gradients": grads, "optimizer": state}
 
 

@@ -76,7 +76,7 @@ class TrainResult:
     device_name: str = "cpu"  # what the ranks computed on (torch.cuda.get_device_name), for the MFU
     parameters_here: int = 0  # elements of this rank's parameters (its tp / pp part; a tied copy included)
     optimizer_state_bytes: int = 0  # this rank's AdamW moments (1/d of them under ZeRO >= 1), measured from the tensors
-    optimizer_tensors: int = 0  # the tensors this rank's AdamW steps (its parameters, or its bucket ranges under ZeRO)
+    optimizer_tensors: int = 0  # the tensors this rank's AdamW steps (its parameters; under ZeRO their parts in its ranges)
     gradient_bytes: int = 0  # this rank's gradient buffers kept between steps (its ranges under ZeRO >= 2), measured
     parameter_bytes: int = 0  # this rank's parameter buffers kept between steps (its ranges under ZeRO-3), measured
     peak_buffer_bytes: int = 0  # ZeRO >= 2: the most bytes of full-size buckets (gathered parameters, gradients
